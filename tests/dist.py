@@ -1,0 +1,80 @@
+"""Run a test body in N real processes joined by gloo (the CPU stand-in for NCCL).
+
+`run_ranks(fn, world_size, *args)` spawns `world_size` processes, each calls `fn(rank, world_size, *args)`
+after `torch.distributed` is initialised with gloo, and the call returns the list of per-rank return values
+(which must be picklable). A failure on any rank raises here with that rank's traceback.
+`fn` must be importable (a module-level function), as with any spawned process.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                from megatron.core import parallel_state
+
+                parallel_state.destroy_model_parallel()
+            except Exception:  # noqa: BLE001
+                pass
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not errors:
+        try:
+            rank, ok, value = queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                errors.append(f"rank(s) {dead} died without a report (exit codes {[procs[r].exitcode for r in dead]})")
+            elif time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout:.0f} s; ranks done: {sorted(results)}")
+            continue
+        if ok:
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank} failed:\n{value}")
+    for p in procs:
+        p.join(timeout=timeout if not errors else 5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
