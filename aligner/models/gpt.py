@@ -1,0 +1,152 @@
+"""Build megatron-core GPTModels (policy, reference, critic, reward model) from a `ModelConfig`.
+
+"What the model is" lives here: the TransformerConfig for each family and the layer spec, chosen once:
+Transformer Engine's spec when TE imports and a GPU is present (`attention_backend: auto|te`), otherwise megatron's
+local spec with `SDPAttention` as the attention core (`auto|sdpa`), or megatron's unfused `DotProductAttention`
+(`unfused`, the reference path). Heads: `lm` (vocab-parallel output layer) or `scalar` (one value per position,
+replicated across TP ranks) for critics and reward models.
+Call after `aligner.parallel.initialize` (the model reads megatron's TP/PP groups).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from aligner.config.schema import ModelConfig
+from aligner.models.attention import SDPAttention
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """megatron pads the vocabulary so every TP rank holds an equal slice; the padding logits are never sampled."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def _te_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_attention_backend(requested: str) -> str:
+    if requested == "te" and not _te_available():
+        raise ValueError("model.attention_backend=te needs Transformer Engine and a GPU; use auto, sdpa or unfused")
+    if requested == "auto":
+        return "te" if _te_available() else "sdpa"
+    return requested
+
+
+def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = None) -> TransformerConfig:
+    dtype = DTYPE[cfg.params_dtype]
+    llama = cfg.arch == "llama"
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        normalization="RMSNorm" if llama else "LayerNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=llama,
+        activation_func=F.silu if llama else functools.partial(F.gelu, approximate="tanh"),
+        add_bias_linear=not llama,
+        add_qkv_bias=cfg.add_qkv_bias or not llama,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=pipeline_dtype or dtype,
+        # Fusions that need apex/TE or CUDA kernels stay off; the SDPA path needs none of them.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=on_cpu,
+        perform_initialization=True,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def layer_spec(cfg: ModelConfig):
+    backend = resolve_attention_backend(cfg.attention_backend)
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.arch == "llama" else "LayerNorm")
+    if backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+class ScalarHead(torch.nn.Module):
+    """Stands where GPTModel's output layer does and maps hidden states to one value per position.
+
+    The hidden states entering the output layer are replicated across TP ranks (no sequence parallelism), so a
+    replicated [hidden, 1] projection gives identical values on every TP rank without any communication.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        torch.nn.init.normal_(self.weight, std=std)
+
+    def forward(self, hidden_SBH, weight=None, runtime_gather_output=None):
+        return F.linear(hidden_SBH, self.weight, self.bias), None
+
+
+def build_gpt(cfg: ModelConfig, head: str = "lm", vp_stage: int | None = None) -> GPTModel:
+    """This rank's TP/PP slice of the model, on the current device (GPU if present, else CPU), in params_dtype.
+
+    forward(input_ids [B,T], position_ids [B,T], attention_mask=None) returns, on the last pipeline stage,
+    logits [B, T, V_padded / TP] for `lm` or values [B, T, 1] for `scalar`; on other stages, hidden states.
+    """
+    if head not in ("lm", "scalar"):
+        raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = transformer_config(cfg)
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_embeddings and head == "lm",
+        position_embedding_type="rope" if cfg.arch == "llama" else "learned_absolute",
+        rotary_base=int(cfg.rotary_base),
+    )
+    if head == "scalar" and post:
+        model.output_layer = ScalarHead(cfg.hidden_size, DTYPE[cfg.params_dtype], cfg.init_method_std)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def position_ids_like(tokens_BT: torch.Tensor) -> torch.Tensor:
+    return torch.arange(tokens_BT.shape[1], device=tokens_BT.device).unsqueeze(0).expand_as(tokens_BT)
+
+
+def forward(model: GPTModel, tokens_BT: torch.Tensor) -> torch.Tensor:
+    """Plain (non-pipelined) causal forward of a whole model on this rank: logits_BTV/TP or values [B,T,1]."""
+    return model(tokens_BT, position_ids_like(tokens_BT), attention_mask=None)

@@ -1,0 +1,174 @@
+"""Rank discovery and the one place where communicators are made.
+
+`discover()` reads who this process is from the launcher's environment: torchrun (`RANK`, `WORLD_SIZE`,
+`LOCAL_RANK`), Slurm's `srun` (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, master from the first host of
+`SLURM_JOB_NODELIST`), Open MPI (`OMPI_COMM_WORLD_*`) or MPICH/Hydra (`PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`).
+A plain `python script.py` is a world of one.
+
+`initialize(parallel_cfg)` then, once per process: installs the CPU compatibility layer when there is no GPU,
+picks the backend (NCCL on GPU, gloo on CPU), binds the local GPU, creates the default process group and
+megatron-core's TP/PP/DP groups, and seeds megatron's RNG tracker. Nothing else in aligner creates communicators.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm", "openmpi", "mpich", "single"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host name of a Slurm node list, e.g. 'gpu-[003-005,9],cpu1' -> 'gpu-003' (what `scontrol show
+    hostnames` prints first), without needing scontrol on the compute node."""
+    nodelist = nodelist.strip()
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not match:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _env_int(env, *names):
+    for name in names:
+        if name in env and env[name] != "":
+            return int(env[name])
+    return None
+
+
+def discover(env=None, master_addr: str | None = None, master_port: int | None = None) -> RankInfo:
+    """Who am I? See the module docstring for the variables read; explicit arguments win over the environment."""
+    env = os.environ if env is None else env
+    port = master_port or _env_int(env, "MASTER_PORT") or DEFAULT_PORT
+    if "RANK" in env and "WORLD_SIZE" in env:
+        source, rank, world = "torchrun", int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = _env_int(env, "LOCAL_RANK") or 0
+        addr = master_addr or env.get("MASTER_ADDR", "127.0.0.1")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        source, rank, world = "slurm", int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local = _env_int(env, "SLURM_LOCALID") or 0
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        addr = master_addr or env.get("MASTER_ADDR") or (first_slurm_host(nodelist) if nodelist else "127.0.0.1")
+        if master_port is None and "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
+            # Two jobs on one node must not collide on the default port; derive one from the job and step ids.
+            port = 20000 + (int(env["SLURM_JOB_ID"]) * 7 + (_env_int(env, "SLURM_STEP_ID") or 0)) % 20000
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        source = "openmpi"
+        rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
+        local = _env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0
+        addr = master_addr or env.get("MASTER_ADDR", "127.0.0.1")
+    elif "PMI_RANK" in env:
+        source = "mpich"
+        rank, world = int(env["PMI_RANK"]), int(env["PMI_SIZE"])
+        local = _env_int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK") or 0
+        addr = master_addr or env.get("MASTER_ADDR", "127.0.0.1")
+    else:
+        source, rank, world, local = "single", 0, 1, 0
+        addr = master_addr or env.get("MASTER_ADDR", "127.0.0.1")
+    if not 0 <= rank < world:
+        raise ValueError(f"{source}: rank {rank} is outside a world of {world}")
+    return RankInfo(rank, world, local, addr, int(port), source)
+
+
+def pick_backend(requested: str = "auto") -> str:
+    if requested not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"parallel.backend={requested!r}: use auto, nccl or gloo")
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend=nccl needs CUDA, and this process sees no GPU: use auto or gloo")
+    return requested
+
+
+def initialize(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    backend: str = "auto",
+    seed: int = 1234,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    timeout_minutes: int = 30,
+) -> RankInfo:
+    """Create the default process group (if the launcher has not) and megatron's model-parallel groups.
+
+    Idempotent for the same layout; a second call with another layout is an error (communicators are static).
+    """
+    from megatron.core import parallel_state
+
+    from aligner.parallel import cpu_compat
+
+    cpu_compat.install()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        info = RankInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 0)),
+                        "preinitialized")
+    else:
+        info = discover(master_addr=master_addr, master_port=master_port)
+        chosen = pick_backend(backend)
+        if chosen == "nccl":
+            torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend=chosen,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    world = dist.get_world_size()
+    if world % (tensor_parallel * pipeline_parallel):
+        raise ValueError(
+            f"world size {world} is not divisible by parallel.tensor_model_parallel_size ({tensor_parallel}) x "
+            f"parallel.pipeline_model_parallel_size ({pipeline_parallel}): launch a multiple of "
+            f"{tensor_parallel * pipeline_parallel} processes"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tensor_parallel, pipeline_parallel):
+            raise RuntimeError(f"model parallel groups already exist with TP,PP={have}; cannot remake them")
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+            create_gloo_process_groups=not torch.cuda.is_available(),
+            distributed_timeout_minutes=timeout_minutes,
+        )
+    set_seed(seed)
+    return info
+
+
+def set_seed(seed: int) -> None:
+    """Seed torch (same on every rank) and megatron's tracker (distinct per TP rank inside TP regions)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
