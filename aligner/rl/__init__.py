@@ -1,0 +1,47 @@
+"""Pure RL maths shared by the actor loop and the critic job: rewards, GAE, whitening, KL, PPO losses, baselines.
+
+Every function works on padded [B, T] tensors with `mask_BT` = 1 on response tokens (see each module's
+docstring for the contract); collectives happen only when a process group is passed explicitly.
+"""
+
+from aligner.rl.advantages import (
+    gae,
+    last_token_index,
+    masked_global_mean_var,
+    masked_whiten,
+    per_token_rewards,
+)
+from aligner.rl.baselines import grpo_advantages, reinforce_pp_advantages, rloo_advantages, sample_to_tokens
+from aligner.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, make_kl_controller
+from aligner.rl.losses import (
+    entropy_from_logits,
+    explained_variance,
+    global_token_count,
+    policy_loss,
+    policy_loss_mask,
+    reduce_stats,
+    value_loss,
+)
+
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "global_token_count",
+    "grpo_advantages",
+    "kl_estimate",
+    "last_token_index",
+    "make_kl_controller",
+    "masked_global_mean_var",
+    "masked_whiten",
+    "per_token_rewards",
+    "policy_loss",
+    "policy_loss_mask",
+    "reduce_stats",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "sample_to_tokens",
+    "value_loss",
+]
