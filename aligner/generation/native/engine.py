@@ -1,0 +1,322 @@
+"""The native generation engine: built once, refitted in place, prefill then a (CUDA-graphed) decode loop.
+
+Contract (see aligner.generation.interfaces): `NativeEngine(gen_cfg, model_cfg, policy)` after megatron's parallel
+state is initialised, from this rank's policy (PP=1: with pipeline parallelism, generation is refused until the
+layers can be gathered to the generating ranks). Everything is allocated here, once: the engine's copy of the
+weights (bf16 on GPU), the KV cache for max_batch_size x (max_prompt_length + max_response_length) tokens, and the
+static state the decode step reads and writes (current token and position per sample, step counter, uniforms,
+ended flags, output buffers). `refit` copies weights into place; `release_memory`/`acquire_memory` free and
+re-take the KV cache (graphs are kept when the cache comes back at the same address, re-captured otherwise).
+
+One `generate` call: validate (one host sync: the prompt lengths), prefill the prompts in row chunks and draw
+token 0, then decode steps 1..max_new-1. A decode step = forward of one token per sample + gather of the
+last logits over TP + sampling + bookkeeping, all on device with static shapes; on GPU with `cuda_graphs` it is
+one CUDA graph replay. Graphs are keyed by (batch size, attention length bucket, sampling mode) and captured on
+first use (the first call pays for capture; later calls replay). The host checks "every sample ended" every
+`check_done_every` steps (one sync each) and stops early. Ended samples keep stepping with the pad token (static
+shapes) and their outputs are masked.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from aligner.generation.config import GenerationConfig, validate_generation
+from aligner.generation.interfaces import GenerationOutput, SamplingParams
+from aligner.generation.native.decoder import Decoder, Layout
+from aligner.generation.native.sampling import (
+    sample_tokens,
+    token_logprobs,
+    uniforms_for_seeds,
+)
+from aligner.generation.native.weights import EngineWeights, unwrap_policy
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tp_state():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None, 1, 0, 1
+    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
+
+
+class NativeEngine:
+    def __init__(self, gen_cfg: GenerationConfig, model_cfg, policy):
+        validate_generation(gen_cfg, model_cfg)
+        module = unwrap_policy(policy)
+        group, tp, tp_rank, pp = _tp_state()
+        if pp > 1 or not (module.pre_process and module.post_process):
+            raise NotImplementedError(
+                "generation with pipeline_model_parallel_size > 1 is not supported yet (the layers would have to be "
+                "gathered to the generating ranks): train the actor with PP=1 or use more TP")
+        config = module.config
+        if getattr(config, "rotary_interleaved", False) or getattr(config, "rotary_percent", 1.0) != 1.0:
+            raise NotImplementedError("the native engine implements megatron's default RoPE only (non-interleaved, "
+                                      "rotary_percent=1.0)")
+        self.cfg, self.model_cfg = gen_cfg, model_cfg
+        param = next(module.parameters())
+        self.device = param.device
+        self.on_gpu = self.device.type == "cuda"
+        if gen_cfg.dtype == "auto":
+            dtype = torch.bfloat16 if self.on_gpu else param.dtype
+        else:
+            dtype = _DTYPES[gen_cfg.dtype]
+        kv_dtype = dtype if gen_cfg.kv_dtype == "auto" else _DTYPES[gen_cfg.kv_dtype]
+        self.weights = EngineWeights(module, dtype, self.device)
+        vocab_local = self.weights.get("embedding.word_embeddings.weight").shape[0]
+        layout = Layout(
+            arch=model_cfg.arch, num_layers=self.weights.num_layers, hidden=config.hidden_size,
+            heads=config.num_attention_heads // tp, groups=(config.num_query_groups or config.num_attention_heads) // tp,
+            head_dim=config.kv_channels, vocab_size=model_cfg.vocab_size, vocab_local=vocab_local, tp=tp,
+            tp_rank=tp_rank, norm_eps=config.layernorm_epsilon, rotary_base=float(model_cfg.rotary_base),
+        )
+        self.layout = layout
+        self.max_batch = gen_cfg.max_batch_size
+        self.max_seq = gen_cfg.max_prompt_length + gen_cfg.max_response_length
+        self.max_new = gen_cfg.max_response_length
+        self.decoder = Decoder(layout, self.weights, group, self.max_batch, self.max_seq, kv_dtype, self.device,
+                               gen_cfg.decode_attention)
+        self.tp_group, self.tp = group, tp
+        self._alloc_state()
+        self.use_graphs = bool(gen_cfg.cuda_graphs and self.on_gpu)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._kv_ptr = self.decoder.kv.data_ptr()
+        self._released = False
+        self.last_timings: dict[str, float] = {}
+
+    # -- static state ----------------------------------------------------------------------------------------
+    def _alloc_state(self):
+        Bm, R, dev = self.max_batch, self.max_new, self.device
+        self.cur_tok_B = torch.zeros(Bm, dtype=torch.long, device=dev)
+        self.pos_B = torch.zeros(Bm, dtype=torch.long, device=dev)
+        self.step_t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.ended_B = torch.zeros(Bm, dtype=torch.bool, device=dev)
+        self.lengths_B = torch.zeros(Bm, dtype=torch.long, device=dev)
+        self.out_tokens_BR = torch.zeros(Bm, R, dtype=torch.long, device=dev)
+        self.out_logp_BR = torch.zeros(Bm, R, dtype=torch.float32, device=dev)
+        self.u_BR = torch.zeros(Bm, R, dtype=torch.float32, device=dev)
+        self.end_mask_V = torch.zeros(self.layout.vocab_size, dtype=torch.bool, device=dev)
+        self.temperature_t = torch.ones((), dtype=torch.float32, device=dev)
+        self.top_p_t = torch.ones((), dtype=torch.float32, device=dev)
+        self.min_new_t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pad_t = torch.zeros((), dtype=torch.long, device=dev)
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def _sample_and_record(self, logits_local_BV: torch.Tensor, B: int, mode: tuple) -> None:
+        """Draw token `step_t` for every sample and update the state; device-only (graph-safe)."""
+        greedy, top_k, use_top_p = mode
+        logits_BV = self.decoder.gather_vocab(logits_local_BV)
+        banned_V = self.end_mask_V & (self.step_t < self.min_new_t)  # ending tokens before min_new_tokens
+        step_B1 = self.step_t.expand(B).unsqueeze(1)
+        u_B = None if greedy else self.u_BR[:B].gather(1, step_B1).squeeze(1)
+        tok_B = sample_tokens(logits_BV, u_B, greedy=greedy, temperature=self.temperature_t, top_k=top_k,
+                              top_p=self.top_p_t if use_top_p else None, banned_BV=banned_V)
+        logp_B = token_logprobs(logits_BV, tok_B, self.temperature_t)
+        active_B = ~self.ended_B[:B]
+        tok_B = torch.where(active_B, tok_B, self.pad_t)
+        logp_B = torch.where(active_B, logp_B, 0.0)
+        self.out_tokens_BR[:B].scatter_(1, step_B1, tok_B.unsqueeze(1))
+        self.out_logp_BR[:B].scatter_(1, step_B1, logp_B.unsqueeze(1))
+        self.lengths_B[:B] += active_B
+        self.ended_B[:B] |= active_B & self.end_mask_V[tok_B]
+        self.cur_tok_B[:B] = tok_B
+        self.pos_B[:B] += 1
+        self.step_t += 1
+
+    def _decode_step(self, B: int, kv_len: int, mode: tuple) -> None:
+        logits = self.decoder.decode(self.cur_tok_B[:B], self.pos_B[:B], kv_len)
+        self._sample_and_record(logits, B, mode)
+
+    def _kv_len(self, needed: int) -> int:
+        block = self.cfg.kv_block
+        return min(self.max_seq, -(-needed // block) * block)
+
+    # -- CUDA graphs -----------------------------------------------------------------------------------------
+    def _ensure_graphs(self, B: int, prompt_max: int, max_new: int, mode: tuple) -> None:
+        keys = sorted({(B, self._kv_len(prompt_max + s), mode) for s in range(1, max_new)})
+        missing = [k for k in keys if k not in self._graphs]
+        if not missing:
+            return
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        for key in missing:  # the same order on every TP rank: collectives inside are captured in lockstep
+            _, kv_len, _ = key
+            # Warm-up and capture run on scratch state; generate() resets the state afterwards.
+            self.step_t.zero_()
+            self.pos_B.zero_()
+            self.cur_tok_B.zero_()
+            self.ended_B.zero_()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._decode_step(B, kv_len, mode)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._decode_step(B, kv_len, mode)
+            self._graphs[key] = graph
+
+    # -- public API ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_tokens_BT: torch.Tensor, prompt_lengths_B: torch.Tensor,
+                 sampling: SamplingParams) -> GenerationOutput:
+        if self._released:
+            raise RuntimeError("the KV cache was released (release_memory): call acquire_memory() before generate")
+        B, T = prompt_tokens_BT.shape
+        V = self.layout.vocab_size
+        sampling.validate(B, V, self.max_new)
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"batch of {B} prompts: the engine was built for 1..{self.max_batch} "
+                             "(generation.max_batch_size); split the batch or rebuild the engine")
+        if tuple(prompt_lengths_B.shape) != (B,):
+            raise ValueError(f"prompt_lengths_B has shape {tuple(prompt_lengths_B.shape)}, expected ({B},)")
+        lengths_host = prompt_lengths_B.tolist()  # the one host sync of the setup
+        prompt_max = max(lengths_host)
+        if min(lengths_host) < 1 or prompt_max > T:
+            raise ValueError(f"prompt lengths must be in [1, {T}] (the padded width), got {min(lengths_host)}.."
+                             f"{prompt_max}")
+        if prompt_max > self.cfg.max_prompt_length:
+            raise ValueError(f"a prompt of {prompt_max} tokens exceeds generation.max_prompt_length="
+                             f"{self.cfg.max_prompt_length}: truncate prompts or rebuild the engine")
+        tokens = prompt_tokens_BT[:, :prompt_max].to(self.device, torch.long)
+        lengths = prompt_lengths_B.to(self.device, torch.long)
+        real = torch.arange(prompt_max, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        if bool((((tokens < 0) | (tokens >= V)) & real).any()):
+            raise ValueError(f"prompt tokens must be in [0, {V}) (model.vocab_size)")
+        tokens = torch.where(real, tokens, 0)  # padding may hold anything (e.g. -100): feed token 0 there
+        max_new = sampling.max_new_tokens or self.max_new
+        top_k = sampling.top_k if 0 < sampling.top_k < V else 0
+        mode = (bool(sampling.greedy), top_k, sampling.top_p < 1.0)
+
+        if self.use_graphs:
+            self._ensure_graphs(B, prompt_max, max_new, mode)
+        self._set_sampling(sampling, B, max_new)
+        self.ended_B.zero_()
+        self.lengths_B.zero_()
+        self.step_t.zero_()
+        self.pos_B[:B] = lengths - 1  # _sample_and_record advances it to the first response slot
+
+        timer = _Timer(self.on_gpu)
+        rows = max(1, self.cfg.prefill_max_tokens // prompt_max)
+        chunks = [self.decoder.prefill(tokens[r:r + rows], lengths[r:r + rows], row0=r) for r in range(0, B, rows)]
+        self._sample_and_record(torch.cat(chunks) if len(chunks) > 1 else chunks[0], B, mode)
+        timer.mark("prefill")
+
+        steps = 1
+        for s in range(1, max_new):
+            if s % self.cfg.check_done_every == 0 and bool(self.ended_B[:B].all()):
+                break
+            key = (B, self._kv_len(prompt_max + s), mode)
+            if self.use_graphs:
+                self._graphs[key].replay()
+            else:
+                self._decode_step(*key)
+            steps += 1
+        timer.mark("decode")
+        self.last_timings = {**timer.result(), "decode_steps": steps - 1}
+
+        R = max(1, int(self.lengths_B[:B].max()))
+        return GenerationOutput(
+            response_tokens_BR=self.out_tokens_BR[:B, :R].clone(),
+            response_lengths_B=self.lengths_B[:B].clone(),
+            logprobs_BR=self.out_logp_BR[:B, :R].clone(),
+            ended_B=self.ended_B[:B].clone(),
+        )
+
+    def _set_sampling(self, sampling: SamplingParams, B: int, max_new: int) -> None:
+        self.temperature_t.fill_(float(sampling.temperature))
+        self.top_p_t.fill_(float(sampling.top_p))
+        self.min_new_t.fill_(int(sampling.min_new_tokens))
+        self.pad_t.fill_(int(sampling.pad_token_id))
+        self.end_mask_V.zero_()
+        ends = sampling.end_token_ids()
+        if ends:
+            self.end_mask_V[torch.tensor(ends, device=self.device)] = True
+        if not sampling.greedy:
+            self.u_BR[:B, :max_new] = uniforms_for_seeds(self._seeds(sampling, B), max_new).to(self.device)
+
+    def _seeds(self, sampling: SamplingParams, B: int) -> list[int]:
+        if sampling.seeds is not None:
+            return [int(s) for s in sampling.seeds]
+        base = sampling.seed
+        if base is None:
+            # Drawn here, then rank 0's value shared: TP ranks must draw identical tokens.
+            base_t = torch.randint(0, 2**62, (1,), device=self.device)
+            if self.tp > 1:
+                import torch.distributed as dist
+
+                dist.broadcast(base_t, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+            base = int(base_t)
+        return [base + b for b in range(B)]
+
+    def refit(self, policy) -> None:
+        """Copy the policy's current weights into the engine's buffers (same storage before and after)."""
+        self.weights.refit(unwrap_policy(policy))
+
+    def release_memory(self) -> None:
+        """Free the KV cache (the largest buffer) so training can use the memory; weights and graphs stay."""
+        self.decoder.free_kv()
+        self._released = True
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    def acquire_memory(self) -> None:
+        if not self._released:
+            return
+        self.decoder.alloc_kv()
+        self._released = False
+        if self.decoder.kv.data_ptr() != self._kv_ptr:
+            self._graphs.clear()  # they address the old cache; re-captured on the next generate
+            self._kv_ptr = self.decoder.kv.data_ptr()
+
+    # -- introspection (tests, benchmarks) -------------------------------------------------------------------
+    def weight_data_ptrs(self) -> dict[str, int]:
+        return self.weights.data_ptrs()
+
+    def buffer_data_ptrs(self) -> dict[str, int]:
+        """Every buffer a captured graph may address: weights, KV cache, step state."""
+        ptrs = {f"weight:{k}": v for k, v in self.weights.data_ptrs().items()}
+        if self.decoder.kv is not None:
+            ptrs["kv_cache"] = self.decoder.kv.data_ptr()
+        for name in ("cur_tok_B", "pos_B", "step_t", "ended_B", "lengths_B", "out_tokens_BR", "out_logp_BR", "u_BR"):
+            ptrs[name] = getattr(self, name).data_ptr()
+        return ptrs
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+
+class _Timer:
+    """Phase times in ms: CUDA events on GPU (no sync until `result`), wall clock on CPU."""
+
+    def __init__(self, gpu: bool):
+        self.gpu = gpu
+        self.marks = [("start", self._now())]
+
+    def _now(self):
+        if self.gpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, self._now()))
+
+    def result(self) -> dict[str, float]:
+        out = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            if self.gpu:
+                b.synchronize()
+                out[f"{name}_ms"] = a.elapsed_time(b)
+            else:
+                out[f"{name}_ms"] = (b - a) * 1e3
+        return out

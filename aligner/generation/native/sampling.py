@@ -1,0 +1,75 @@
+"""Token selection for one decode step: pure tensor functions, CUDA-graph safe (no host syncs, static shapes).
+
+Input: full-vocabulary logits `logits_BV` in float32 (the engine gathers the TP slices and drops megatron's vocabulary
+padding first, so padding columns can never be drawn), one uniform number per sample `u_B` in [0, 1).
+- `token_logprobs`: log_softmax(logits / temperature) at the chosen tokens — the full distribution, exactly what
+  training recomputes (`aligner.models.logprobs`). Top-k, top-p and banned tokens do not renormalise it.
+- `sample_tokens`: greedy argmax, or inverse-CDF sampling from softmax(logits / temperature) restricted to the top-k
+  and then the top-p nucleus, with `banned_BV` (EOS/stop tokens before min_new_tokens) removed. Inverse-CDF needs
+  one uniform per sample and step (a Gumbel race would need B x V random numbers per step), so the draws of a sample
+  are a function of its own seed alone: the engine draws each sample's uniforms from a generator seeded by that
+  sample's seed, independent of the batch it is in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] per row, float32 [B]."""
+    scaled = logits_BV.float() / temperature
+    picked = scaled.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def candidate_mask(logits_BV: torch.Tensor, temperature, top_k: int, top_p: float | None) -> torch.Tensor:
+    """Bool [B, V]: the tokens top-k / top-p allow (a reference for tests; sampling works on sorted candidates)."""
+    scaled = logits_BV.float() / temperature
+    order = scaled.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    allowed = torch.ones_like(scaled, dtype=torch.bool)
+    if top_k:
+        allowed &= ranks < top_k
+        scaled = scaled.masked_fill(~allowed, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        probs_sorted = torch.softmax(scaled.gather(-1, order), -1)
+        keep_sorted = (probs_sorted.cumsum(-1) - probs_sorted) < top_p
+        allowed &= keep_sorted.gather(-1, ranks)
+    return allowed
+
+
+def sample_tokens(logits_BV: torch.Tensor, u_B: torch.Tensor | None, *, greedy: bool, temperature,
+                  top_k: int = 0, top_p: torch.Tensor | float | None = None,
+                  banned_BV: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row, int64 [B]. `top_k`/`greedy` are Python values (they change the kernels); `temperature` and
+    `top_p` may be 0-d tensors (CUDA-graph inputs). `top_p=None` skips the nucleus step entirely."""
+    scaled = logits_BV.float() / temperature
+    if banned_BV is not None:
+        scaled = scaled.masked_fill(banned_BV, float("-inf"))
+    if greedy:
+        return scaled.argmax(dim=-1)
+    index_BK = None
+    if top_k and top_k < scaled.shape[-1]:
+        scaled, index_BK = scaled.topk(top_k, dim=-1)  # sorted, descending
+    elif top_p is not None:
+        scaled, index_BK = scaled.sort(dim=-1, descending=True)
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p is not None:
+        # Keep a token while the mass of the tokens before it is below top_p: the most likely always stays.
+        probs = probs * ((probs.cumsum(-1) - probs) < top_p)
+    cdf = probs.cumsum(-1)
+    # u * total mass, strictly below the last cdf value, so the pick is a token with nonzero probability.
+    target = u_B.unsqueeze(-1).to(cdf.dtype) * cdf[:, -1:]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
+    return pick if index_BK is None else index_BK.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+
+
+def uniforms_for_seeds(seeds: list[int], steps: int) -> torch.Tensor:
+    """[B, steps] float32 uniforms in [0, 1); row b depends only on seeds[b] (its own CPU generator)."""
+    rows = []
+    for seed in seeds:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+        rows.append(torch.rand(steps, generator=gen, dtype=torch.float32))
+    return torch.stack(rows) if rows else torch.empty(0, steps)
