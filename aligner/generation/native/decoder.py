@@ -73,7 +73,9 @@ class Decoder:
     # -- KV cache ------------------------------------------------------------------------------------------
     def alloc_kv(self) -> None:
         lo = self.lo
-        self.kv = torch.empty((lo.num_layers, 2, self.max_batch, lo.groups, self.max_seq, lo.head_dim),
+        # Zeros, not empty: decode reads slots past a sample's position with weight exactly 0, and 0 * NaN (what
+        # uninitialised memory may hold) would still be NaN. Slots are only ever overwritten with finite K/V after.
+        self.kv = torch.zeros((lo.num_layers, 2, self.max_batch, lo.groups, self.max_seq, lo.head_dim),
                               dtype=self.kv_dtype, device=self.device)
 
     def free_kv(self) -> None:

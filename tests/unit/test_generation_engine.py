@@ -1,0 +1,225 @@
+"""The native engine at TP=1 on CPU against megatron's own forward recomputed per token (no cache).
+
+Tiny models (2 layers, hidden 64, GQA with 2 KV groups, vocabulary 250 padded to 256), prompts of different lengths,
+kv_block=4 so the decode attention length changes bucket several times within one call.
+"""
+
+import pytest
+import torch
+from generation_reference import reference_greedy, training_logprobs
+
+from aligner.config.schema import ModelConfig, OptimConfig
+from aligner.generation import GenerationConfig, ReleasableMemory, SamplingParams, build_engine
+from aligner.models.gpt import build_gpt
+
+V = 250
+LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                    ffn_hidden_size=96, vocab_size=V, init_method_std=0.2, add_qkv_bias=True)
+GPT2 = ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=V,
+                   init_method_std=0.2, tie_embeddings=True, max_position_embeddings=64)
+GEN = GenerationConfig(max_batch_size=5, max_prompt_length=10, max_response_length=12, kv_block=4,
+                       check_done_every=3)
+PROMPTS = torch.randint(0, V, (4, 10), generator=torch.Generator().manual_seed(5))
+LENGTHS = torch.tensor([3, 10, 1, 6])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_tp1():
+    from dist import free_port
+
+    from aligner.parallel import initialize
+
+    initialize(1, 1, master_port=free_port())
+
+
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = build_gpt(cfg)
+    model.eval()
+    return model
+
+
+def _padded_prompts():
+    prompts = PROMPTS.clone()
+    prompts[torch.arange(10)[None] >= LENGTHS[:, None]] = -100  # padding must never be read
+    return prompts
+
+
+def _responses(out):
+    return [out.response_tokens_BR[b, : int(n)].tolist() for b, n in enumerate(out.response_lengths_B)]
+
+
+@pytest.mark.parametrize("cfg,attention", [(LLAMA, "matmul"), (LLAMA, "sdpa"), (GPT2, "matmul")],
+                         ids=["llama-matmul", "llama-sdpa", "gpt2"])
+def test_greedy_equals_no_cache_reference(cfg, attention):
+    model = _model(cfg)
+    engine = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": attention}), cfg, model)
+    out = engine.generate(_padded_prompts(), LENGTHS, SamplingParams(greedy=True))
+    expected = reference_greedy(model, PROMPTS, LENGTHS, 12, V)
+    assert _responses(out) == expected
+    assert out.response_tokens_BR.shape == (4, 12) and out.response_lengths_B.tolist() == [12] * 4
+    assert not out.ended_B.any()
+    ref_logp = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)
+    torch.testing.assert_close(out.logprobs_BR, ref_logp, rtol=0, atol=2e-5)
+
+
+def test_sampled_logprobs_equal_training_logprobs_at_temperature():
+    model = _model(LLAMA)
+    engine = build_engine(GEN, LLAMA, model)
+    for sp in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=4)):
+        out = engine.generate(PROMPTS, LENGTHS, sp)
+        ref = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B,
+                                sp.temperature, V)
+        torch.testing.assert_close(out.logprobs_BR, ref, rtol=0, atol=2e-5)
+        assert (out.logprobs_BR < 0).all()
+
+
+def test_eos_stop_tokens_min_new_and_length_limit():
+    model = _model(LLAMA)
+    engine = build_engine(GEN, LLAMA, model)
+    free = _responses(engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True)))
+    eos, stop = free[0][2], free[1][4]  # tokens greedy decoding reaches: samples 0 and 1 must end there (or before)
+    cases = [
+        {"eos_token_id": eos, "stop_token_ids": [stop]},
+        {"eos_token_id": eos, "stop_token_ids": [stop], "min_new_tokens": 5},
+        {"eos_token_id": [eos, stop], "max_new_tokens": 7},
+    ]
+    for case in cases:
+        sp = SamplingParams(greedy=True, pad_token_id=V - 1, **case)
+        out = engine.generate(PROMPTS, LENGTHS, sp)
+        n = case.get("max_new_tokens", 12)
+        expected = reference_greedy(model, PROMPTS, LENGTHS, n, V, end_ids=sp.end_token_ids(),
+                                    min_new=case.get("min_new_tokens", 0))
+        assert _responses(out) == expected, case
+        ended = [r[-1] in sp.end_token_ids() and len(r) > case.get("min_new_tokens", 0) for r in expected]
+        assert out.ended_B.tolist() == ended
+        min_new = case.get("min_new_tokens", 0)
+        if min_new:
+            assert expected[0][:2] == free[0][:2] and expected[0][2] != eos, "EOS at step 2 must have been banned"
+            assert all(t not in (eos, stop) for r in expected for t in r[:min_new])
+        else:
+            assert out.ended_B[:2].all(), "samples 0 and 1 were built to hit an ending token"
+        assert out.response_tokens_BR.shape[1] == max(len(r) for r in expected)
+        for b, r in enumerate(expected):
+            assert (out.response_tokens_BR[b, len(r):] == V - 1).all(), "after the end: pad tokens"
+            assert (out.logprobs_BR[b, len(r):] == 0).all(), "after the end: zero log-probs"
+            if not ended[b]:
+                assert len(r) == n, "a sample that did not end is cut at max_new_tokens"
+    out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True, eos_token_id=eos, ignore_eos=True))
+    assert out.response_lengths_B.tolist() == [12] * 4 and not out.ended_B.any()
+
+
+def test_seeds_make_samples_independent_of_batch_composition():
+    model = _model(LLAMA)
+    engine = build_engine(GEN, LLAMA, model)
+    sp = {"temperature": 1.0, "max_new_tokens": 10}
+    full = engine.generate(PROMPTS, LENGTHS, SamplingParams(seeds=[11, 12, 13, 14], **sp))
+    again = engine.generate(PROMPTS, LENGTHS, SamplingParams(seeds=[11, 12, 13, 14], **sp))
+    assert torch.equal(full.response_tokens_BR, again.response_tokens_BR)
+    # the same (prompt, seed) pairs in another order and with another neighbour
+    order = [3, 1, 0]
+    prompts = torch.cat([PROMPTS[order], PROMPTS[2:3]])
+    lengths = torch.cat([LENGTHS[order], LENGTHS[2:3]])
+    mixed = engine.generate(prompts, lengths, SamplingParams(seeds=[14, 12, 11, 99], **sp))
+    for i, b in enumerate(order):
+        n = int(full.response_lengths_B[b])
+        assert mixed.response_tokens_BR[i, :n].tolist() == full.response_tokens_BR[b, :n].tolist()
+    other = engine.generate(PROMPTS, LENGTHS, SamplingParams(seeds=[21, 22, 23, 24], **sp))
+    assert not torch.equal(other.response_tokens_BR, full.response_tokens_BR)
+    # a base seed is seed + row
+    based = engine.generate(PROMPTS, LENGTHS, SamplingParams(seed=11, **sp))
+    assert torch.equal(based.response_tokens_BR, full.response_tokens_BR)
+
+
+def test_vocabulary_padding_is_never_sampled():
+    model = _model(LLAMA)
+    engine = build_engine(GEN, LLAMA, model)
+    assert engine.weights.get("output_layer.weight").shape[0] == 256
+    with torch.no_grad():
+        engine.weights.get("output_layer.weight")[V:] = 50.0  # padding rows with overwhelming logits
+    for sp in (SamplingParams(greedy=True), SamplingParams(seed=1), SamplingParams(seed=2, top_k=300)):
+        out = engine.generate(PROMPTS, LENGTHS, sp)
+        assert (out.response_tokens_BR < V).all() and torch.isfinite(out.logprobs_BR).all()
+        expected = reference_greedy(model, PROMPTS, LENGTHS, 12, V) if sp.greedy else None
+        if expected:
+            assert _responses(out) == expected
+
+
+def test_refit_copies_new_weights_into_the_same_buffers():
+    from aligner.models.training import TrainableModel
+
+    torch.manual_seed(0)
+    trainable = TrainableModel(LLAMA, OptimConfig(lr=3e-2, clip_grad=0.0))
+    trainable.module.eval()
+    engine = build_engine(GEN, LLAMA, trainable.module)
+    ptrs = engine.buffer_data_ptrs()
+    before = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+
+    tokens = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(batch, logits):  # push the logits around: any differentiable function of them will do
+        return logits.float().logsumexp(-1).mean() - logits.float()[..., 7].mean(), {}
+
+    trainable.step([{"tokens": tokens}], loss_fn)
+    trainable.module.eval()
+    new_ref = training_logprobs(trainable.module, PROMPTS, LENGTHS, before.response_tokens_BR,
+                                before.response_lengths_B, 1.0, V)
+    assert (new_ref - before.logprobs_BR).abs().max() > 1e-3, "the step must change the policy for this test to bite"
+    stale = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    assert torch.equal(stale.logprobs_BR, before.logprobs_BR), "the engine holds a copy, not the live weights"
+
+    engine.refit(trainable)  # a TrainableModel, a DDP wrapper or the bare module are all accepted
+    assert engine.buffer_data_ptrs() == ptrs
+    for name, p in trainable.module.named_parameters():
+        assert torch.equal(engine.weights.get(name), p.detach()), name
+    out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    assert _responses(out) == reference_greedy(trainable.module, PROMPTS, LENGTHS, 12, V)
+    ref = training_logprobs(trainable.module, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)
+    torch.testing.assert_close(out.logprobs_BR, ref, rtol=0, atol=2e-5)
+    assert engine.buffer_data_ptrs() == ptrs
+
+
+def test_release_acquire_and_input_errors():
+    model = _model(LLAMA)
+    engine = build_engine(GEN, LLAMA, model)
+    assert isinstance(engine, ReleasableMemory)
+    first = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    engine.release_memory()
+    assert engine.decoder.kv is None
+    with pytest.raises(RuntimeError, match="acquire_memory"):
+        engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    engine.acquire_memory()
+    assert torch.equal(engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True)).response_tokens_BR,
+                       first.response_tokens_BR)
+    too_many = torch.zeros(6, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        engine.generate(too_many, torch.ones(6, dtype=torch.long), SamplingParams(greedy=True))
+    with pytest.raises(ValueError, match="max_prompt_length"):
+        engine.generate(torch.zeros(1, 11, dtype=torch.long), torch.tensor([11]), SamplingParams(greedy=True))
+    with pytest.raises(ValueError, match="vocab_size"):
+        engine.generate(torch.full((1, 3), V), torch.tensor([3]), SamplingParams(greedy=True))
+    with pytest.raises(ValueError, match="prompt lengths"):
+        engine.generate(PROMPTS, torch.tensor([0, 1, 2, 3]), SamplingParams(greedy=True))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True, max_new_tokens=13))
+
+
+def test_pipeline_parallel_generation_is_refused(monkeypatch):
+    from aligner.generation.native import engine as native_engine
+
+    model = _model(LLAMA)
+    monkeypatch.setattr(native_engine, "_tp_state", lambda: (None, 1, 0, 2))
+    with pytest.raises(NotImplementedError, match="pipeline_model_parallel_size > 1"):
+        build_engine(GEN, LLAMA, model)
+
+
+def test_trtllm_backend_is_lazy_and_explains_its_absence():
+    pytest.importorskip("megatron.core")
+    try:
+        import tensorrt_llm  # noqa: F401
+
+        pytest.skip("tensorrt_llm is installed: the adapter's own tests apply")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="backend=native"):
+        build_engine(GenerationConfig(backend="trtllm"), LLAMA, _model(LLAMA))

@@ -1,0 +1,121 @@
+"""Sampling maths of the native engine and the generation config/params validation (pure tensors, no megatron)."""
+
+import math
+
+import pytest
+import torch
+
+from aligner.config.errors import ConfigError
+from aligner.generation import GenerationConfig, SamplingParams, validate_generation
+from aligner.generation.native.sampling import candidate_mask, sample_tokens, token_logprobs, uniforms_for_seeds
+
+
+def _logits_of(probs):
+    return torch.tensor(probs, dtype=torch.float64).log().float().unsqueeze(0)
+
+
+def test_logprobs_are_temperature_scaled_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 11) * 3
+    tokens = torch.randint(0, 11, (5,))
+    for t in (1.0, 0.6, 1.7):
+        expected = torch.log_softmax(logits.double() / t, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(token_logprobs(logits, tokens, t).double(), expected, rtol=0, atol=1e-6)
+    # a 0-d tensor temperature (what the CUDA graph reads) gives the same numbers
+    torch.testing.assert_close(token_logprobs(logits, tokens, torch.tensor(0.6)), token_logprobs(logits, tokens, 0.6))
+
+
+def test_greedy_is_argmax_and_respects_bans():
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0], [5.0, 0.0, 1.0, 4.9]])
+    assert sample_tokens(logits, None, greedy=True, temperature=0.3).tolist() == [1, 0]
+    banned = torch.tensor([False, True, False, False])
+    assert sample_tokens(logits, None, greedy=True, temperature=1.0, banned_BV=banned).tolist() == [2, 0]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = _logits_of([0.5, 0.3, 0.15, 0.05])
+    # mass before each token: 0, .5, .8, .95 -> keep while below top_p
+    assert candidate_mask(logits, 1.0, 0, 0.8)[0].tolist() == [True, True, False, False]
+    assert candidate_mask(logits, 1.0, 0, 0.81)[0].tolist() == [True, True, True, False]
+    assert candidate_mask(logits, 1.0, 0, 0.01)[0].tolist() == [True, False, False, False]  # top-1 always stays
+    assert candidate_mask(logits, 1.0, 2, None)[0].tolist() == [True, True, False, False]
+    # top-k first, then top-p over the renormalised top-k: .5/.8=.625 before token 1
+    assert candidate_mask(logits, 1.0, 3, 0.6)[0].tolist() == [True, True, False, False]
+
+
+def test_inverse_cdf_hits_the_expected_tokens():
+    logits = _logits_of([0.5, 0.3, 0.15, 0.05]).expand(4, 4)
+    u = torch.tensor([0.0, 0.49, 0.51, 0.999])
+    assert sample_tokens(logits, u, greedy=False, temperature=1.0).tolist() == [0, 0, 1, 3]
+    # with top_p=0.8 the nucleus {0, 1} renormalises to (.625, .375)
+    u = torch.tensor([0.0, 0.62, 0.63, 0.999])
+    assert sample_tokens(logits, u, greedy=False, temperature=1.0, top_p=torch.tensor(0.8)).tolist() == [0, 0, 1, 1]
+    # top_k=3: (.5, .3, .15)/.95
+    u = torch.tensor([0.0, 0.52, 0.53, 0.999])
+    assert sample_tokens(logits, u, greedy=False, temperature=1.0, top_k=3).tolist() == [0, 0, 1, 2]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, None), (5, None), (0, 0.7), (6, 0.9)])
+def test_draws_stay_inside_the_mask_and_follow_its_distribution(top_k, top_p):
+    torch.manual_seed(1)
+    V, n = 12, 20000
+    logits = (torch.randn(1, V) * 1.5).expand(n, V)
+    temperature = 0.8
+    banned = torch.zeros(V, dtype=torch.bool)
+    banned[3] = True
+    u = torch.rand(n)
+    tokens = sample_tokens(logits, u, greedy=False, temperature=temperature, top_k=top_k,
+                           top_p=None if top_p is None else torch.tensor(top_p), banned_BV=banned)
+    allowed = candidate_mask(logits[:1].masked_fill(banned, float("-inf")), temperature, top_k, top_p)[0] & ~banned
+    counts = torch.bincount(tokens, minlength=V).double()
+    assert counts[~allowed].sum() == 0, "a token outside top-k/top-p or a banned token was drawn"
+    probs = torch.softmax(logits[0].double() / temperature, -1) * allowed
+    expected = probs / probs.sum()
+    # the standard error of a frequency is at most 0.5/sqrt(n) = 0.0035: 5 of them is a loose but failing bound
+    assert (counts / n - expected).abs().max() < 0.018
+
+
+def test_uniforms_depend_only_on_the_seed():
+    a = uniforms_for_seeds([7, 8, 9], 6)
+    b = uniforms_for_seeds([9, 7], 6)
+    assert torch.equal(a[0], b[1]) and torch.equal(a[2], b[0])
+    assert not torch.equal(a[0], a[1])
+    assert a.min() >= 0 and a.max() < 1 and a.dtype == torch.float32
+
+
+def test_sampling_params_validation_and_end_tokens():
+    sp = SamplingParams(eos_token_id=2, stop_token_ids=[5, 2])
+    assert sp.end_token_ids() == [2, 5]
+    assert SamplingParams(eos_token_id=[3, 1], ignore_eos=True, stop_token_ids=[4]).end_token_ids() == []
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=0.0).validate(1, 10, 8)
+    SamplingParams(greedy=True, temperature=0.0).validate(1, 10, 8)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0).validate(1, 10, 8)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=9).validate(1, 10, 8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SamplingParams(eos_token_id=10).validate(1, 10, 8)
+    with pytest.raises(ValueError, match="one per"):
+        SamplingParams(seeds=[1, 2]).validate(3, 10, 8)
+
+
+def test_generation_config_errors_name_the_key():
+    validate_generation(GenerationConfig())
+    with pytest.raises(ConfigError, match="generation.backend"):
+        validate_generation(GenerationConfig(backend="vllm"))
+    with pytest.raises(ConfigError, match="generation.max_batch_size"):
+        validate_generation(GenerationConfig(max_batch_size=0))
+    with pytest.raises(ConfigError, match="generation.decode_attention"):
+        validate_generation(GenerationConfig(decode_attention="flash"))
+
+    class Gpt2:
+        arch, max_position_embeddings = "gpt2", 300
+
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        validate_generation(GenerationConfig(max_prompt_length=128, max_response_length=256), Gpt2())
+
+
+def test_uniform_log_prob():
+    lp = token_logprobs(torch.zeros(1, 4), torch.tensor([2]), 0.5)
+    assert lp.item() == pytest.approx(-math.log(4), abs=1e-6)
