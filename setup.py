@@ -17,6 +17,7 @@ INSTALL_REQUIRES = [
     "safetensors>=0.4",
     "tqdm>=4.60",
     "tensorboard>=2.14",
+    "psutil>=5.9",  # megatron dist checkpointing measures process memory with it
 ]
 
 EXTRAS = {

@@ -1,0 +1,183 @@
+"""Checkpoints: megatron-core dist checkpointing (reshards TP/PP on load), written atomically.
+
+Layout of one checkpoint directory:
+    <root>/step_000012/model/            megatron dist checkpoint of the model (torch_dist format)
+    <root>/step_000012/optim/            the optimizer: megatron dist checkpoint on GPU (megatron optimizer);
+                                         on CPU one torch file per rank (same layout required to resume it)
+    <root>/step_000012/state.json        trainer state (step, consumed samples, KL controller, ...), rank 0
+    <root>/step_000012/rng/rank_K.pt     RNG states per global rank
+Every rank writes under `<root>/.tmp-step_000012`; after a barrier rank 0 writes `state.json` last and renames the
+directory into place, so a directory named `step_*` is always complete; `latest_checkpoint(root)` finds the newest.
+
+Contract: `save(root, step, models, optimizer, state)` and `load(path, models, optimizer)` are collective over the
+whole world (every rank calls them); `models` is a list of megatron modules (the bare GPTModel slices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under `root` (a `step_*` directory with a state.json), or None."""
+    if not root or not os.path.isdir(root):
+        return None
+    steps = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, "state.json")):
+            steps.append((int(m.group(1)), name))
+    return os.path.join(root, max(steps)[1]) if steps else None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    from megatron.core import tensor_parallel
+
+    state["megatron_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+def _model_sharded_state(models) -> dict:
+    if len(models) == 1:
+        return models[0].sharded_state_dict()
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+
+
+def _optim_is_megatron(optimizer) -> bool:
+    return optimizer is not None and hasattr(optimizer, "sharded_state_dict")
+
+
+def save(root: str, step: int, models, optimizer=None, state: dict | None = None, keep: int | None = None) -> str:
+    """Write `<root>/step_<step>` atomically; returns its path. Collective."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    final = os.path.join(root, step_dir_name(step))
+    tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+        os.makedirs(os.path.join(tmp, "model"))
+        os.makedirs(os.path.join(tmp, "optim"))
+        os.makedirs(os.path.join(tmp, "rng"))
+    _barrier()
+    model_state = _model_sharded_state(models)
+    dist_checkpointing.save(model_state, os.path.join(tmp, "model"))
+    if _optim_is_megatron(optimizer):
+        dist_checkpointing.save(optimizer.sharded_state_dict(_model_sharded_state(models)), os.path.join(tmp, "optim"))
+    elif optimizer is not None:
+        name = (f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+                f"_dp{ps.get_data_parallel_rank()}.pt")
+        torch.save({"optimizer": optimizer.state_dict(),
+                    "layout": [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                               ps.get_data_parallel_world_size()]},
+                   os.path.join(tmp, "optim", name))
+    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank()}.pt"))
+    _barrier()
+    if _rank() == 0:
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump({"step": step, **(state or {})}, f, indent=1)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep:
+            _prune(root, keep)
+    _barrier()
+    return final
+
+
+def _prune(root: str, keep: int) -> None:
+    done = sorted(n for n in os.listdir(root) if _STEP_DIR.match(n))
+    for name in done[:-keep]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def read_state(path: str) -> dict:
+    with open(os.path.join(path, "state.json")) as f:
+        return json.load(f)
+
+
+def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
+    """Load a checkpoint written by `save` into `models` (any TP/PP layout) and `optimizer` (if given).
+
+    Returns the trainer state dict. Collective.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    if not os.path.isfile(os.path.join(path, "state.json")):
+        raise FileNotFoundError(f"{path} is not a complete aligner checkpoint (no state.json)")
+    sharded = _model_sharded_state(models)
+    loaded = dist_checkpointing.load(sharded, os.path.join(path, "model"))
+    if len(models) == 1:
+        models[0].load_state_dict(loaded, strict=False)
+    else:
+        for i, m in enumerate(models):
+            m.load_state_dict(loaded[f"model{i}"], strict=False)
+    if _optim_is_megatron(optimizer):
+        optimizer.load_state_dict(dist_checkpointing.load(
+            optimizer.sharded_state_dict(_model_sharded_state(models), is_loading=True), os.path.join(path, "optim")))
+    elif optimizer is not None:
+        name = (f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+                f"_dp{ps.get_data_parallel_rank()}.pt")
+        file = os.path.join(path, "optim", name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{file} missing: CPU optimizer state resumes only on the layout that saved it")
+        optimizer.load_state_dict(torch.load(file, weights_only=False)["optimizer"])
+    rng_file = os.path.join(path, "rng", f"rank_{_rank()}.pt")
+    if restore_rng and os.path.isfile(rng_file):
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return read_state(path)
+
+
+def load_model_weights(path: str, models) -> None:
+    """Load only the model weights (e.g. a converted HF checkpoint: `<path>/model` or `<path>` itself)."""
+    from megatron.core import dist_checkpointing
+
+    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+    if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
+        raise FileNotFoundError(f"{model_dir} is not a megatron dist checkpoint (no metadata.json)")
+    sharded = _model_sharded_state(models)
+    loaded = dist_checkpointing.load(sharded, model_dir)
+    if len(models) == 1:
+        models[0].load_state_dict(loaded, strict=False)
+    else:
+        for i, m in enumerate(models):
+            m.load_state_dict(loaded[f"model{i}"], strict=False)
