@@ -1,0 +1,51 @@
+"""Write the CPU demo's assets into conf/demo/: a character-level tokenizer (made with the `tokenizers` library,
+nothing downloaded) and train/validation prompt files. Deterministic; the outputs are committed.
+
+    python scripts/make_demo_assets.py [--out conf/demo]
+"""
+
+import argparse
+import json
+import os
+import random
+import string
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARS = list(string.ascii_lowercase) + list(string.digits) + list(" .,:?!-'")
+WORDS = ["cat", "dog", "sun", "tree", "bird", "fish", "moon", "star", "rain", "rock", "leaf", "wind"]
+
+
+def build_tokenizer() -> Tokenizer:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3)))
+        out.append({"prompt": f"say a: {words}:", "label": "a"})
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "conf", "demo"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    build_tokenizer().save(os.path.join(args.out, "tokenizer.json"))
+    for name, n, seed in (("prompts_train.jsonl", 256, 0), ("prompts_val.jsonl", 16, 1)):
+        with open(os.path.join(args.out, name), "w") as f:
+            for row in prompts(n, seed):
+                f.write(json.dumps(row) + "\n")
+    print(f"wrote {args.out}/tokenizer.json (vocab {len(SPECIALS) + len(CHARS)}), prompts_train.jsonl, prompts_val.jsonl")
+
+
+if __name__ == "__main__":
+    main()
