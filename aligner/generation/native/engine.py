@@ -111,13 +111,13 @@ class NativeEngine:
     def _sample_and_record(self, logits_local_BV: torch.Tensor, B: int, mode: tuple) -> None:
         """Draw token `step_t` for every sample and update the state; device-only (graph-safe)."""
         greedy, top_k, use_top_p = mode
-        logits_BV = self.decoder.gather_vocab(logits_local_BV)
+        scaled_BV = self.decoder.gather_vocab(logits_local_BV) / self.temperature_t  # scaled once, used twice
         banned_V = self.end_mask_V & (self.step_t < self.min_new_t)  # ending tokens before min_new_tokens
         step_B1 = self.step_t.expand(B).unsqueeze(1)
         u_B = None if greedy else self.u_BR[:B].gather(1, step_B1).squeeze(1)
-        tok_B = sample_tokens(logits_BV, u_B, greedy=greedy, temperature=self.temperature_t, top_k=top_k,
+        tok_B = sample_tokens(scaled_BV, u_B, greedy=greedy, temperature=1.0, top_k=top_k,
                               top_p=self.top_p_t if use_top_p else None, banned_BV=banned_V)
-        logp_B = token_logprobs(logits_BV, tok_B, self.temperature_t)
+        logp_B = token_logprobs(scaled_BV, tok_B, 1.0)
         active_B = ~self.ended_B[:B]
         tok_B = torch.where(active_B, tok_B, self.pad_t)
         logp_B = torch.where(active_B, logp_B, 0.0)

@@ -16,9 +16,15 @@ from __future__ import annotations
 import torch
 
 
+def _scaled(logits_BV, temperature):
+    """float32 logits / temperature; the Python float 1.0 skips a pass over [B, V] (callers that scaled once)."""
+    logits = logits_BV.float()
+    return logits if isinstance(temperature, float) and temperature == 1.0 else logits / temperature
+
+
 def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
     """log softmax(logits / temperature)[token] per row, float32 [B]."""
-    scaled = logits_BV.float() / temperature
+    scaled = _scaled(logits_BV, temperature)
     picked = scaled.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
 
@@ -44,7 +50,7 @@ def sample_tokens(logits_BV: torch.Tensor, u_B: torch.Tensor | None, *, greedy: 
                   banned_BV: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row, int64 [B]. `top_k`/`greedy` are Python values (they change the kernels); `temperature` and
     `top_p` may be 0-d tensors (CUDA-graph inputs). `top_p=None` skips the nucleus step entirely."""
-    scaled = logits_BV.float() / temperature
+    scaled = _scaled(logits_BV, temperature)
     if banned_BV is not None:
         scaled = scaled.masked_fill(banned_BV, float("-inf"))
     if greedy:

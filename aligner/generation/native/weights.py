@@ -65,6 +65,8 @@ class EngineWeights:
             name: torch.empty(tuple(t.shape), dtype=dtype, device=device) for name, t in source.items()
         }
         self.num_layers = 1 + max(int(n.split(".")[2]) for n in self.tensors if n.startswith("decoder.layers."))
+        self._layers = [{s: self.tensors.get(f"decoder.layers.{i}.{s}") for s in _SUFFIXES}
+                        for i in range(self.num_layers)]
         self.refit(module)
 
     def refit(self, module: torch.nn.Module) -> None:
@@ -88,8 +90,8 @@ class EngineWeights:
         return self.tensors.get(name)
 
     def layer(self, i: int) -> dict[str, torch.Tensor | None]:
-        prefix = f"decoder.layers.{i}."
-        return {suffix: self.tensors.get(prefix + suffix) for suffix in _SUFFIXES}
+        """Layer i's tensors by suffix (None where the family has no such tensor); fixed for the engine's life."""
+        return self._layers[i]
 
     @property
     def output_weight(self) -> torch.Tensor:
