@@ -1,0 +1,51 @@
+"""Benchmark the native generation engine against HF transformers `generate` (see aligner/generation/benchmark.py).
+
+GPU (the issue's setting): python scripts/bench_generation.py --out bench_generation.json
+CPU smoke run:             python scripts/bench_generation.py --tiny --out /tmp/bench_tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aligner.generation.benchmark import BenchArgs, format_table, run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 64 256 (tiny: 2 4)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 16)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny: 16)")
+    parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model: a CPU smoke run")
+    parser.add_argument("--skip-hf", action="store_true", help="native engine only")
+    parser.add_argument("--hf-no-compile", action="store_true", help="HF static cache without torch.compile")
+    parser.add_argument("--out", default=None, help="write the report as JSON here")
+    a = parser.parse_args(argv)
+    args = BenchArgs(
+        batch_sizes=tuple(a.batch_sizes or ((2, 4) if a.tiny else (64, 256))),
+        prompt_len=a.prompt_len or (16 if a.tiny else 128),
+        new_tokens=a.new_tokens or (16 if a.tiny else 256),
+        tiny=a.tiny, skip_hf=a.skip_hf, hf_compile=not (a.hf_no_compile or a.tiny),
+    )
+    try:
+        report = run(args)
+    finally:
+        from aligner.parallel import shutdown
+
+        shutdown()
+    print(format_table(report))
+    if a.out:
+        tmp = a.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
