@@ -20,6 +20,8 @@ shapes) and their outputs are masked.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -84,8 +86,8 @@ class NativeEngine:
         self.tp_group, self.tp = group, tp
         self._alloc_state()
         self.use_graphs = bool(gen_cfg.cuda_graphs and self.on_gpu)
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self._capturer = CudaGraphCapturer() if self.use_graphs else None
+        self._graphs: dict[tuple, Callable[[], None]] = {}  # key -> replay
         self._kv_ptr = self.decoder.kv.data_ptr()
         self._released = False
         self.last_timings: dict[str, float] = {}
@@ -140,28 +142,13 @@ class NativeEngine:
     # -- CUDA graphs -----------------------------------------------------------------------------------------
     def _ensure_graphs(self, B: int, prompt_max: int, max_new: int, mode: tuple) -> None:
         keys = sorted({(B, self._kv_len(prompt_max + s), mode) for s in range(1, max_new)})
-        missing = [k for k in keys if k not in self._graphs]
-        if not missing:
-            return
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        for key in missing:  # the same order on every TP rank: collectives inside are captured in lockstep
-            _, kv_len, _ = key
-            # Warm-up and capture run on scratch state; generate() resets the state afterwards.
-            self.step_t.zero_()
-            self.pos_B.zero_()
-            self.cur_tok_B.zero_()
-            self.ended_B.zero_()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._decode_step(B, kv_len, mode)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._decode_step(B, kv_len, mode)
-            self._graphs[key] = graph
+        for key in keys:  # the same order on every TP rank: collectives inside are captured in lockstep
+            if key in self._graphs:
+                continue
+            # Warm-up and capture run on scratch state (valid indices); generate() resets the state afterwards.
+            for t in (self.step_t, self.pos_B, self.cur_tok_B, self.ended_B):
+                t.zero_()
+            self._graphs[key] = self._capturer.capture(partial(self._decode_step, *key))
 
     # -- public API ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -215,7 +202,7 @@ class NativeEngine:
                 break
             key = (B, self._kv_len(prompt_max + s), mode)
             if self.use_graphs:
-                self._graphs[key].replay()
+                self._graphs[key]()
             else:
                 self._decode_step(*key)
             steps += 1
@@ -292,6 +279,27 @@ class NativeEngine:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+
+class CudaGraphCapturer:
+    """Captures a step function into a CUDA graph (after warm-up on a side stream, as PyTorch requires) and returns
+    its replay. All graphs share one memory pool: they never run concurrently."""
+
+    def __init__(self, warmup: int = 2):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.warmup = warmup
+
+    def capture(self, step: Callable[[], None]) -> Callable[[], None]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            step()
+        return graph.replay
 
 
 class _Timer:
