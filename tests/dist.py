@@ -8,12 +8,14 @@ after `torch.distributed` is initialised with gloo, and the call returns the lis
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import socket
 import time
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -34,7 +36,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        # Serialised to bytes: a tensor sent as-is travels as a shared-memory handle that dies with this process.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -68,7 +73,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
                 errors.append(f"timed out after {timeout:.0f} s; ranks done: {sorted(results)}")
             continue
         if ok:
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
             errors.append(f"rank {rank} failed:\n{value}")
     for p in procs:

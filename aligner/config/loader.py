@@ -102,10 +102,9 @@ def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), confi
         for item in overrides:
             key, _, _ = item.partition("=")
             try:
-                OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
             except OmegaConfBaseException as exc:
                 raise ConfigError(key, f"bad override {item!r}: {str(exc).splitlines()[0]}") from exc
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _wrap(exc) from exc

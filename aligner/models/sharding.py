@@ -124,8 +124,10 @@ def load_full_state_dict(module: torch.nn.Module, full: dict, model_cfg, strict:
             target.copy_(src.to(target.dtype))
 
 
-def full_state_dict(module: torch.nn.Module, model_cfg) -> dict:
+def full_state_dict(module: torch.nn.Module, model_cfg, grads: bool = False) -> dict:
     """Gather this model's full, unpadded state dict (collective over TP and PP; every rank gets it).
+
+    With `grads`, the gradients (megatron's `main_grad` where DDP keeps them) instead of the weights.
 
     Meant for tests, conversion of small models and debugging; conversion of large models goes layer by layer.
     """
@@ -136,7 +138,13 @@ def full_state_dict(module: torch.nn.Module, model_cfg) -> dict:
     gated = model_cfg.arch == "llama"
     layers = local_layer_range(model_cfg.num_layers, ps.get_pipeline_model_parallel_rank(), pp)
     local = {}
-    for name, t in module.state_dict().items():
+    if grads:
+        items = [(n, p.main_grad if getattr(p, "main_grad", None) is not None else p.grad)
+                 for n, p in module.named_parameters()]
+        items = [(n, g) for n, g in items if g is not None]
+    else:
+        items = list(module.state_dict().items())
+    for name, t in items:
         if name.endswith("_extra_state"):
             continue
         if tp > 1 and split_kind(name) != "replicated":

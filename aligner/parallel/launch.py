@@ -15,15 +15,14 @@ from __future__ import annotations
 import datetime
 import os
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 DEFAULT_PORT = 29500
 
 
-@dataclass(frozen=True)
-class RankInfo:
+class RankInfo(NamedTuple):
     rank: int
     world_size: int
     local_rank: int

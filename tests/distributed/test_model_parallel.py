@@ -1,0 +1,94 @@
+"""TP=2, PP=2 and DP=2 against one process, on the same full weights, through the real megatron-core on gloo."""
+
+import pytest
+import torch
+
+from dist import run_ranks
+
+CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=100,
+           ffn_hidden_size=96, make_vocab_size_divisible_by=16)
+BATCH, SEQ = 4, 9
+
+
+def _model_cfg(arch):
+    from aligner.config import ModelConfig
+
+    extra = {} if arch == "llama" else {"arch": "gpt2", "num_query_groups": None}
+    return ModelConfig(**{**CFG, **extra})
+
+
+def _full_weights(rank, world, arch):
+    from aligner.models.gpt import build_gpt
+    from aligner.models.sharding import full_state_dict
+    from aligner.parallel import initialize
+
+    initialize(seed=3)
+    cfg = _model_cfg(arch)
+    return full_state_dict(build_gpt(cfg), cfg)
+
+
+def _run(rank, world, tp, pp, arch, full):
+    from megatron.core import parallel_state as ps
+
+    from aligner.config import OptimConfig
+    from aligner.models.logprobs import default_tp_group, vocab_parallel_logprobs
+    from aligner.models.sharding import full_state_dict, load_full_state_dict
+    from aligner.models.training import TrainableModel
+    from aligner.parallel import initialize
+
+    initialize(tensor_parallel=tp, pipeline_parallel=pp, seed=3)
+    cfg = _model_cfg(arch)
+    model = TrainableModel(cfg, OptimConfig(lr=1e-3, clip_grad=0.0))
+    load_full_state_dict(model.module, full, cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    share = BATCH // dp
+    mine = tokens[dp_rank * share:(dp_rank + 1) * share]
+    micro = [{"tokens": mine[i:i + 1]} for i in range(share)]
+    total_tokens = BATCH * (SEQ - 1)
+
+    def logp(batch, logits):
+        return vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:], default_tp_group(),
+                                       vocab_size=cfg.vocab_size)
+
+    def loss_fn(batch, logits):
+        nll = -logp(batch, logits).sum()
+        return nll / total_tokens, {"nll_sum": nll.detach()}
+
+    logps = model.forward(micro, logp)
+    metrics = model.step(micro, loss_fn)
+    grads = full_state_dict(model.module, cfg, grads=True)
+    return {"logp": torch.cat(logps) if logps else None, "metrics": metrics, "grads": grads,
+            "last_stage": ps.is_pipeline_last_stage(), "dp_rank": dp_rank}
+
+
+def _compare(base, results, dp):
+    ref = base[0]
+    for r in results:
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(r["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"grad of {name}")
+        assert r["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+    last = [r for r in results if r["last_stage"]]
+    logp = torch.cat([r["logp"] for r in sorted(last, key=lambda r: r["dp_rank"])][:dp]) if dp > 1 else last[0]["logp"]
+    torch.testing.assert_close(logp, ref["logp"], rtol=1e-5, atol=1e-5)
+    nll = sum(r["metrics"]["nll_sum"] for r in last[:dp]) if dp > 1 else last[0]["metrics"]["nll_sum"]
+    assert nll == pytest.approx(ref["metrics"]["nll_sum"], rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_tp2_matches_tp1(arch):
+    full = run_ranks(_full_weights, 1, arch)[0]
+    base = run_ranks(_run, 1, 1, 1, arch, full)
+    _compare(base, run_ranks(_run, 2, 2, 1, arch, full), dp=1)
+
+
+def test_pp2_matches_pp1():
+    full = run_ranks(_full_weights, 1, "llama")[0]
+    base = run_ranks(_run, 1, 1, 1, "llama", full)
+    _compare(base, run_ranks(_run, 2, 1, 2, "llama", full), dp=1)
+
+
+def test_dp2_half_batches_match_one_big_batch():
+    full = run_ranks(_full_weights, 1, "llama")[0]
+    base = run_ranks(_run, 1, 1, 1, "llama", full)
+    _compare(base, run_ranks(_run, 2, 1, 1, "llama", full), dp=2)

@@ -1,0 +1,106 @@
+"""Config loading: YAML onto the typed schema, overrides, `defaults` recipes, and each validation error."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from aligner.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    load_config,
+    parse_cli,
+    validate_batch,
+    validate_layout,
+    validate_model,
+)
+
+
+@dataclass
+class TrainSection:
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    world_size: int = 4
+
+    def validate(self):
+        validate_model(self.model)
+        dp = validate_layout(self.model, self.parallel, self.world_size)
+        validate_batch(self.train.global_batch_size, self.train.micro_batch_size, dp, "train.global_batch_size",
+                       "train.micro_batch_size")
+
+
+@pytest.fixture
+def conf_dir(tmp_path):
+    (tmp_path / "base.yaml").write_text("model:\n  num_layers: 4\n  hidden_size: 128\n  num_attention_heads: 8\n")
+    (tmp_path / "recipe.yaml").write_text("defaults: [base]\nmodel:\n  hidden_size: 256\ntrain:\n  micro_batch_size: 1\n")
+    return tmp_path
+
+
+def test_yaml_defaults_and_overrides(conf_dir):
+    cfg = load_config(JobConfig, "recipe", ["model.num_layers=8", "parallel.tensor_model_parallel_size=2"],
+                      str(conf_dir))
+    assert isinstance(cfg, JobConfig) and isinstance(cfg.model, ModelConfig)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (8, 256, 8)
+    assert cfg.train.micro_batch_size == 1 and cfg.parallel.tensor_model_parallel_size == 2
+
+
+def test_cli_parsing():
+    assert parse_cli(["--config-name", "x", "a.b=1"], "d") == (None, "x", ["a.b=1"])
+    assert parse_cli(["--config-name=y", "--config-path=/c"], "d") == ("/c", "y", [])
+    assert parse_cli([], "d") == (None, "d", [])
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_cli(["model.num_layers"], "d")
+
+
+def test_unknown_key_names_it(conf_dir):
+    (conf_dir / "typo.yaml").write_text("model:\n  num_layer: 4\n")
+    with pytest.raises(ConfigError, match="model.num_layer"):
+        load_config(JobConfig, "typo", [], str(conf_dir))
+    with pytest.raises(ConfigError, match="model.hiden_size"):
+        load_config(JobConfig, "base", ["model.hiden_size=3"], str(conf_dir))
+
+
+def test_wrong_type_names_it(conf_dir):
+    with pytest.raises(ConfigError, match="model.num_layers"):
+        load_config(JobConfig, "base", ["model.num_layers=many"], str(conf_dir))
+
+
+def test_missing_config_lists_available(conf_dir):
+    with pytest.raises(ConfigError, match="available: base, recipe"):
+        load_config(JobConfig, "nope", [], str(conf_dir))
+
+
+@pytest.mark.parametrize(
+    "overrides, key, words",
+    [
+        (["world_size=3", "parallel.tensor_model_parallel_size=2"], "parallel.tensor_model_parallel_size",
+         "world size 3 is not divisible"),
+        (["parallel.tensor_model_parallel_size=3", "world_size=3"], "parallel.tensor_model_parallel_size",
+         "num_attention_heads=8 is not divisible by TP=3"),
+        (["parallel.pipeline_model_parallel_size=3", "world_size=3"], "parallel.pipeline_model_parallel_size",
+         "num_layers=4 is not divisible by PP=3"),
+        (["train.global_batch_size=6"], "train.global_batch_size", "not divisible by train.micro_batch_size=2 x"),
+        (["model.num_query_groups=3"], "model.num_query_groups", "not divisible by num_query_groups=3"),
+        (["model.arch=bert"], "model.arch", "llama or gpt2"),
+        (["model.params_dtype=fp8"], "model.params_dtype", "must be one of"),
+    ],
+)
+def test_validation_errors_name_the_key(conf_dir, overrides, key, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(JobConfig, "base", overrides, str(conf_dir))
+    assert info.value.key == key
+    assert words in str(info.value)
+
+
+def test_gqa_groups_must_split_over_tp():
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=1)
+    with pytest.raises(ConfigError, match="num_query_groups=1 is not divisible by TP=2"):
+        validate_layout(model, ParallelConfig(tensor_model_parallel_size=2), 2)
+    assert validate_layout(model, ParallelConfig(), 4) == 4
