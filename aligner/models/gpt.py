@@ -70,9 +70,11 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         pipeline_dtype=pipeline_dtype or dtype,
-        # Fusions that need apex/TE or CUDA kernels stay off; the SDPA path needs none of them.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        # megatron's jit-fused SwiGLU and bias-dropout-add need neither apex nor TE: on for the GPU. GELU stays
+        # unfused so GPT-2's tanh approximation is the same function on every device. Fusions that need apex or TE
+        # (persistent layer norm, fused RoPE, masked softmax) stay off: the SDPA path needs none of them.
+        bias_activation_fusion=llama and not on_cpu,
+        bias_dropout_fusion=not on_cpu,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
