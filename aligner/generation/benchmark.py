@@ -97,7 +97,8 @@ def build_hf_llama(module, cfg: ModelConfig, device, dtype):
     heads = cfg.num_attention_heads
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
                          num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
-                         num_key_value_heads=cfg.num_query_groups or heads, max_position_embeddings=cfg.max_position_embeddings,
+                         num_key_value_heads=cfg.num_query_groups or heads,
+                         max_position_embeddings=cfg.max_position_embeddings,
                          rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base, tie_word_embeddings=False,
                          attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     model = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()

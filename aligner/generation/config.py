@@ -22,6 +22,7 @@ class GenerationConfig:
     dtype: str = "auto"  # engine weights: auto = bfloat16 on GPU, the policy's dtype on CPU | float32 | bfloat16 | ...
     kv_dtype: str = "auto"  # auto = the engine's dtype
     cuda_graphs: bool = True  # capture the decode step on GPU (ignored on CPU)
+    compile_elementwise: str = "auto"  # fuse norms/RoPE/activations with torch.compile: auto (GPU with Triton)|on|off
     decode_attention: str = "matmul"  # matmul (batched GEMMs, GQA without copies) | sdpa
     kv_block: int = 64  # decode attends over the cache rounded up to a multiple of this (one graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
@@ -41,6 +42,7 @@ def validate_generation(gen: GenerationConfig, model=None, prefix: str = "genera
     check(gen.dtype in dtypes, "dtype", f"must be one of {dtypes}")
     check(gen.kv_dtype in dtypes, "kv_dtype", f"must be one of {dtypes}")
     check(gen.decode_attention in ("matmul", "sdpa"), "decode_attention", "must be matmul or sdpa")
+    check(gen.compile_elementwise in ("auto", "on", "off"), "compile_elementwise", "must be auto, on or off")
     if model is not None and model.arch == "gpt2":
         total = gen.max_prompt_length + gen.max_response_length
         check(total <= model.max_position_embeddings, "max_response_length",

@@ -80,7 +80,8 @@ class SamplingParams:
             raise ValueError(f"sampling.min_new_tokens={self.min_new_tokens}: must be >= 0")
         for tok in self.end_token_ids() + [self.pad_token_id]:
             if not 0 <= tok < vocab_size:
-                raise ValueError(f"sampling: token id {tok} (EOS, stop or pad) is outside the vocabulary [0, {vocab_size})")
+                raise ValueError(f"sampling: token id {tok} (EOS, stop or pad) is outside the vocabulary "
+                                 f"[0, {vocab_size})")
         if self.seeds is not None and len(self.seeds) != batch_size:
             raise ValueError(f"sampling.seeds has {len(self.seeds)} entries for a batch of {batch_size}: give one per "
                              "sample, or a base `seed`")

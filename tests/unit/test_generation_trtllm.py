@@ -27,7 +27,8 @@ def test_per_group_qkv_becomes_q_then_k_then_v():
     k = [g * 1000 + r * 10 + d for g in range(groups) for d in range(D)]
     v = [g * 1000 + (r + 1) * 10 + d for g in range(groups) for d in range(D)]
     assert tags == q + k + v
-    assert (out["transformer.layers.0.mlp.fc.weight"] == 1).all() and (out["transformer.layers.0.mlp.gate.weight"] == 2).all()
+    assert (out["transformer.layers.0.mlp.fc.weight"] == 1).all()
+    assert (out["transformer.layers.0.mlp.gate.weight"] == 2).all()
     assert out["lm_head.weight"] is not None  # tied: the embedding
 
 
@@ -54,7 +55,7 @@ def test_trtllm_engine_matches_native_and_refits():
     prompts = torch.randint(0, 512, (4, 16), device="cuda")
     lengths = torch.tensor([16, 9, 3, 12], device="cuda")
     sp = SamplingParams(greedy=True, ignore_eos=True)
-    for step in range(2):
+    for _ in range(2):
         a, b = native.generate(prompts, lengths, sp), trt.generate(prompts, lengths, sp)
         assert torch.equal(a.response_tokens_BR[:, 0], b.response_tokens_BR[:, 0])
         torch.testing.assert_close(a.logprobs_BR[:, 0], b.logprobs_BR[:, 0], atol=0.05, rtol=0)

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from aligner.generation.native.fused import make_kernels
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -52,23 +54,24 @@ class Layout:
 
 class Decoder:
     def __init__(self, layout: Layout, weights, tp_group, max_batch: int, max_seq: int, kv_dtype: torch.dtype,
-                 device: torch.device, decode_attention: str = "matmul"):
+                 device: torch.device, decode_attention: str = "matmul", compile_elementwise: bool = False):
         self.lo, self.w, self.group = layout, weights, tp_group
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
         self.scale = layout.head_dim ** -0.5
+        self.k = make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", compile_elementwise)
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)
         self.rows = torch.arange(max_batch, device=device)
+        self.cos = self.sin_signed = None
         if layout.arch == "llama":
             # megatron's RotaryEmbedding: inv_freq and the angles in float32, cos/sin cast to the activation dtype.
             d = layout.head_dim
             inv_freq = 1.0 / (layout.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
             freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32, device=device), inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos = torch.cos(emb).to(weights.dtype)
-            self.sin = torch.sin(emb).to(weights.dtype)
+            self.cos = torch.cos(torch.cat((freqs, freqs), dim=-1)).to(weights.dtype)
+            self.sin_signed = torch.sin(torch.cat((-freqs, freqs), dim=-1)).to(weights.dtype)  # [-sin, sin]
 
     # -- KV cache ------------------------------------------------------------------------------------------
     def alloc_kv(self) -> None:
@@ -97,11 +100,6 @@ class Decoder:
         y = torch.matmul(x, weight.t())
         return y if bias is None else y + bias
 
-    def _norm(self, x, weight, bias):
-        if self.lo.arch == "llama":
-            return F.rms_norm(x, (x.shape[-1],), weight, self.lo.norm_eps)
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.lo.norm_eps)
-
     def _embed(self, tokens, positions):
         lo, weight = self.lo, self.w.get("embedding.word_embeddings.weight")
         if lo.tp == 1:
@@ -116,69 +114,56 @@ class Decoder:
             x = x + F.embedding(positions, pos_table)
         return x
 
-    @staticmethod
-    def _rope(t, cos, sin):
-        t1, t2 = t.chunk(2, dim=-1)
-        return t * cos + torch.cat((-t2, t1), dim=-1) * sin
-
-    def _split_qkv(self, qkv):
-        """[..., G*(r+2)*D] -> q [..., G, r, D], k [..., G, D], v [..., G, D] (megatron's per-group order)."""
+    def _qkv5(self, qkv):
+        """[..., G*(r+2)*D] -> [..., G, r+2, D]: megatron's per-group order (the group's query heads, key, value)."""
         lo = self.lo
-        r = lo.heads // lo.groups
-        qkv = qkv.view(*qkv.shape[:-1], lo.groups, r + 2, lo.head_dim)
-        return qkv[..., :r, :], qkv[..., r, :], qkv[..., r + 1, :]
+        return qkv.view(*qkv.shape[:-1], lo.groups, lo.heads // lo.groups + 2, lo.head_dim)
 
-    def _mlp(self, x, lw):
-        h = self._linear(x, lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"])
-        if self.lo.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        out = self._all_reduce(self._linear(h, lw["mlp.linear_fc2.weight"]))
-        bias = lw["mlp.linear_fc2.bias"]
-        return out if bias is None else out + bias
+    def _stack(self, x, attend):
+        """All layers over hidden states x [..., H]; returns the final-normed hidden states.
 
-    def _layer(self, i, x, attend):
-        lw = self.w.layer(i)
-        h = self._norm(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
-        qkv = self._linear(h, lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"])
-        attn = self._all_reduce(self._linear(attend(i, qkv), lw["self_attention.linear_proj.weight"]))
-        if lw["self_attention.linear_proj.bias"] is not None:
-            attn = attn + lw["self_attention.linear_proj.bias"]
-        x = x + attn
-        h = self._norm(x, lw["pre_mlp_layernorm.weight"], lw["pre_mlp_layernorm.bias"])
-        return x + self._mlp(h, lw)
-
-    def _logits_local(self, x_BH):
-        x_BH = self._norm(x_BH, self.w.get("decoder.final_layernorm.weight"), self.w.get("decoder.final_layernorm.bias"))
-        return self._linear(x_BH, self.w.output_weight)
+        Each residual add is fused with the norm that follows it (the next layer's input norm, or the final norm).
+        """
+        lo, k = self.lo, self.k
+        lw = self.w.layer(0)
+        h = k.norm(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
+        for i in range(lo.num_layers):
+            lw = self.w.layer(i)
+            qkv = self._linear(h, lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"])
+            a = self._all_reduce(self._linear(attend(i, qkv), lw["self_attention.linear_proj.weight"]))
+            x, h = k.add_norm(x, a, lw["self_attention.linear_proj.bias"], lw["pre_mlp_layernorm.weight"],
+                              lw["pre_mlp_layernorm.bias"])
+            m = k.act(self._linear(h, lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]))
+            m = self._all_reduce(self._linear(m, lw["mlp.linear_fc2.weight"]))
+            if i + 1 < lo.num_layers:
+                nxt = self.w.layer(i + 1)
+                w, b = nxt["input_layernorm.weight"], nxt["input_layernorm.bias"]
+            else:
+                w, b = self.w.get("decoder.final_layernorm.weight"), self.w.get("decoder.final_layernorm.bias")
+            x, h = k.add_norm(x, m, lw["mlp.linear_fc2.bias"], w, b)
+        return h
 
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, row0: int = 0) -> torch.Tensor:
         """Run right-padded prompts into cache rows [row0, row0+B); logits of each last prompt token [B, V_pad/TP]."""
         B, T = tokens_BT.shape
         lo, kv = self.lo, self.kv
-        positions = self.key_index[:T]
-        x = self._embed(tokens_BT, positions.unsqueeze(0))
+        x = self._embed(tokens_BT, self.key_index[:T].unsqueeze(0))
+        cos = None if self.cos is None else self.cos[:T].view(T, 1, 1, lo.head_dim)
+        sin = None if self.cos is None else self.sin_signed[:T].view(T, 1, 1, lo.head_dim)
 
         def attend(i, qkv):
-            q, k, v = self._split_qkv(qkv)  # q [B,T,G,r,D], k/v [B,T,G,D]
-            q = q.reshape(B, T, lo.heads, lo.head_dim)
-            if lo.arch == "llama":
-                cos, sin = self.cos[:T].unsqueeze(1), self.sin[:T].unsqueeze(1)  # [T,1,D]
-                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            k_BGTD, v_BGTD = k.transpose(1, 2), v.transpose(1, 2)
-            kv[i, 0, row0:row0 + B, :, :T] = k_BGTD
-            kv[i, 1, row0:row0 + B, :, :T] = v_BGTD
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k_BGTD, v_BGTD, is_causal=True, scale=self.scale,
+            q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin)  # q [B,T,G,r,D], kv_new [2,B,T,G,D]
+            kv_2BGTD = kv_new.transpose(2, 3)
+            kv[i, :, row0:row0 + B, :, :T] = kv_2BGTD
+            q_BHTD = q.reshape(B, T, lo.heads, lo.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q_BHTD, kv_2BGTD[0], kv_2BGTD[1], is_causal=True, scale=self.scale,
                                                  enable_gqa=lo.heads != lo.groups)
             return out.transpose(1, 2).reshape(B, T, lo.heads * lo.head_dim)
 
-        for i in range(lo.num_layers):
-            x = self._layer(i, x, attend)
-        last = x[self.rows[:B], lengths_B - 1]  # [B, H]; the final norm is per token, so select first
-        return self._logits_local(last)
+        h = self._stack(x, attend)
+        last = h[self.rows[:B], lengths_B - 1]  # [B, H]
+        return self._linear(last, self.w.output_weight)
 
     # -- decode --------------------------------------------------------------------------------------------
     def decode(self, tokens_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -186,34 +171,36 @@ class Decoder:
         to <= pos_B. Returns logits [B, V_pad/TP]. No host syncs, static shapes: safe to capture in a CUDA graph."""
         B = tokens_B.shape[0]
         lo, kv = self.lo, self.kv
+        G, r, D = lo.groups, lo.heads // lo.groups, lo.head_dim
         x = self._embed(tokens_B, pos_B)
-        r = lo.heads // lo.groups
-        beyond_B11L = (self.key_index[:kv_len].unsqueeze(0) > pos_B.unsqueeze(1)).view(B, 1, 1, kv_len)
-        slot = pos_B.view(B, 1, 1, 1).expand(B, lo.groups, 1, lo.head_dim)
-        if lo.arch == "llama":
-            cos, sin = self.cos[pos_B].unsqueeze(1), self.sin[pos_B].unsqueeze(1)  # [B,1,D]
+        beyond_BL = self.key_index[:kv_len].unsqueeze(0) > pos_B.unsqueeze(1)
+        slot = pos_B.view(1, B, 1, 1, 1).expand(2, B, G, 1, D)
+        cos = None if self.cos is None else self.cos[pos_B].view(B, 1, 1, D)
+        sin = None if self.cos is None else self.sin_signed[pos_B].view(B, 1, 1, D)
+        if self.decode_attention == "matmul":
+            # additive mask, built once per step for all layers: [B*G, 1, L], broadcast over the r query rows
+            mask_add = torch.zeros(B, 1, 1, kv_len, dtype=kv.dtype, device=kv.device).masked_fill_(
+                beyond_BL.view(B, 1, 1, kv_len), float("-inf")).expand(B, G, 1, kv_len).reshape(B * G, 1, kv_len)
 
         def attend(i, qkv):
-            q, k, v = self._split_qkv(qkv)  # q [B,G,r,D], k/v [B,G,D]
-            if lo.arch == "llama":
-                q, k = self._rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), self._rope(k, cos, sin)
-            k_cache, v_cache = kv[i, 0, :B], kv[i, 1, :B]
-            k_cache.scatter_(2, slot, k.unsqueeze(2).to(kv.dtype))
-            v_cache.scatter_(2, slot, v.unsqueeze(2).to(kv.dtype))
-            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B,G,L,D] strided views
+            q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin)  # q [B,G,r,D], kv_new [2,B,G,D]
+            cache = kv[i, :, :B]  # [2, B, G, T, D]
+            cache.scatter_(3, slot, kv_new.unsqueeze(3).to(kv.dtype))
+            keys, values = cache[0, :, :, :kv_len], cache[1, :, :, :kv_len]  # [B,G,L,D] strided views, no copies
             if self.decode_attention == "sdpa":
-                out = F.scaled_dot_product_attention(q.reshape(B, lo.heads, 1, lo.head_dim).to(kv.dtype), keys, values,
-                                                     attn_mask=~beyond_B11L, scale=self.scale,
-                                                     enable_gqa=lo.heads != lo.groups)
-                return out.reshape(B, lo.heads * lo.head_dim).to(qkv.dtype)
-            # GQA without repeating K/V: each group's r query heads form the rows of one small GEMM.
-            scores = torch.matmul(q.to(kv.dtype), keys.transpose(-1, -2)).float() * self.scale  # [B,G,r,L]
-            probs = torch.softmax(scores.masked_fill(beyond_B11L, float("-inf")), dim=-1).to(values.dtype)
-            return torch.matmul(probs, values).reshape(B, lo.groups * r * lo.head_dim).to(qkv.dtype)
+                out = F.scaled_dot_product_attention(q.reshape(B, lo.heads, 1, D).to(kv.dtype), keys, values,
+                                                     attn_mask=~beyond_BL.view(B, 1, 1, kv_len), scale=self.scale,
+                                                     enable_gqa=lo.heads != G)
+                return out.reshape(B, lo.heads * D).to(qkv.dtype)
+            # GQA without repeating K/V: each group's r query heads are the rows of one small GEMM; the scale and
+            # the mask ride in baddbmm's epilogue.
+            scores = torch.baddbmm(mask_add, q.reshape(B * G, r, D).to(kv.dtype),
+                                   keys.reshape(B * G, kv_len, D).transpose(1, 2), alpha=self.scale)
+            probs = torch.softmax(scores, dim=-1)  # accumulates in float32 inside, also for bf16
+            return torch.bmm(probs, values.reshape(B * G, kv_len, D)).view(B, lo.heads * D).to(qkv.dtype)
 
-        for i in range(lo.num_layers):
-            x = self._layer(i, x, attend)
-        return self._logits_local(x)
+        h = self._stack(x, attend)
+        return self._linear(h, self.w.output_weight)
 
     # -- vocabulary ----------------------------------------------------------------------------------------
     def gather_vocab(self, logits_local_BV: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 from aligner.generation.config import GenerationConfig, validate_generation
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
 from aligner.generation.native.decoder import Decoder, Layout
+from aligner.generation.native.fused import triton_available
 from aligner.generation.native.sampling import (
     sample_tokens,
     token_logprobs,
@@ -73,7 +74,8 @@ class NativeEngine:
         vocab_local = self.weights.get("embedding.word_embeddings.weight").shape[0]
         layout = Layout(
             arch=model_cfg.arch, num_layers=self.weights.num_layers, hidden=config.hidden_size,
-            heads=config.num_attention_heads // tp, groups=(config.num_query_groups or config.num_attention_heads) // tp,
+            heads=config.num_attention_heads // tp,
+            groups=(config.num_query_groups or config.num_attention_heads) // tp,
             head_dim=config.kv_channels, vocab_size=model_cfg.vocab_size, vocab_local=vocab_local, tp=tp,
             tp_rank=tp_rank, norm_eps=config.layernorm_epsilon, rotary_base=float(model_cfg.rotary_base),
         )
@@ -81,8 +83,10 @@ class NativeEngine:
         self.max_batch = gen_cfg.max_batch_size
         self.max_seq = gen_cfg.max_prompt_length + gen_cfg.max_response_length
         self.max_new = gen_cfg.max_response_length
+        compile_ = gen_cfg.compile_elementwise == "on" or (
+            gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available())
         self.decoder = Decoder(layout, self.weights, group, self.max_batch, self.max_seq, kv_dtype, self.device,
-                               gen_cfg.decode_attention)
+                               gen_cfg.decode_attention, compile_elementwise=compile_)
         self.tp_group, self.tp = group, tp
         self._alloc_state()
         self.use_graphs = bool(gen_cfg.cuda_graphs and self.on_gpu)

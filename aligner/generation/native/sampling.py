@@ -33,7 +33,8 @@ def candidate_mask(logits_BV: torch.Tensor, temperature, top_k: int, top_p: floa
     """Bool [B, V]: the tokens top-k / top-p allow (a reference for tests; sampling works on sorted candidates)."""
     scaled = logits_BV.float() / temperature
     order = scaled.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(-1, order, positions)
     allowed = torch.ones_like(scaled, dtype=torch.bool)
     if top_k:
         allowed &= ranks < top_k

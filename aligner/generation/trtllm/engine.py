@@ -28,8 +28,9 @@ def _import_trtllm():
         import tensorrt as trt
         import tensorrt_llm
     except ImportError as err:
-        raise ImportError("generation.backend=trtllm needs the tensorrt_llm package (NVIDIA's TensorRT-LLM, e.g. in an "
-                          "NGC TensorRT-LLM container); it is not installed here: use generation.backend=native") from err
+        raise ImportError("generation.backend=trtllm needs the tensorrt_llm package (NVIDIA's TensorRT-LLM, e.g. in "
+                          "an NGC TensorRT-LLM container); it is not installed here: use generation.backend=native"
+                          ) from err
     return tensorrt_llm, trt
 
 

@@ -1,0 +1,67 @@
+"""The elementwise pieces of a decoder layer, written so that one call is one fused kernel under torch.compile.
+
+In a captured decode step the GEMMs read the weights and the KV cache at memory speed, but every small elementwise
+kernel (residual add, norm, RoPE, activation) still costs a few microseconds of GPU time, hundreds per step. These
+functions group each run of elementwise work between two GEMMs; `make_kernels(compile_=True)` wraps them in
+`torch.compile(dynamic=False)` (Triton kernels, captured inside our own CUDA graph like any other kernel), and with
+`compile_=False` they run as plain PyTorch ops (CPU, tests, or where Triton is absent). Both compute the same maths;
+compiled kernels keep intermediates in float32 and round once, so bf16 results may differ in the last bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Kernels:
+    norm: Callable  # norm(x, w, b) -> normed x
+    add_norm: Callable  # add_norm(x, a, bias, w, b) -> (x + (a + bias), norm of it): residual add fused with next norm
+    act: Callable  # act(h) -> SwiGLU(h) ([gate; up] halves) or GELU(tanh)(h)
+    rope_split: Callable  # rope_split(qkv [..., G, r+2, D], cos, sin_signed) -> (q [..., G, r, D], kv [2, ..., G, D])
+
+
+def make_kernels(arch: str, eps: float, rope: bool, compile_: bool) -> Kernels:
+    llama = arch == "llama"
+
+    def norm(x, w, b):
+        if llama:
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+    def add_norm(x, a, bias, w, b):
+        # megatron's order: residual + (output + bias)
+        x = x + (a if bias is None else a + bias)
+        return x, norm(x, w, b)
+
+    def act(h):
+        if llama:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+    def rope_split(qkv, cos, sin_signed):
+        r = qkv.shape[-2] - 2
+        qk = qkv[..., : r + 1, :]
+        if rope:
+            # megatron: t*cos + rotate_half(t)*sin, rotate_half(t) = [-t2, t1]; with sin_signed = [-sin, sin]
+            # that is t*cos + [t2, t1]*sin_signed, and [t2, t1] is a roll by half the head dimension.
+            qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * sin_signed
+        return qk[..., :r, :], torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
+
+    if compile_:
+        wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True)  # noqa: E731
+        return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
+    return Kernels(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
