@@ -67,42 +67,25 @@ def copy_bandwidth(device) -> float:
     return 2 * nbytes * reps / seconds
 
 
-def megatron_to_hf_llama(module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A TP=1 megatron Llama's tensors under HF LlamaForCausalLM names (per-group qkv split into q/k/v, fc1 into
-    gate/up, vocabulary padding dropped)."""
-    sd = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
-    heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-    d, r, V = cfg.hidden_size // heads, heads // groups, cfg.vocab_size
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:V],
-           "model.norm.weight": sd["decoder.final_layernorm.weight"],
-           "lm_head.weight": sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])[:V]}
-    for i in range(cfg.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = sd[src + "self_attention.linear_qkv.weight"].view(groups, r + 2, d, -1)
-        out[dst + "self_attn.q_proj.weight"] = qkv[:, :r].reshape(heads * d, -1)
-        out[dst + "self_attn.k_proj.weight"] = qkv[:, r].reshape(groups * d, -1)
-        out[dst + "self_attn.v_proj.weight"] = qkv[:, r + 1].reshape(groups * d, -1)
-        out[dst + "self_attn.o_proj.weight"] = sd[src + "self_attention.linear_proj.weight"]
-        out[dst + "input_layernorm.weight"] = sd[src + "input_layernorm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = sd[src + "pre_mlp_layernorm.weight"]
-        gate, up = sd[src + "mlp.linear_fc1.weight"].chunk(2, 0)
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-        out[dst + "mlp.down_proj.weight"] = sd[src + "mlp.linear_fc2.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
-
-
 def build_hf_llama(module, cfg: ModelConfig, device, dtype):
+    """The HF LlamaForCausalLM holding a TP=1 megatron policy's weights (aligner.checkpoint.hf's mapping)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    heads = cfg.num_attention_heads
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-                         num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
-                         num_key_value_heads=cfg.num_query_groups or heads,
-                         max_position_embeddings=cfg.max_position_embeddings,
-                         rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base, tie_word_embeddings=False,
-                         attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    from aligner.checkpoint.hf import hf_config_for_export, weight_map
+
+    sd = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+
+    def read(name):  # full TP=1 tensors with the unpadded vocabulary, as the mapping expects
+        t = sd[name]
+        return t[: cfg.vocab_size] if name in ("embedding.word_embeddings.weight", "output_layer.weight") else t
+
+    wmap = weight_map(cfg, "policy")
+    hf_sd = {}
+    for part in wmap.parts():
+        hf_sd.update(wmap.to_hf(part, read))
+    hf_cfg = LlamaConfig.from_dict(hf_config_for_export(cfg, "policy", None, "bfloat16"))
     model = LlamaForCausalLM(hf_cfg).to(device=device, dtype=dtype).eval()
-    missing, unexpected = model.load_state_dict(megatron_to_hf_llama(module, cfg), strict=False)
+    missing, unexpected = model.load_state_dict(hf_sd, strict=False)
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
         raise RuntimeError(f"HF weight mapping incomplete: missing {missing[:4]}, unexpected {unexpected[:4]}")
