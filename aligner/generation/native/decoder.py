@@ -59,7 +59,11 @@ class Decoder:
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
         self.scale = layout.head_dim ** -0.5
-        self.k = make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", compile_elementwise)
+        # Decode (one token per sample, fixed shapes per batch size) may use compiled kernels; prefill, whose shapes
+        # change with every prompt width and whose time goes to GEMMs, always runs the plain ones.
+        self.k_eager = make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", False)
+        self.k = make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", True) if compile_elementwise \
+            else self.k_eager
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)
@@ -119,12 +123,12 @@ class Decoder:
         lo = self.lo
         return qkv.view(*qkv.shape[:-1], lo.groups, lo.heads // lo.groups + 2, lo.head_dim)
 
-    def _stack(self, x, attend):
-        """All layers over hidden states x [..., H]; returns the final-normed hidden states.
+    def _stack(self, x, attend, k):
+        """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states.
 
         Each residual add is fused with the norm that follows it (the next layer's input norm, or the final norm).
         """
-        lo, k = self.lo, self.k
+        lo = self.lo
         lw = self.w.layer(0)
         h = k.norm(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
         for i in range(lo.num_layers):
@@ -153,7 +157,7 @@ class Decoder:
         sin = None if self.cos is None else self.sin_signed[:T].view(T, 1, 1, lo.head_dim)
 
         def attend(i, qkv):
-            q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin)  # q [B,T,G,r,D], kv_new [2,B,T,G,D]
+            q, kv_new = self.k_eager.rope_split(self._qkv5(qkv), cos, sin)  # q [B,T,G,r,D], kv_new [2,B,T,G,D]
             kv_2BGTD = kv_new.transpose(2, 3)
             kv[i, :, row0:row0 + B, :, :T] = kv_2BGTD
             q_BHTD = q.reshape(B, T, lo.heads, lo.head_dim).transpose(1, 2)
@@ -161,7 +165,7 @@ class Decoder:
                                                  enable_gqa=lo.heads != lo.groups)
             return out.transpose(1, 2).reshape(B, T, lo.heads * lo.head_dim)
 
-        h = self._stack(x, attend)
+        h = self._stack(x, attend, self.k_eager)
         last = h[self.rows[:B], lengths_B - 1]  # [B, H]
         return self._linear(last, self.w.output_weight)
 
@@ -199,7 +203,7 @@ class Decoder:
             probs = torch.softmax(scores, dim=-1)  # accumulates in float32 inside, also for bf16
             return torch.bmm(probs, values.reshape(B * G, kv_len, D)).view(B, lo.heads * D).to(qkv.dtype)
 
-        h = self._stack(x, attend)
+        h = self._stack(x, attend, self.k)
         return self._linear(h, self.w.output_weight)
 
     # -- vocabulary ----------------------------------------------------------------------------------------
