@@ -1,0 +1,202 @@
+"""The actor job's config schema (`conf/ppo_actor.yaml`): policy model, generation engine, PPO, data, critic client.
+
+Batch vocabulary (NeMo-Aligner's): each step samples `ppo.rollout_batch_size` prompts (one response each) across the
+whole job, split evenly over data-parallel ranks; the policy then trains `ppo.epochs` passes over those rollouts in
+`ppo.num_mini_batches` optimizer steps per pass, each mini-batch run as micro-batches of `ppo.micro_batch_size`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from aligner.config.critic import CriticClientConfig, resolve_file
+from aligner.config.errors import ConfigError
+from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
+from aligner.config.schema import ModelConfig, OptimConfig, ParallelConfig, validate_layout, validate_model
+from aligner.generation.config import GenerationConfig, validate_generation
+
+
+@dataclass
+class DataConfig:
+    train_file: str = "conf/demo/prompts_train.jsonl"  # JSONL, one object per line with `prompt` (and `label`)
+    val_file: Optional[str] = None
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    tokenizer: Optional[str] = None  # None = model.tokenizer; tokenizer.json or an HF tokenizer directory
+    add_bos: bool = True  # prepend the tokenizer's BOS token (when it has one)
+    shuffle: bool = True
+    seed: int = 1234
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    min_new_tokens: int = 0
+    max_new_tokens: Optional[int] = None  # None = generation.max_response_length
+
+
+@dataclass
+class KLConfig:
+    coef: float = 0.02  # beta of the per-token -beta * KL reward
+    estimator: str = "k1"  # k1 | k2 | k3
+    use_absolute_kl: bool = False
+    adaptive: bool = False
+    target: float = 6.0
+    horizon: int = 10000
+
+
+@dataclass
+class PPOConfig:
+    num_steps: int = 100
+    rollout_batch_size: int = 64  # prompts per step, whole job
+    num_mini_batches: int = 1  # optimizer steps per epoch over the rollouts
+    micro_batch_size: int = 4
+    epochs: int = 1
+    clip_eps: float = 0.2
+    clip_eps_high: Optional[float] = None  # asymmetric upper clip (None = clip_eps)
+    dual_clip: Optional[float] = None  # c > 1 enables dual-clip PPO
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    zero_unended: bool = False  # NeMo-Aligner: samples cut at the length limit get no policy gradient
+    score_clip: Optional[float] = None  # clip the reward score to +-score_clip
+    critic_warmup_steps: int = 0  # steps that train only the critic
+    kl: KLConfig = field(default_factory=KLConfig)
+
+
+@dataclass
+class ReferenceConfig:
+    mode: str = "resident"  # resident: a frozen copy on the device | swap: initial weights on host, swapped in
+
+
+@dataclass
+class LoggingConfig:
+    exp_dir: str = "results/ppo_actor"
+    tensorboard: bool = True
+    samples_every: int = 5  # write decoded samples every N steps (0 = never)
+    num_samples: int = 4
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # None = <exp_dir>/checkpoints
+    save_every: int = 0  # steps between checkpoints (0 = only at the end / on SIGTERM / max_time)
+    resume: bool = True  # continue from the latest complete checkpoint under `dir`
+    keep: Optional[int] = 2
+    save_critic: bool = True  # ask the critic job to checkpoint alongside (critic_save)
+    save_at_end: bool = True
+
+
+@dataclass
+class ValidationConfig:
+    every: int = 0  # steps between validations (0 = never)
+    greedy: bool = True
+    max_prompts: int = 64
+
+
+@dataclass
+class ActorJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    critic: CriticClientConfig = field(default_factory=CriticClientConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    seed: int = 1234
+    max_time: Optional[float] = None  # seconds; checkpoint and stop cleanly once exceeded
+
+    def validate(self) -> None:
+        validate_model(self.model)
+        validate_generation(self.generation, self.model)
+        p, s, k = self.ppo, self.sampling, self.ppo.kl
+        for key, value in (("ppo.num_steps", p.num_steps), ("ppo.rollout_batch_size", p.rollout_batch_size),
+                           ("ppo.num_mini_batches", p.num_mini_batches), ("ppo.micro_batch_size",
+                           p.micro_batch_size), ("ppo.epochs", p.epochs)):
+            if value < 1:
+                raise ConfigError(key, f"must be >= 1, got {value}")
+        if not 0 < p.clip_eps < 1:
+            raise ConfigError("ppo.clip_eps", f"must be in (0, 1), got {p.clip_eps}")
+        if p.dual_clip is not None and not p.dual_clip > 1:
+            raise ConfigError("ppo.dual_clip", f"must be > 1 (or null), got {p.dual_clip}")
+        if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
+            raise ConfigError("ppo.gamma", "gamma and lam must lie in [0, 1]")
+        if k.estimator not in ("k1", "k2", "k3"):
+            raise ConfigError("ppo.kl.estimator", f"must be k1, k2 or k3, got {k.estimator!r}")
+        if k.coef < 0:
+            raise ConfigError("ppo.kl.coef", f"must be >= 0, got {k.coef}")
+        if self.reference.mode not in ("resident", "swap"):
+            raise ConfigError("reference.mode", f"must be resident or swap, got {self.reference.mode!r}")
+        if not s.greedy and not s.temperature > 0:
+            raise ConfigError("sampling.temperature", "must be > 0 (or set sampling.greedy=true)")
+        if s.max_new_tokens is not None and not 1 <= s.max_new_tokens <= self.generation.max_response_length:
+            raise ConfigError("sampling.max_new_tokens",
+                              f"must be in 1..generation.max_response_length={self.generation.max_response_length}")
+        total = self.generation.max_prompt_length + self.generation.max_response_length
+        if total > self.model.max_position_embeddings:
+            raise ConfigError("generation.max_response_length",
+                              f"max_prompt_length + max_response_length = {total} exceeds "
+                              f"model.max_position_embeddings={self.model.max_position_embeddings}")
+        if self.parallel.pipeline_model_parallel_size != 1:
+            raise ConfigError("parallel.pipeline_model_parallel_size",
+                              "the actor job generates with the training layout and does not reshard PP yet: use "
+                              "PP=1 (TP and DP scale the actor; the critic job supports PP)")
+        if self.max_time is not None and self.max_time <= 0:
+            raise ConfigError("max_time", "must be > 0 seconds (or null)")
+
+    def validate_world(self, world_size: int) -> int:
+        """Layout and batch divisibility on `world_size` ranks; returns the data-parallel size."""
+        dp = validate_layout(self.model, self.parallel, world_size)
+        p = self.ppo
+        if p.rollout_batch_size % dp:
+            raise ConfigError("ppo.rollout_batch_size",
+                              f"{p.rollout_batch_size} is not divisible by the data-parallel size {dp}")
+        per_rank = p.rollout_batch_size // dp
+        if per_rank % p.num_mini_batches:
+            raise ConfigError("ppo.num_mini_batches", f"{per_rank} rollouts per data-parallel rank are not divisible "
+                                                      f"by ppo.num_mini_batches={p.num_mini_batches}")
+        if (per_rank // p.num_mini_batches) % p.micro_batch_size:
+            raise ConfigError("ppo.micro_batch_size",
+                              f"a mini-batch of {per_rank // p.num_mini_batches} rollouts per data-parallel rank is "
+                              f"not divisible by ppo.micro_batch_size={p.micro_batch_size}")
+        return dp
+
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        return self.data.tokenizer or self.model.tokenizer
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.logging.exp_dir, "checkpoints")
+
+    def resolve_paths(self, config_dir: Optional[str] = None) -> None:
+        self.data.train_file = resolve_file(self.data.train_file, "data.train_file", config_dir)
+        self.data.val_file = resolve_file(self.data.val_file, "data.val_file", config_dir)
+        if self.data.tokenizer is not None:
+            self.data.tokenizer = resolve_file(self.data.tokenizer, "data.tokenizer", config_dir)
+        elif self.model.tokenizer is not None:
+            self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
+        else:
+            raise ConfigError("data.tokenizer", "set data.tokenizer or model.tokenizer (a tokenizer.json or an HF "
+                                                "tokenizer directory): prompts are tokenised and responses decoded")
+        if self.model.checkpoint is not None:
+            self.model.checkpoint = resolve_file(self.model.checkpoint, "model.checkpoint", config_dir)
+
+
+def load_actor_config(argv: Sequence[str], default_name: str = "ppo_actor") -> ActorJobConfig:
+    config_dir, name, overrides = parse_cli(argv, default_name)
+    cfg = load_config(ActorJobConfig, name, overrides, config_dir)
+    cfg.resolve_paths(config_dir or REPO_CONF_DIR)
+    return cfg

@@ -1,0 +1,100 @@
+"""Rollout batches: prompts + generated responses laid out as right-padded sequences, and their masks.
+
+Alignment (the one convention of the actor loop): a sequence is `tokens_BT`, prompt in [0, p_b), response in
+[p_b, p_b + r_b). Every per-token quantity (log-probs, values, rewards, advantages, masks) lives on the *shifted*
+grid [B, T-1]: index i is about token i+1 as predicted from the prefix tokens[:i+1]. So the response token j of
+sample b sits at shifted index p_b - 1 + j, and `mask_BS` is 1 exactly there. The critic answers values on the
+[B, T] grid of positions (value at position i = critic's output at i, the state tokens[:i+1]); `values[:, :-1]`
+is therefore the value of the state before each token, on the shifted grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Rollout:
+    tokens_BT: torch.Tensor  # int64, right-padded with pad_id
+    lengths_B: torch.Tensor  # prompt + response
+    prompt_lengths_B: torch.Tensor
+    response_lengths_B: torch.Tensor
+    ended_B: torch.Tensor  # bool: ended by EOS/stop token (False: cut at the length limit)
+    engine_logp_BS: torch.Tensor  # float32 on the shifted grid, 0 off the response
+    mask_BS: torch.Tensor  # float32 on the shifted grid
+    labels: list = field(default_factory=list)
+    prompt_indices: list = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens_BT.shape[0]
+
+
+def response_mask(prompt_lengths_B: torch.Tensor, response_lengths_B: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] float mask of the response tokens on the shifted grid."""
+    idx_S = torch.arange(width, device=prompt_lengths_B.device)
+    start_B1 = (prompt_lengths_B - 1).unsqueeze(1)
+    end_B1 = (prompt_lengths_B - 1 + response_lengths_B).unsqueeze(1)
+    return ((idx_S >= start_B1) & (idx_S < end_B1)).float()
+
+
+def assemble(prompt_tokens_BP: torch.Tensor, prompt_lengths_B: torch.Tensor, response_tokens_BR: torch.Tensor,
+             response_lengths_B: torch.Tensor, logprobs_BR: torch.Tensor, ended_B: torch.Tensor, pad_id: int,
+             total_length: int) -> Rollout:
+    """Lay prompts and responses out as sequences of `total_length` tokens (>= every p_b + r_b)."""
+    B = prompt_tokens_BP.shape[0]
+    device = prompt_tokens_BP.device
+    lengths_B = prompt_lengths_B + response_lengths_B
+    if int(lengths_B.max()) > total_length:
+        raise ValueError(f"a sequence of {int(lengths_B.max())} tokens does not fit in {total_length}")
+    tokens_BT = torch.full((B, total_length), pad_id, dtype=torch.long, device=device)
+    engine_logp_BS = torch.zeros(B, total_length - 1, dtype=torch.float32, device=device)
+    for b in range(B):
+        p, r = int(prompt_lengths_B[b]), int(response_lengths_B[b])
+        tokens_BT[b, :p] = prompt_tokens_BP[b, :p]
+        tokens_BT[b, p:p + r] = response_tokens_BR[b, :r]
+        engine_logp_BS[b, p - 1:p - 1 + r] = logprobs_BR[b, :r].float()
+    mask_BS = response_mask(prompt_lengths_B, response_lengths_B, total_length - 1)
+    return Rollout(tokens_BT, lengths_B, prompt_lengths_B.clone(), response_lengths_B.clone(), ended_B.bool(),
+                   engine_logp_BS, mask_BS)
+
+
+def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """One rollout from several (generation chunks), padded to the longest."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    T = max(r.tokens_BT.shape[1] for r in rollouts)
+
+    def pad(x, width, value):
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    return Rollout(
+        tokens_BT=torch.cat([pad(r.tokens_BT, T, pad_id) for r in rollouts]),
+        lengths_B=torch.cat([r.lengths_B for r in rollouts]),
+        prompt_lengths_B=torch.cat([r.prompt_lengths_B for r in rollouts]),
+        response_lengths_B=torch.cat([r.response_lengths_B for r in rollouts]),
+        ended_B=torch.cat([r.ended_B for r in rollouts]),
+        engine_logp_BS=torch.cat([pad(r.engine_logp_BS, T - 1, 0.0) for r in rollouts]),
+        mask_BS=torch.cat([pad(r.mask_BS, T - 1, 0.0) for r in rollouts]),
+        labels=[x for r in rollouts for x in r.labels],
+        prompt_indices=[x for r in rollouts for x in r.prompt_indices],
+    )
+
+
+def pad_to(rollout: Rollout, total_length: int, pad_id: int) -> Rollout:
+    T = rollout.tokens_BT.shape[1]
+    if T == total_length:
+        return rollout
+    extra = total_length - T
+    rollout.tokens_BT = torch.nn.functional.pad(rollout.tokens_BT, (0, extra), value=pad_id)
+    rollout.engine_logp_BS = torch.nn.functional.pad(rollout.engine_logp_BS, (0, extra))
+    rollout.mask_BS = torch.nn.functional.pad(rollout.mask_BS, (0, extra))
+    return rollout
+
+
+def sample_seeds(base_seed: int, step: int, indices: list[int]) -> list[int]:
+    """Per-sample sampling seeds that depend only on (seed, step, position in the global batch): a resumed run or
+    another data-parallel layout draws the same responses."""
+    return [(base_seed * 1_000_003 + step * 65_537 + i * 7919) % (2**31 - 1) for i in indices]

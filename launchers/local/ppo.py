@@ -1,0 +1,162 @@
+"""Run PPO on one machine: start the critic job, wait until it answers, run the actor job, stop the critic.
+
+    python launchers/local/ppo.py [--actor-procs N] [--critic-procs M] [--actor-config NAME]
+                                  [--critic-config NAME] [--exp-dir DIR] [--port P]
+                                  [--actor KEY=VALUE ...] [--critic KEY=VALUE ...]
+
+With no arguments: the CPU demo (conf/ppo_actor_demo.yaml + conf/ppo_critic_demo.yaml). More than one process per job
+uses torchrun (gloo on CPU, NCCL on GPU). The critic's output goes to <exp-dir>/critic.log (its tail is printed if it
+fails). Exit status: the actor's if it failed, else the critic's if it failed, else 0; no process is left behind.
+The last line printed is `metrics: <path of metrics.jsonl>`. Restarting the same command resumes both jobs from their
+latest checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port(span: int = 3) -> int:
+    """A port P with P..P+span-1 free (the critic takes HTTP, gRPC and metrics ports)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span >= 65535:
+            continue
+        try:
+            for p in range(port, port + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port range found")
+
+
+def command(script: str, procs: int, config: str, overrides: list[str]) -> list[str]:
+    if procs > 1:
+        head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
+                "--master-port", str(free_port(1))]
+    else:
+        head = [sys.executable]
+    return head + [os.path.join(ROOT, "scripts", script), "--config-name", config] + overrides
+
+
+def stop(proc: subprocess.Popen | None, grace: float = 30.0) -> None:
+    """SIGTERM the whole process group, then SIGKILL what is left after `grace` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the critic job exited with status {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the critic job did not answer at {url} within {timeout:.0f} s")
+
+
+def tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--actor-config", default="ppo_actor_demo")
+    p.add_argument("--critic-config", default="ppo_critic_demo")
+    p.add_argument("--actor-procs", type=int, default=1)
+    p.add_argument("--critic-procs", type=int, default=1)
+    p.add_argument("--exp-dir", default=os.path.join("results", "demo"))
+    p.add_argument("--port", type=int, default=None, help="critic HTTP port (default: a free one)")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--actor", nargs="*", default=[], metavar="KEY=VALUE")
+    p.add_argument("--critic", nargs="*", default=[], metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+
+    exp = os.path.abspath(args.exp_dir)
+    os.makedirs(exp, exist_ok=True)
+    port = args.port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    critic_cmd = command("serve_ppo_critic.py", args.critic_procs, args.critic_config, [
+        f"server.port={port}", "server.host=127.0.0.1", f"exp_dir={exp}/critic", "checkpoint.resume=true",
+        *args.critic])
+    actor_cmd = command("train_ppo_actor.py", args.actor_procs, args.actor_config, [
+        f"critic.port={port}", "critic.host=127.0.0.1", f"logging.exp_dir={exp}/actor", *args.actor])
+    critic_log = os.path.join(exp, "critic.log")
+    critic = actor = None
+    interrupted = []
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+        if actor is not None and actor.poll() is None:
+            os.killpg(actor.pid, signal.SIGTERM)  # the actor checkpoints and exits; the critic is stopped after
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        print(f"[ppo] critic job: {' '.join(critic_cmd)}\n[ppo] critic log: {critic_log}", flush=True)
+        with open(critic_log, "ab") as logf:
+            critic = subprocess.Popen(critic_cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        try:
+            wait_ready(url, critic, args.ready_timeout)
+        except RuntimeError as exc:
+            print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
+            return 1
+        print(f"[ppo] critic ready at {url}\n[ppo] actor job: {' '.join(actor_cmd)}", flush=True)
+        actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=env, start_new_session=True)
+        while actor.poll() is None:
+            if critic.poll() is not None:
+                print(f"[ppo] the critic job died (status {critic.returncode}); stopping the actor\n"
+                      f"--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
+                stop(actor)
+                return critic.returncode or 1
+            time.sleep(0.5)
+        actor_rc = actor.returncode
+    finally:
+        stop(actor)
+        stop(critic)
+    critic_rc = critic.returncode
+    metrics = os.path.join(exp, "actor", "metrics.jsonl")
+    if actor_rc != 0:
+        print(f"[ppo] the actor job failed (status {actor_rc})", file=sys.stderr)
+        return actor_rc
+    if critic_rc not in (0, -signal.SIGTERM):
+        print(f"[ppo] the critic job failed (status {critic_rc})\n{tail(critic_log)}", file=sys.stderr)
+        return critic_rc
+    print(f"metrics: {metrics}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
