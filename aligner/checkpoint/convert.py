@@ -79,19 +79,18 @@ def _barrier() -> None:
         _dist().barrier()
 
 
-def _agree(error: str | None) -> None:
-    """Raise on every rank if any rank failed (so no rank waits forever in a later collective)."""
+def _agree(error: BaseException | None) -> None:
+    """Raise on every rank if any rank failed, so that no rank waits forever in a later collective: the failing
+    rank re-raises its own exception, the others a RuntimeError naming it."""
     d = _dist()
-    if d is None:
-        if error:
-            raise RuntimeError(error)
-        return
-    errors = [None] * d.get_world_size()
-    d.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        r, e = failed[0]
-        raise RuntimeError(f"conversion failed on rank {r}: {e}")
+    if d is not None and d.get_world_size() > 1:
+        messages = [None] * d.get_world_size()
+        d.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, m) for r, m in enumerate(messages) if m]
+        if failed and error is None:
+            raise RuntimeError(f"conversion failed on rank {failed[0][0]}: {failed[0][1]}")
+    if error is not None:
+        raise error
 
 
 def _initialize(tp: int, pp: int) -> None:
@@ -298,7 +297,7 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None,
         module = _build(cfg, model_type)
         load_hf_into(module, cfg, wmap, reader.get)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree below
-        error = f"{type(exc).__name__}: {exc}"
+        error = exc
     finally:
         reader.close()
     try:
@@ -310,6 +309,10 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None,
             try:
                 final_cfg = dataclasses.replace(cfg, checkpoint=out_dir, tokenizer=os.path.join(out_dir, "tokenizer"))
                 copy_tokenizer(tokenizer_src, os.path.join(tmp, "tokenizer"))
+                # transformers picks a tokenizer class from the model's config.json too (e.g. Qwen2's adds
+                # <|endoftext|>): a copy beside the tokenizer files makes AutoTokenizer load the same tokenizer.
+                with open(os.path.join(tmp, "tokenizer", "config.json"), "w") as f:
+                    json.dump(raw, f, indent=2)
                 copy_extras(hf_dir, tmp)
                 with open(os.path.join(tmp, "hf_config.json"), "w") as f:
                     json.dump(raw, f, indent=2)
@@ -322,8 +325,8 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None,
                                "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                "converted_with_layout": [build_tp, build_pp]}, f, indent=1)
                 _commit(tmp, out_dir)
-            except Exception as exc:  # noqa: BLE001
-                error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree below
+                error = exc
         _agree(error)
     except BaseException:
         if _rank() == 0:

@@ -1,0 +1,122 @@
+"""Tiny Hugging Face reference models for the conversion tests: built from configs (nothing downloaded), float32,
+eager attention, every weight (norms and biases included) set to seeded random values so a misplaced tensor
+always changes the output, saved with a tiny word-level tokenizer of fewer ids than embedding rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+VOCAB = 100  # embedding rows; megatron pads them to 128 (TP=1) or 256 (TP=2)
+N_TOKENS = 90  # tokenizer ids: fewer than the embedding rows, as in many HF models
+TOKENS_BT = torch.randint(1, N_TOKENS, (2, 12), generator=torch.Generator().manual_seed(3))
+KINDS = ("llama", "mistral", "qwen2", "gpt2", "llama_reward")
+REWARD_KINDS = ("llama_reward", "gpt2_reward")
+
+
+def tiny_tokenizer(n_tokens: int = N_TOKENS):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(n_tokens)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w0")
+
+
+def hf_config(kind: str):
+    import transformers as tf
+
+    llama = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0)
+    if kind == "llama":
+        return tf.LlamaConfig(**llama, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    if kind == "llama_reward":
+        return tf.LlamaConfig(**llama, num_labels=1)
+    if kind == "mistral":
+        return tf.MistralConfig(**llama, sliding_window=None, rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 10000.0})
+    if kind == "qwen2":
+        return tf.Qwen2Config(**llama, tie_word_embeddings=True)
+    gpt2 = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, pad_token_id=0,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    if kind == "gpt2":
+        return tf.GPT2Config(**gpt2)
+    if kind == "gpt2_reward":
+        return tf.GPT2Config(**gpt2, num_labels=1)
+    raise ValueError(kind)
+
+
+def hf_class(kind: str):
+    import transformers as tf
+
+    return {"llama": tf.LlamaForCausalLM, "llama_reward": tf.LlamaForSequenceClassification,
+            "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gpt2": tf.GPT2LMHeadModel,
+            "gpt2_reward": tf.GPT2ForSequenceClassification}[kind]
+
+
+def make_hf(kind: str, directory: str | None = None, seed: int = 0, dtype=torch.float32, **save_kwargs):
+    """A tiny random HF model of `kind` (eval mode); saved with the tokenizer when `directory` is given."""
+    cfg = hf_config(kind)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = hf_class(kind)(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if ("norm" in name or "ln_" in name) and name.endswith("weight")
+                    else 0.15 * noise)
+    model = model.to(dtype)
+    if directory is not None:
+        model.save_pretrained(directory, **save_kwargs)
+        tiny_tokenizer().save_pretrained(directory)
+    return model
+
+
+@torch.no_grad()
+def hf_outputs(model, tokens_BT: torch.Tensor = TOKENS_BT) -> torch.Tensor:
+    """Logits [B,T,V] of a causal LM, or the score at every position [B,T,1] of a sequence classifier."""
+    if hasattr(model, "score"):
+        return model.score(model.base_model(tokens_BT).last_hidden_state)
+    return model(tokens_BT).logits
+
+
+def hf_tensors(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory (safetensors, sharded or not)."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else \
+        ["model.safetensors"]
+    out = {}
+    for f in files:
+        out.update(load_file(os.path.join(directory, f)))
+    return out
+
+
+def write_bin(model, directory: str, shards: int = 2, prefix_strip: str = "") -> None:
+    """Save like old transformers did: pytorch_model*.bin (+ index when sharded), optionally without the backbone
+    prefix (as the original GPT-2 release was)."""
+    os.makedirs(directory, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(directory)
+    state = {k[len(prefix_strip):] if prefix_strip and k.startswith(prefix_strip) else k: v.clone()
+             for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    names = sorted(state)
+    if shards == 1:
+        torch.save(state, os.path.join(directory, "pytorch_model.bin"))
+    else:
+        weight_map = {}
+        for k in range(shards):
+            file = f"pytorch_model-{k + 1:05d}-of-{shards:05d}.bin"
+            part = {n: state[n] for n in names[k::shards]}
+            torch.save(part, os.path.join(directory, file))
+            weight_map.update({n: file for n in part})
+        with open(os.path.join(directory, "pytorch_model.bin.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    tiny_tokenizer().save_pretrained(directory)

@@ -1,0 +1,203 @@
+"""HF <-> megatron maps without a model: layouts by hand, exact inverses, config checks and their messages, files."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from aligner.checkpoint.hf import (
+    CheckpointMismatchError,
+    UnsupportedModelError,
+    detect_prefix,
+    hf_config_for_export,
+    model_config_from_hf,
+    normalized_hf_config,
+    weight_map,
+)
+from aligner.checkpoint.hf_io import HFReader, SafetensorsWriter, parse_size
+from aligner.config.schema import ModelConfig
+
+LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=10, hidden_size=8,
+             intermediate_size=12, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+
+def _random_hf(wmap, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=gen) for name, shape in wmap.all_hf_shapes().items()}
+
+
+def _round_trip(wmap, hf):
+    meg = {}
+    for part in wmap.parts():
+        meg.update(wmap.to_megatron(part, hf.__getitem__))
+    back = {}
+    for part in wmap.parts():
+        back.update(wmap.to_hf(part, meg.__getitem__))
+    return meg, back
+
+
+def test_llama_fused_qkv_is_grouped_per_kv_head():
+    # 4 query heads, 2 KV groups, head_dim 1 (hidden 4): megatron rows are [q0 q1 k0 v0 | q2 q3 k1 v1].
+    cfg = ModelConfig(arch="llama", num_layers=1, hidden_size=4, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=2, vocab_size=3, add_qkv_bias=True)
+    wmap = weight_map(cfg, "policy")
+    hf = {n: torch.zeros(s) for n, s in wmap.hf_shapes(0).items()}
+    q = torch.tensor([10.0, 11, 12, 13])
+    k, v = torch.tensor([20.0, 21]), torch.tensor([30.0, 31])
+    for p, t in zip("qkv", (q, k, v)):
+        hf[f"model.layers.0.self_attn.{p}_proj.bias"] = t
+        hf[f"model.layers.0.self_attn.{p}_proj.weight"] = t[:, None].expand(-1, 4)
+    hf["model.layers.0.mlp.gate_proj.weight"] = torch.ones(2, 4)
+    hf["model.layers.0.mlp.up_proj.weight"] = 2 * torch.ones(2, 4)
+    meg = wmap.to_megatron(0, hf.__getitem__)
+    expected = [10.0, 11, 20, 30, 12, 13, 21, 31]
+    assert meg["decoder.layers.0.self_attention.linear_qkv.bias"].tolist() == expected
+    assert meg["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist() == expected
+    assert meg["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist() == [1, 1, 2, 2]  # [gate; up]
+
+
+def test_gpt2_conv1d_qkv_becomes_per_head_rows():
+    # GPT-2 c_attn: Conv1D [in=h, out=3h], columns [q | k | v]; megatron rows per head [q_h; k_h; v_h].
+    cfg = ModelConfig(arch="gpt2", num_layers=1, hidden_size=4, num_attention_heads=2, vocab_size=3,
+                      max_position_embeddings=8)
+    wmap = weight_map(cfg, "policy")
+    hf = {n: torch.zeros(s) for n, s in wmap.hf_shapes(0).items()}
+    cols = torch.arange(12.0)  # q = 0..3 (head0: 0,1; head1: 2,3), k = 4..7, v = 8..11
+    hf["transformer.h.0.attn.c_attn.weight"] = cols[None, :].expand(4, -1)
+    hf["transformer.h.0.attn.c_attn.bias"] = cols
+    hf["transformer.h.0.mlp.c_fc.weight"] = torch.arange(16.0).reshape(4, 4)
+    meg = wmap.to_megatron(0, hf.__getitem__)
+    expected = [0.0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert meg["decoder.layers.0.self_attention.linear_qkv.bias"].tolist() == expected
+    assert meg["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0].tolist() == expected
+    assert torch.equal(meg["decoder.layers.0.mlp.linear_fc1.weight"], torch.arange(16.0).reshape(4, 4).t())
+
+
+@pytest.mark.parametrize("arch,kw,model_type", [
+    ("llama", dict(num_query_groups=2, add_qkv_bias=True), "policy"),
+    ("llama", dict(num_query_groups=1, tie_embeddings=True), "policy"),
+    ("llama", dict(num_query_groups=4), "reward"),
+    ("gpt2", dict(), "policy"),
+    ("gpt2", dict(tie_embeddings=False), "reward"),
+])
+def test_maps_are_exact_inverses(arch, kw, model_type):
+    cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24,
+                      vocab_size=11, max_position_embeddings=8, **kw)
+    wmap = weight_map(cfg, model_type)
+    hf = _random_hf(wmap)
+    meg, back = _round_trip(wmap, hf)
+    assert sorted(back) == sorted(hf)
+    for name in hf:
+        assert torch.equal(back[name], hf[name]), name
+    if model_type == "reward":
+        assert meg["output_layer.weight"].shape == (1, 16) and meg["output_layer.bias"].tolist() == [0.0]
+    assert ("output_layer.weight" in meg) == (model_type == "reward" or not cfg.tie_embeddings)
+
+
+def test_model_config_from_llama_family():
+    cfg, family, model_type = model_config_from_hf(normalized_hf_config(LLAMA), "bfloat16")
+    assert (family, model_type) == ("llama", "policy")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size,
+            cfg.vocab_size, cfg.rotary_base, cfg.norm_epsilon, cfg.params_dtype, cfg.add_qkv_bias) == \
+        (2, 8, 4, 2, 12, 10, 500000.0, 1e-6, "bfloat16", False)
+    qwen = dict(LLAMA, architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True)
+    cfg, _, _ = model_config_from_hf(normalized_hf_config(qwen))
+    assert cfg.add_qkv_bias and cfg.tie_embeddings
+    legacy = {k: v for k, v in LLAMA.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=1234.0, rope_scaling=None)  # transformers 4 spelling
+    assert model_config_from_hf(normalized_hf_config(legacy))[0].rotary_base == 1234.0
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "architecture 'Qwen3ForCausalLM'"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0}), "rope_type"),
+    (dict(head_dim=4), "'head_dim'"),
+    (dict(attention_bias=True), "'attention_bias'"),
+    (dict(mlp_bias=True), "'mlp_bias'"),
+    (dict(hidden_act="gelu"), "'hidden_act'"),
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16), "--max-position-embeddings"),
+    (dict(architectures=["LlamaForSequenceClassification"], id2label={"0": "a", "1": "b"}), "num_labels=2"),
+    (dict(architectures=["LlamaForCausalLM", "LlamaModel"]), "exactly one"),
+])
+def test_unsupported_llama_features_name_the_field(change, field):
+    with pytest.raises(UnsupportedModelError, match=field):
+        model_config_from_hf(normalized_hf_config(dict(LLAMA, **change)))
+
+
+def test_sliding_window_can_be_capped_and_covers_long_windows():
+    mistral = dict(LLAMA, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16)
+    cfg, _, _ = model_config_from_hf(normalized_hf_config(mistral), max_position_embeddings=16)
+    assert cfg.max_position_embeddings == 16
+    long_window = dict(mistral, sliding_window=32)  # as long as the context: plain causal attention
+    assert model_config_from_hf(normalized_hf_config(long_window))[0].max_position_embeddings == 32
+
+
+def test_unsupported_gpt2_features():
+    gpt2 = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=10, n_embd=8, n_layer=1, n_head=2,
+                n_positions=16)
+    assert model_config_from_hf(normalized_hf_config(gpt2))[0].tie_embeddings
+    for change, field in ((dict(activation_function="gelu"), "activation_function"),
+                          (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx")):
+        with pytest.raises(UnsupportedModelError, match=field):
+            model_config_from_hf(normalized_hf_config(dict(gpt2, **change)))
+
+
+def test_export_config_switches_head_and_checks_agreement():
+    cfg, _, _ = model_config_from_hf(normalized_hf_config(LLAMA))
+    reward = hf_config_for_export(cfg, "reward", LLAMA, "float32")
+    assert reward["architectures"] == ["LlamaForSequenceClassification"] and reward["id2label"] == {"0": "LABEL_0"}
+    assert hf_config_for_export(cfg, "policy", reward, "bfloat16")["architectures"] == ["LlamaForCausalLM"]
+    built = hf_config_for_export(cfg, "policy", None, "float32")  # no source config: built from model.yaml
+    again, _, _ = model_config_from_hf(normalized_hf_config(built))
+    assert again == cfg
+    cfg.num_layers = 3
+    with pytest.raises(CheckpointMismatchError, match="num_layers"):
+        hf_config_for_export(cfg, "policy", LLAMA, "float32")
+
+
+def test_detect_prefix():
+    assert detect_prefix("llama", ["model.embed_tokens.weight"]) == "model."
+    assert detect_prefix("gpt2", ["wte.weight", "h.0.ln_1.weight"]) == ""
+    with pytest.raises(CheckpointMismatchError, match="no embedding"):
+        detect_prefix("llama", ["transformer.wte.weight"])
+
+
+def test_safetensors_writer_shards_and_reader_reads_back(tmp_path):
+    tensors = {f"t{i}": torch.full((10, 10), float(i)) for i in range(5)}  # 400 bytes each
+    writer = SafetensorsWriter(str(tmp_path), max_shard_bytes=900)
+    base = torch.zeros(20, 10)
+    writer.add("view", base[:10])  # a view of a larger tensor is stored on its own
+    for name, t in tensors.items():
+        writer.add(name, t)
+    files = writer.close()
+    assert files[-1] == "model.safetensors.index.json" and len(files) == 4  # 3 shards of <= 2 tensors
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    assert index["metadata"]["total_size"] == 6 * 400 and len(index["weight_map"]) == 6
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    reader = HFReader(str(tmp_path))
+    assert reader.names() == sorted(["view", *tensors]) and reader.shape("t3") == (10, 10)
+    assert reader.dtype("t3") == torch.float32 and torch.equal(reader.get("t3"), tensors["t3"])
+    with pytest.raises(ValueError, match="twice"):
+        w = SafetensorsWriter(str(tmp_path / "x"), 100)
+        w.add("a", torch.zeros(1))
+        w.add("a", torch.zeros(1))
+
+
+def test_reader_errors_name_the_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        HFReader(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="model-1.safetensors"):
+        HFReader(str(tmp_path))
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("500MB") == 5 * 10**8
+    assert parse_size(123) == 123 and parse_size("10") == 10
+    with pytest.raises(ValueError, match="cannot parse"):
+        parse_size("lots")
