@@ -1,0 +1,15 @@
+"""The critic job: value model + reward behind PyTriton, and the client the actor uses.
+
+- `protocol`: endpoint names (`critic_infer`, `critic_train`, `critic_save`), tensors, request validation.
+- `service.CriticService`: the logic as a plain SPMD class (testable without a server).
+- `reward_fn`: rewards from a user's Python function on decoded text.
+- `server`: the PyTriton binding on rank 0 and the command loop of the other ranks.
+- `client.CriticClient`: non-blocking calls returning futures.
+Importing this package is cheap: the service (megatron) and PyTriton load only when used.
+"""
+
+from aligner.critic.client import CriticClient, CriticUnreachableError, owns_dp_slice
+from aligner.critic.protocol import ENDPOINTS, INFER, SAVE, TRAIN, TRAIN_METRICS, CriticRequestError
+
+__all__ = ["CriticClient", "CriticUnreachableError", "CriticRequestError", "owns_dp_slice", "ENDPOINTS", "INFER",
+           "TRAIN", "SAVE", "TRAIN_METRICS"]

@@ -1,0 +1,206 @@
+"""The critic job's config schema (`conf/ppo_critic.yaml`) and the actor-side `critic` client section.
+
+`CriticJobConfig` composes the shared sections (model, parallel, optim) with the critic job's own: which reward
+(a reward model or a reward function, exactly one), how the value model trains, where the PyTriton server
+listens, and checkpointing. `validate()` runs at load (rules a type cannot express); `resolve_paths(config_dir)`
+turns relative file paths into absolute ones and checks that they exist; `validate_world(world_size)` checks the
+layout and batch sizes once the number of ranks is known. `load_critic_config(argv)` does all three but the last.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from aligner.config.errors import ConfigError
+from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
+from aligner.config.schema import (
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    validate_batch,
+    validate_layout,
+    validate_model,
+)
+
+REPO_ROOT = os.path.dirname(REPO_CONF_DIR)
+
+
+@dataclass
+class CriticTrainConfig:
+    """How one `critic_train` request is consumed: `epochs` passes over the request's rows in order, one optimizer
+    step per `global_batch_size` rows (the last global batch may be smaller), `micro_batch_size` rows per forward."""
+
+    global_batch_size: int = 64
+    micro_batch_size: int = 4
+    epochs: int = 1
+    value_clip_eps: Optional[float] = 0.2  # None = unclipped value loss
+
+
+@dataclass
+class CriticInferConfig:
+    micro_batch_size: int = 8  # rows per forward pass of `critic_infer` on each data-parallel rank
+
+
+@dataclass
+class CriticServerConfig:
+    host: str = "127.0.0.1"  # address the server binds to and prints; a Slurm launcher sets the node's host name
+    port: int = 5567  # HTTP
+    grpc_port: Optional[int] = None  # None = port + 1
+    metrics_port: Optional[int] = None  # None = port + 2
+    max_batch_size: int = 256  # rows per critic_infer request
+    max_train_batch_size: int = 8192  # rows per critic_train request
+    max_seq_len: Optional[int] = None  # tokens per row; None = model.max_position_embeddings
+    ready_timeout: float = 120.0  # seconds to wait for Triton and the endpoints to answer at start-up
+    heartbeat_s: float = 30.0  # idle rank 0 pings the other ranks this often so their collectives never time out
+    log_file: Optional[str] = None  # tritonserver's log; None = <exp_dir>/tritonserver.log
+
+    def resolved_ports(self) -> dict[str, int]:
+        return {"HTTP": self.port,
+                "gRPC": self.grpc_port if self.grpc_port is not None else self.port + 1,
+                "metrics": self.metrics_port if self.metrics_port is not None else self.port + 2}
+
+
+@dataclass
+class CriticCheckpointConfig:
+    dir: Optional[str] = None  # None = <exp_dir>/checkpoints
+    resume: bool = False  # load the latest checkpoint under `dir` (weights, optimizer, step) at start-up
+    keep: Optional[int] = None  # keep only the newest N checkpoints
+
+
+@dataclass
+class CriticJobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # the critic (scalar head, one value per token)
+    reward_model: Optional[ModelConfig] = None  # scalar head read at each sequence's last token
+    reward_mean: float = 0.0  # reward-model scores are reported as (score - reward_mean) / reward_std
+    reward_std: float = 1.0
+    reward_fn: Optional[str] = None  # a .py file defining reward_fn(prompts, responses[, labels]) -> list[float]
+    tokenizer: Optional[str] = None  # decodes tokens for reward_fn (tokenizer.json or an HF tokenizer directory)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: CriticTrainConfig = field(default_factory=CriticTrainConfig)
+    infer: CriticInferConfig = field(default_factory=CriticInferConfig)
+    server: CriticServerConfig = field(default_factory=CriticServerConfig)
+    checkpoint: CriticCheckpointConfig = field(default_factory=CriticCheckpointConfig)
+    exp_dir: str = "results/critic"
+    seed: int = 1234
+
+    # -- rules -------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        validate_model(self.model, "model")
+        if (self.reward_model is None) == (self.reward_fn is None):
+            raise ConfigError("reward_model", "set exactly one of reward_model (a scalar-head model) or reward_fn "
+                                              "(a .py file defining reward_fn); "
+                              + ("both are set" if self.reward_model is not None else "neither is set"))
+        if self.reward_model is not None:
+            validate_model(self.reward_model, "reward_model")
+            if self.reward_model.vocab_size != self.model.vocab_size:
+                raise ConfigError("reward_model.vocab_size", f"{self.reward_model.vocab_size} != model.vocab_size="
+                                  f"{self.model.vocab_size}: both models read the same token ids")
+        if not self.reward_std > 0:
+            raise ConfigError("reward_std", f"must be > 0, got {self.reward_std}")
+        if self.reward_fn is not None:
+            if not self.reward_fn.endswith(".py"):
+                raise ConfigError("reward_fn", f"must name a Python file (.py), got {self.reward_fn!r}")
+            if self.tokenizer_path is None:
+                raise ConfigError("tokenizer", "reward_fn scores decoded text: set tokenizer (a tokenizer.json or an "
+                                               "HF tokenizer directory) or model.tokenizer")
+        t, s = self.train, self.server
+        for key, value in (("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size",
+                           t.micro_batch_size), ("train.epochs", t.epochs), ("infer.micro_batch_size",
+                           self.infer.micro_batch_size), ("server.max_batch_size", s.max_batch_size),
+                           ("server.max_train_batch_size", s.max_train_batch_size)):
+            if value < 1:
+                raise ConfigError(key, f"must be >= 1, got {value}")
+        if t.value_clip_eps is not None and not t.value_clip_eps > 0:
+            raise ConfigError("train.value_clip_eps", f"must be > 0 (or null for no clipping), got {t.value_clip_eps}")
+        for name, port in s.resolved_ports().items():
+            if not 0 < port < 65536:
+                raise ConfigError("server.port", f"{name} port {port} is outside 1..65535")
+        if len(set(s.resolved_ports().values())) != 3:
+            raise ConfigError("server.port", f"HTTP, gRPC and metrics ports must differ: {s.resolved_ports()}")
+        if s.max_seq_len is not None and not 0 < s.max_seq_len <= self.model.max_position_embeddings:
+            raise ConfigError("server.max_seq_len", f"must be in 1..model.max_position_embeddings="
+                                                    f"{self.model.max_position_embeddings}, got {s.max_seq_len}")
+        if s.ready_timeout <= 0 or s.heartbeat_s <= 0:
+            raise ConfigError("server.ready_timeout", "server.ready_timeout and server.heartbeat_s must be > 0")
+        if self.checkpoint.keep is not None and self.checkpoint.keep < 1:
+            raise ConfigError("checkpoint.keep", f"must be >= 1 or null, got {self.checkpoint.keep}")
+
+    def validate_world(self, world_size: int) -> int:
+        """Check the TP/PP layout of both models and the batch sizes on `world_size` ranks; returns the DP size."""
+        dp = validate_layout(self.model, self.parallel, world_size, "model", "parallel")
+        if self.reward_model is not None:
+            validate_layout(self.reward_model, self.parallel, world_size, "reward_model", "parallel")
+        validate_batch(self.train.global_batch_size, self.train.micro_batch_size, dp, "train.global_batch_size",
+                       "train.micro_batch_size")
+        return dp
+
+    # -- derived values ----------------------------------------------------------------------------------
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        return self.tokenizer or self.model.tokenizer
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.server.max_seq_len or self.model.max_position_embeddings
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.exp_dir, "checkpoints")
+
+    @property
+    def triton_log_file(self) -> str:
+        return self.server.log_file or os.path.join(self.exp_dir, "tritonserver.log")
+
+    def resolve_paths(self, config_dir: Optional[str] = None) -> None:
+        """Make `reward_fn` and `tokenizer` absolute: a relative path is looked up in the working directory, the
+        repository root, then `config_dir` (the config file's directory). Raises ConfigError if not found."""
+        self.reward_fn = resolve_file(self.reward_fn, "reward_fn", config_dir)
+        if self.tokenizer is not None:
+            self.tokenizer = resolve_file(self.tokenizer, "tokenizer", config_dir)
+        elif self.reward_fn is not None and self.model.tokenizer is not None:
+            self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
+
+
+def resolve_file(path: Optional[str], key: str, config_dir: Optional[str] = None) -> Optional[str]:
+    if path is None:
+        return None
+    if os.path.isabs(path):
+        candidates = [path]
+    else:
+        candidates = [os.path.abspath(path), os.path.join(REPO_ROOT, path)]
+        if config_dir:
+            candidates.append(os.path.join(os.path.abspath(config_dir), path))
+    for candidate in candidates:
+        if os.path.exists(candidate):
+            return os.path.normpath(candidate)
+    raise ConfigError(key, f"{path!r} not found (looked in: {', '.join(dict.fromkeys(candidates))})")
+
+
+def load_critic_config(argv: Sequence[str], default_name: str = "ppo_critic") -> CriticJobConfig:
+    """`[--config-path DIR] [--config-name NAME] [key=value ...]` -> a validated CriticJobConfig with paths resolved."""
+    config_dir, name, overrides = parse_cli(argv, default_name)
+    cfg = load_config(CriticJobConfig, name, overrides, config_dir)
+    cfg.resolve_paths(config_dir or REPO_CONF_DIR)
+    return cfg
+
+
+@dataclass
+class CriticClientConfig:
+    """The actor job's `critic` section: where the critic job listens and how long to wait for it."""
+
+    host: str = "127.0.0.1"
+    port: int = 5567
+    connect_timeout: float = 120.0  # seconds to wait for the server to answer before failing with a clear error
+    infer_timeout: float = 600.0  # seconds for one critic_infer request
+    train_timeout: float = 3600.0  # seconds for one critic_train (or critic_save) request
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+__all__ = ["CriticJobConfig", "CriticTrainConfig", "CriticInferConfig", "CriticServerConfig",
+           "CriticCheckpointConfig", "CriticClientConfig", "load_critic_config", "resolve_file"]

@@ -1,0 +1,186 @@
+"""Client of the critic job (used by the actor): non-blocking calls that return futures.
+
+Contract
+- `CriticClient(url, connect_timeout, infer_timeout, train_timeout)` (or `CriticClient.from_config(cfg.critic)`
+  with an `aligner.config.critic.CriticClientConfig`). Requests go out from one worker thread in the order they
+  were submitted, so a `train_async` submitted before an `infer_async` reaches the server first (and the server
+  makes that infer wait until the training is done: the next rollout sees the updated critic). The caller never
+  blocks on training: it holds a Future and asks for the result when it needs it.
+- `infer_async(tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> Future[(values_BT, rewards_B1)]`,
+  `train_async(tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> Future[dict of float metrics]`,
+  `save(step) -> checkpoint path` (blocking; `save_async` returns a Future), `wait_ready(timeout)`.
+  Inputs are torch tensors or numpy arrays; results are CPU torch tensors (float32).
+- Arguments are checked here first (CriticRequestError at the call site); errors from the server come back as
+  CriticRequestError (the server's reason first); a server that does not answer within `connect_timeout` gives a
+  CriticUnreachableError that names the URL and what to check.
+- Who sends (actor side): only the rank that owns its data-parallel slice's data (`owns_dp_slice()`). For
+  `critic_train`, send the whole rollout batch in one request (gathered first): the critic splits each request into
+  its own global batches, so per-slice requests would each be trained on as a separate batch.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from aligner.critic import protocol
+from aligner.critic.protocol import CriticRequestError, Limits
+
+# The server checks the real limits (batch, length, vocabulary); here only the structure of the request.
+_LOCAL_LIMITS = Limits(max_batch_size=sys.maxsize, max_seq_len=sys.maxsize, vocab_size=2**62,
+                       max_train_batch_size=sys.maxsize)
+
+
+class CriticUnreachableError(ConnectionError):
+    pass
+
+
+def owns_dp_slice() -> bool:
+    """True on the one rank per data-parallel slice that sends that slice's requests (TP rank 0, first PP stage);
+    True in a process without model parallelism."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return True
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    except ImportError:
+        return True
+
+
+def _server_reason(message: str) -> str:
+    """The server's own error line out of PyTriton's wrapped traceback, if there is one."""
+    found = re.findall(r"(?:CriticRequestError|RewardFunctionError|_ShuttingDown): ([^\n\\]+)", message)
+    return found[-1].strip() if found else message
+
+
+class CriticClient:
+    def __init__(self, url: str, connect_timeout: float = 120.0, infer_timeout: float = 600.0,
+                 train_timeout: float = 3600.0):
+        self.url = url if "://" in url else f"http://{url}"
+        self.connect_timeout, self.infer_timeout, self.train_timeout = connect_timeout, infer_timeout, train_timeout
+        # One worker: requests leave in submission order (see the module docstring).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-client")
+        self._clients = {}  # endpoint -> ModelClient; used only by the worker thread
+        self._ready = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "CriticClient":
+        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout)
+
+    # -- public API --------------------------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every endpoint answers; CriticUnreachableError after `timeout` (default connect_timeout)."""
+        self._pool.submit(self._wait_ready, timeout).result()
+
+    def infer_async(self, tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> Future:
+        tokens, lengths, prompt_lengths, labels = protocol.check_infer(tokens_BT, lengths_B, prompt_lengths_B,
+                                                                       labels, _LOCAL_LIMITS)
+        inputs = {"tokens": tokens, "lengths": lengths.reshape(-1, 1)}
+        if prompt_lengths is not None:
+            inputs["prompt_lengths"] = prompt_lengths.reshape(-1, 1)
+        if labels is not None:
+            inputs["labels"] = np.array([[(x or "").encode("utf-8")] for x in labels], dtype=object)
+        return self._pool.submit(self._infer, inputs)
+
+    def train_async(self, tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> Future:
+        tokens, lengths, returns, prev_values, mask = protocol.check_train(tokens_BT, lengths_B, returns_BT,
+                                                                           prev_values_BT, mask_BT, _LOCAL_LIMITS)
+        inputs = {"tokens": tokens, "lengths": lengths.reshape(-1, 1), "returns": returns,
+                  "prev_values": prev_values, "mask": mask}
+        return self._pool.submit(self._train, inputs)
+
+    def save_async(self, step: int) -> Future:
+        step = protocol.check_step(step)
+        return self._pool.submit(self._save, step)
+
+    def save(self, step: int) -> str:
+        return self.save_async(step).result()
+
+    def close(self) -> None:
+        self._pool.submit(self._close_clients).result()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
+    # -- worker thread -----------------------------------------------------------------------------------
+    def _unreachable(self, timeout: float, reason) -> CriticUnreachableError:
+        return CriticUnreachableError(
+            f"cannot reach the critic server at {self.url} within {timeout:g} s ({reason}). Check: (1) is the critic "
+            f"job (scripts/serve_ppo_critic.py) running, and did it print 'critic server ready at ...'? (2) are the "
+            f"host and port right? The critic job listens on its server.host:server.port (default 127.0.0.1:5567, "
+            f"which other machines cannot reach). (3) does the actor config's `critic` section (critic.host, "
+            f"critic.port) point there?")
+
+    def _client(self, name: str):
+        from pytriton.client import ModelClient
+        from pytriton.client.warnings import NotSupportedTimeoutWarning
+
+        # PyTriton warns whenever the wait-for-server timeout differs from the request timeout: expected here.
+        warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning)
+        if name not in self._clients:
+            timeout = self.infer_timeout if name == protocol.INFER else self.train_timeout
+            self._clients[name] = ModelClient(self.url, name, init_timeout_s=self.connect_timeout,
+                                              inference_timeout_s=timeout)
+        return self._clients[name]
+
+    def _wait_ready(self, timeout: float | None = None) -> None:
+        from pytriton.client.exceptions import PyTritonClientError
+
+        timeout = self.connect_timeout if timeout is None else timeout
+        for name in protocol.ENDPOINTS:
+            try:
+                self._client(name).wait_for_model(timeout)
+            except (PyTritonClientError, OSError) as exc:
+                raise self._unreachable(timeout, f"endpoint {name}: {exc}") from exc
+        self._ready = True
+
+    def _call(self, name: str, inputs: dict) -> dict:
+        from pytriton.client.exceptions import (
+            PyTritonClientError,
+            PyTritonClientInferenceServerError,
+            PyTritonClientTimeoutError,
+        )
+
+        if not self._ready:
+            self._wait_ready()
+        try:
+            return self._client(name).infer_sample(**inputs)
+        except PyTritonClientInferenceServerError as exc:
+            raise CriticRequestError(f"{name} at {self.url} rejected the request: {_server_reason(str(exc))}") \
+                from exc
+        except PyTritonClientTimeoutError as exc:
+            timeout, key = ((self.infer_timeout, "infer_timeout") if name == protocol.INFER
+                            else (self.train_timeout, "train_timeout"))
+            raise TimeoutError(f"{name} at {self.url} did not answer within {timeout:g} s (critic.{key}): the "
+                               f"server is up but busy or stuck; see the critic job's log") from exc
+        except (PyTritonClientError, OSError) as exc:
+            self._ready = False
+            raise self._unreachable(self.connect_timeout, f"{name}: {exc!r}") from exc
+
+    def _infer(self, inputs: dict):
+        out = self._call(protocol.INFER, inputs)
+        return torch.from_numpy(out["values"].copy()), torch.from_numpy(out["rewards"].copy())
+
+    def _train(self, inputs: dict) -> dict[str, float]:
+        out = self._call(protocol.TRAIN, inputs)
+        return {k: float(out[k].reshape(-1)[0]) for k in protocol.TRAIN_METRICS}
+
+    def _save(self, step: int) -> str:
+        out = self._call(protocol.SAVE, {"step": np.array([step], dtype=np.int64)})
+        path = out["path"].reshape(-1)[0]
+        return path.decode() if isinstance(path, bytes) else str(path)
+
+    def _close_clients(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

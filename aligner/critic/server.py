@@ -1,0 +1,390 @@
+"""PyTriton binding of `CriticService`: rank 0 serves, every rank computes.
+
+Contract
+- `serve(service, cfg) -> exit code` is called on every rank after the service is built. Global rank 0 starts
+  Triton with the endpoints of aligner.critic.protocol and runs `CriticServer`; the other ranks run `run_worker`,
+  which waits for a command from rank 0 and runs the same service call. Only the default process group (made by
+  aligner.parallel.initialize) is used: rank 0 broadcasts a 5-integer header (op, B, T, flags, arg), then the tensors.
+- Threads: PyTriton calls the endpoint callables in its own threads. A callable validates its request (a bad one is
+  answered at once with the reason), then queues a job for the main thread and waits for the result. Only the main
+  thread broadcasts and runs models: the CPU compatibility layer's TorchFunctionMode is thread-local, collectives
+  must run in one order on every rank, and a FIFO queue gives the ordering the actor relies on (a critic_infer that
+  arrives while critic_train runs waits for it, so the next rollout sees the updated critic).
+- Lifecycle: the ports are checked before start-up (a taken port is named); once every endpoint answers through the
+  printed URL, rank 0 prints one line `critic server ready at http://HOST:PORT ...`. SIGTERM/SIGINT stop Triton
+  (process and workspace) and the workers, exit 0. If tritonserver dies, the job exits 1 with the reason; an
+  unexpected error while the ranks are in a collective also ends the job (exit 1): their state is then unknown.
+  While idle, rank 0 sends a no-op every `server.heartbeat_s` so the workers' pending broadcast never times out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import sysconfig
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from aligner.config.critic import CriticJobConfig, CriticServerConfig
+from aligner.critic import protocol
+from aligner.critic.protocol import CriticRequestError, check_infer, check_step, check_train
+from aligner.critic.reward_fn import RewardFunctionError
+
+LOG = logging.getLogger(__name__)
+
+OP_NOOP, OP_INFER, OP_TRAIN, OP_SAVE, OP_STOP = range(5)
+_FLAG_PROMPT_LENGTHS = 1
+
+
+class PortInUseError(RuntimeError):
+    pass
+
+
+class TritonStartError(RuntimeError):
+    pass
+
+
+# -- environment and ports ---------------------------------------------------------------------------------
+def ensure_libpython_on_library_path() -> None:
+    """Triton's python-backend stub must load this interpreter's libpython: put its directory on LD_LIBRARY_PATH.
+
+    tritonserver copies os.environ when it starts, so setting it here (before Triton starts) is enough.
+    """
+    libdir = sysconfig.get_config_var("LIBDIR")
+    parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+    if libdir and libdir not in parts:
+        os.environ["LD_LIBRARY_PATH"] = ":".join([libdir, *parts])
+
+
+def bind_address(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError as exc:
+        raise TritonStartError(f"server.host={host!r} cannot be resolved ({exc}): use an IP address or a host "
+                               f"name of this machine") from exc
+
+
+def public_url(server: CriticServerConfig) -> str:
+    host = socket.gethostname() if server.host in ("0.0.0.0", "") else server.host
+    return f"http://{host}:{server.port}"
+
+
+def check_ports_free(server: CriticServerConfig) -> None:
+    """Raise PortInUseError naming the first of the HTTP, gRPC and metrics ports that cannot be bound."""
+    address = bind_address(server.host)
+    for name, port in server.resolved_ports().items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # Like Triton's own listeners: a port left in TIME_WAIT by a previous server is usable.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((address, port))
+            except OSError as exc:
+                key = {"HTTP": "server.port", "gRPC": "server.grpc_port", "metrics": "server.metrics_port"}[name]
+                raise PortInUseError(
+                    f"port {port} ({name}) on {server.host} is already in use ({exc.strerror}): another critic "
+                    f"server or program holds it. Stop it, or pick free ports with server.port=... (gRPC and "
+                    f"metrics default to port+1 and port+2; set {key}=... to move only this one)") from exc
+
+
+def master_port_for_single_process(parallel_port):
+    """A world of one needs a rendezvous port nobody else uses (an actor job on the same machine takes the
+    launcher default): a free one, unless the config or the environment names one."""
+    if parallel_port is not None or "MASTER_PORT" in os.environ:
+        return parallel_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- command channel (rank 0 -> all ranks) ----------------------------------------------------------------
+class CommandChannel:
+    """Header + tensors broadcast from global rank 0 over the default group (a no-op in a world of one)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.active = dist.is_initialized() and dist.get_world_size() > 1
+
+    def send(self, op: int, batch: int = 0, seq: int = 0, flags: int = 0, arg: int = 0, tensors=()) -> None:
+        if not self.active:
+            return
+        header = torch.tensor([op, batch, seq, flags, arg], dtype=torch.int64, device=self.device)
+        dist.broadcast(header, src=0)
+        for t in tensors:
+            dist.broadcast(torch.as_tensor(t).to(self.device).contiguous(), src=0)
+
+    def recv(self) -> tuple[int, int, int, int, int]:
+        header = torch.empty(5, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, src=0)
+        return tuple(int(v) for v in header.tolist())
+
+    def recv_tensor(self, shape, dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(t, src=0)
+        return t
+
+
+def _infer_tensors(tokens, lengths, prompt_lengths):
+    return [torch.from_numpy(tokens), torch.from_numpy(lengths)] + (
+        [torch.from_numpy(prompt_lengths)] if prompt_lengths is not None else [])
+
+
+def run_worker(service, channel: CommandChannel) -> int:
+    """Ranks other than 0: run every command rank 0 broadcasts until OP_STOP; returns the exit code it carries."""
+    while True:
+        op, batch, seq, flags, arg = channel.recv()
+        if op == OP_STOP:
+            return arg
+        if op == OP_NOOP:
+            continue
+        if op == OP_SAVE:
+            service.save(arg)
+            continue
+        tokens = channel.recv_tensor((batch, seq), torch.int64)
+        lengths = channel.recv_tensor((batch,), torch.int64)
+        if op == OP_INFER:
+            prompt_lengths = channel.recv_tensor((batch,), torch.int64) if flags & _FLAG_PROMPT_LENGTHS else None
+            try:
+                service.infer(tokens, lengths, prompt_lengths)
+            except RewardFunctionError:
+                pass  # rank 0 reports it to the client; all ranks stay in step
+        elif op == OP_TRAIN:
+            returns, prev_values, mask = (channel.recv_tensor((batch, seq), torch.float32) for _ in range(3))
+            service.train(tokens, lengths, returns, prev_values, mask)
+        else:
+            raise RuntimeError(f"unknown command {op} from rank 0")
+
+
+# -- rank 0 ------------------------------------------------------------------------------------------------
+@dataclass
+class _Job:
+    op: int
+    args: tuple
+    future: Future
+
+
+class _ShuttingDown(RuntimeError):
+    pass
+
+
+class CriticServer:
+    """Rank 0: Triton endpoints -> FIFO queue -> main thread (broadcast, then the service)."""
+
+    def __init__(self, service, cfg: CriticJobConfig, channel: CommandChannel):
+        self.service, self.cfg, self.channel = service, cfg, channel
+        self.url = public_url(cfg.server)
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._lock = threading.Lock()
+        self._closing = False
+        self._signal = None
+        self._triton = None
+
+    # Triton threads ---------------------------------------------------------------------------------------
+    def _submit(self, op: int, args: tuple) -> dict:
+        job = _Job(op, args, Future())
+        with self._lock:
+            if self._closing:
+                raise _ShuttingDown("the critic server is shutting down")
+            self._jobs.put(job)
+        return job.future.result()
+
+    def _infer_endpoint(self, requests):
+        limits = self.service.limits
+        out = []
+        for r in requests:
+            d = r.data
+            args = check_infer(d.get("tokens"), d.get("lengths"), d.get("prompt_lengths"), d.get("labels"), limits)
+            out.append(self._submit(OP_INFER, args))
+        return out
+
+    def _train_endpoint(self, requests):
+        limits = self.service.limits
+        out = []
+        for r in requests:
+            d = r.data
+            args = check_train(d.get("tokens"), d.get("lengths"), d.get("returns"), d.get("prev_values"),
+                               d.get("mask"), limits)
+            out.append(self._submit(OP_TRAIN, args))
+        return out
+
+    def _save_endpoint(self, requests):
+        return [self._submit(OP_SAVE, (check_step(r.data.get("step")),)) for r in requests]
+
+    # main thread ------------------------------------------------------------------------------------------
+    def _run(self, job: _Job) -> dict:
+        if job.op == OP_INFER:
+            tokens, lengths, prompt_lengths, labels = job.args
+            flags = _FLAG_PROMPT_LENGTHS if prompt_lengths is not None else 0
+            self.channel.send(OP_INFER, *tokens.shape, flags, 0, _infer_tensors(tokens, lengths, prompt_lengths))
+            values, rewards = self.service.infer(tokens, lengths, prompt_lengths, labels)
+            return {"values": values.numpy(), "rewards": rewards.numpy()}
+        if job.op == OP_TRAIN:
+            tokens, lengths, returns, prev_values, mask = job.args
+            self.channel.send(OP_TRAIN, *tokens.shape, 0, 0,
+                              [torch.from_numpy(x) for x in (tokens, lengths, returns, prev_values, mask)])
+            metrics = self.service.train(tokens, lengths, returns, prev_values, mask)
+            return {k: np.array([metrics[k]], dtype=np.float32) for k in protocol.TRAIN_METRICS}
+        (step,) = job.args
+        self.channel.send(OP_SAVE, arg=step)
+        path = self.service.save(step)
+        return {"path": np.array([path.encode()], dtype=object)}
+
+    def _execute(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self._run(job)
+        except (CriticRequestError, RewardFunctionError) as exc:
+            job.future.set_exception(exc)  # raised identically on every rank: the ranks are still in step
+            return
+        except Exception as exc:
+            job.future.set_exception(exc)
+            if self.channel.active:
+                raise  # another rank may be waiting inside a collective: end the job rather than hang
+            LOG.exception("request failed; the single-rank server keeps serving")
+            return
+        job.future.set_result(result)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._signal = signum
+
+    def _start_triton(self) -> None:
+        from pytriton.model_config import ModelConfig, Tensor
+        from pytriton.triton import Triton, TritonConfig
+
+        s = self.cfg.server
+        ports = s.resolved_ports()
+        address = bind_address(s.host)
+        os.makedirs(os.path.dirname(os.path.abspath(self.cfg.triton_log_file)), exist_ok=True)
+        ensure_libpython_on_library_path()
+        config = TritonConfig(http_address=address, http_port=ports["HTTP"], grpc_address=address,
+                              grpc_port=ports["gRPC"], metrics_address=address, metrics_port=ports["metrics"],
+                              allow_gpu_metrics=torch.cuda.is_available(), log_file=self.cfg.triton_log_file,
+                              # Time for the endpoints' python stubs to unload: cut short, a stub can outlive
+                              # Triton and leave its model folder in /tmp (seen with 1 s; 5 s was enough here).
+                              exit_timeout_secs=10)
+        self._triton = Triton(config=config)
+        i64, f32 = np.int64, np.float32
+        no_batching = ModelConfig(batching=False)  # shapes include B; the server checks B itself, with clear errors
+        self._triton.bind(protocol.INFER, self._infer_endpoint, config=no_batching, inputs=[
+            Tensor(name="tokens", dtype=i64, shape=(-1, -1)), Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
+            Tensor(name="prompt_lengths", dtype=i64, shape=(-1, 1), optional=True),
+            Tensor(name="labels", dtype=bytes, shape=(-1, 1), optional=True)],
+            outputs=[Tensor(name="values", dtype=f32, shape=(-1, -1)),
+                     Tensor(name="rewards", dtype=f32, shape=(-1, 1))])
+        self._triton.bind(protocol.TRAIN, self._train_endpoint, config=no_batching, inputs=[
+            Tensor(name="tokens", dtype=i64, shape=(-1, -1)), Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
+            *(Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in ("returns", "prev_values", "mask"))],
+            outputs=[Tensor(name=n, dtype=f32, shape=(1,)) for n in protocol.TRAIN_METRICS])
+        self._triton.bind(protocol.SAVE, self._save_endpoint, config=no_batching,
+                          inputs=[Tensor(name="step", dtype=i64, shape=(1,))],
+                          outputs=[Tensor(name="path", dtype=bytes, shape=(1,))])
+        try:
+            self._triton.run()
+        except Exception as exc:
+            try:
+                check_ports_free(s)  # taken since the first check? Triton reports that as a misleading 403
+            except PortInUseError as port_exc:
+                raise port_exc from exc
+            raise TritonStartError(f"Triton failed to start: {exc!r}; see {self.cfg.triton_log_file}") from exc
+        self._check_endpoints()
+
+    def _check_endpoints(self) -> None:
+        """Answer through the printed URL before announcing it (catches a host name that does not reach us)."""
+        from pytriton.client import ModelClient
+
+        url = self.url if self.cfg.server.host not in ("0.0.0.0", "") else f"http://127.0.0.1:{self.cfg.server.port}"
+        timeout = self.cfg.server.ready_timeout
+        for name in protocol.ENDPOINTS:
+            try:
+                with ModelClient(url, name, init_timeout_s=timeout) as client:
+                    client.wait_for_model(timeout)
+            except Exception as exc:
+                raise TritonStartError(f"endpoint {name} did not answer at {url} within server.ready_timeout="
+                                       f"{timeout} s ({exc!r}); see {self.cfg.triton_log_file}") from exc
+
+    def _triton_death_reason(self) -> str:
+        detail = ""
+        try:  # best effort: PyTriton keeps the process handle private
+            detail = f" with exit code {self._triton._triton_server._tritonserver_running_cmd.exit_code}"
+        except Exception:  # noqa: BLE001
+            pass
+        return (f"tritonserver (or an endpoint's python stub) exited unexpectedly{detail}; "
+                f"its log: {self.cfg.triton_log_file}")
+
+    def _loop(self) -> int:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        last_command = time.monotonic()
+        while True:
+            if self._signal is not None:
+                print(f"critic server: {signal.Signals(self._signal).name} received, stopping", flush=True)
+                return 0
+            if not self._triton.is_alive():
+                print(f"critic server: {self._triton_death_reason()}", file=sys.stderr, flush=True)
+                return 1
+            try:
+                job = self._jobs.get(timeout=0.2)
+            except queue.Empty:
+                if world > 1 and time.monotonic() - last_command > self.cfg.server.heartbeat_s:
+                    self.channel.send(OP_NOOP)
+                    last_command = time.monotonic()
+                continue
+            self._execute(job)
+            last_command = time.monotonic()
+
+    def _shutdown(self, code: int) -> None:
+        with self._lock:
+            self._closing = True
+        while True:  # answer whatever is still queued, so Triton's handler threads return at once
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            job.future.set_exception(_ShuttingDown("the critic server is shutting down"))
+        if self._triton is not None:
+            self._triton.stop()
+        try:
+            self.channel.send(OP_STOP, arg=code)
+        except Exception as exc:  # noqa: BLE001 - the other ranks may already be gone
+            LOG.warning("could not tell the other ranks to stop: %r", exc)
+
+    def serve(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        code = 1
+        try:
+            self._start_triton()
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            from megatron.core import parallel_state as ps
+
+            print(f"critic server ready at {self.url} (endpoints {', '.join(protocol.ENDPOINTS)}; {world} rank(s): "
+                  f"TP {ps.get_tensor_model_parallel_world_size()}, PP {ps.get_pipeline_model_parallel_world_size()},"
+                  f" DP {ps.get_data_parallel_world_size()})", flush=True)
+            code = self._loop()
+        except Exception as exc:
+            print(f"critic server failed: {exc}", file=sys.stderr, flush=True)
+            if not isinstance(exc, (PortInUseError, TritonStartError)):
+                raise
+        finally:
+            self._shutdown(code)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return code
+
+
+def serve(service, cfg: CriticJobConfig) -> int:
+    """Run the critic job on this rank until it is stopped; returns the process exit code."""
+    logging.getLogger("pytriton").setLevel(logging.WARNING)
+    channel = CommandChannel(service.device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        return CriticServer(service, cfg, channel).serve()
+    return run_worker(service, channel)

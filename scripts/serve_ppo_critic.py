@@ -1,0 +1,58 @@
+"""Serve the PPO critic (value model) and the reward over PyTriton: the critic job of aligner.
+
+    srun -n M python scripts/serve_ppo_critic.py --config-name ppo_critic [key=value ...]
+    torchrun --nproc-per-node M scripts/serve_ppo_critic.py ...      (or mpiexec -n M, or plain python for one rank)
+    python scripts/serve_ppo_critic.py --config-name ppo_critic_demo  (the CPU demo)
+
+Every rank holds its TP/PP/DP slice of the models; rank 0 runs the server (endpoints and tensors: docs/CRITIC.md).
+Prints `critic server ready at http://HOST:PORT ...` when it answers; stops cleanly on SIGTERM/SIGINT.
+"""
+
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from aligner.config import ConfigError  # noqa: E402
+from aligner.config.critic import load_critic_config  # noqa: E402
+
+
+def main(argv) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    try:
+        cfg = load_critic_config(argv, default_name="ppo_critic")
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+    from aligner.critic.server import PortInUseError, check_ports_free, master_port_for_single_process, serve
+    from aligner.parallel.launch import discover, initialize, shutdown
+
+    info = discover(master_addr=cfg.parallel.master_addr, master_port=cfg.parallel.master_port)
+    if info.rank == 0:
+        try:
+            check_ports_free(cfg.server)  # before the models are built: fail in a second, naming the port
+        except PortInUseError as exc:
+            print(f"critic server failed: {exc}", file=sys.stderr)
+            return 1
+    master_port = master_port_for_single_process(cfg.parallel.master_port) if info.world_size == 1 else \
+        cfg.parallel.master_port
+    initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
+               backend=cfg.parallel.backend, seed=cfg.seed, master_addr=cfg.parallel.master_addr,
+               master_port=master_port, timeout_minutes=cfg.parallel.timeout_minutes)
+    try:
+        cfg.validate_world(info.world_size)
+        from aligner.critic.service import CriticService
+
+        service = CriticService(cfg)
+        return serve(service, cfg)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
