@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from aligner.checkpoint.convert import convert_hf_to_dist  # noqa: E402
 from aligner.checkpoint.hf import CheckpointMismatchError, UnsupportedModelError  # noqa: E402
 from aligner.config import ConfigError  # noqa: E402
-from aligner.parallel import shutdown  # noqa: E402
+from aligner.parallel import discover, shutdown  # noqa: E402
 
 USER_ERRORS = (UnsupportedModelError, CheckpointMismatchError, ConfigError, FileNotFoundError, FileExistsError,
                ValueError)
@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         return 2
     finally:
         shutdown()
-    print(f"wrote {out} (model.yaml, model/, tokenizer/, hf_config.json, conversion.json)")
+    if discover().rank == 0:
+        print(f"wrote {out} (model.yaml, model/, tokenizer/, hf_config.json, conversion.json)")
     return 0
 
 
