@@ -181,3 +181,25 @@ def load_model_weights(path: str, models) -> None:
     else:
         for i, m in enumerate(models):
             m.load_state_dict(loaded[f"model{i}"], strict=False)
+
+
+def load_backbone_weights(path: str, models) -> None:
+    """Like `load_model_weights`, but leaves the output layer as built: initialises a model whose head differs from
+    the checkpoint's, e.g. a critic (scalar head) from a converted policy (LM head), as NeMo-Aligner's
+    `load_base_model_only` does. The embedding, all layers and the final norm are loaded."""
+    from megatron.core import dist_checkpointing
+
+    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+    if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
+        raise FileNotFoundError(f"{model_dir} is not a megatron dist checkpoint (no metadata.json)")
+
+    def backbone(state: dict) -> dict:
+        return {k: v for k, v in state.items() if not k.startswith("output_layer.")}
+
+    sharded = [backbone(m.sharded_state_dict()) for m in models]
+    if len(models) == 1:
+        models[0].load_state_dict(dist_checkpointing.load(sharded[0], model_dir), strict=False)
+    else:
+        loaded = dist_checkpointing.load({f"model{i}": s for i, s in enumerate(sharded)}, model_dir)
+        for i, m in enumerate(models):
+            m.load_state_dict(loaded[f"model{i}"], strict=False)

@@ -198,3 +198,28 @@ def test_reverse_errors(tmp_path):
     out = convert_dist_to_hf(trained, str(tmp_path / "x"), model_config=conv, drop_score_bias=True)
     assert "config.json" in os.listdir(out)
     assert sorted(os.listdir(tmp_path)) == sorted(["hf", "conv", "wrong.yaml", "with_source", "trained", "x"])
+
+
+def test_critic_backbone_from_a_converted_policy(tmp_path):
+    """A scalar-head model takes every weight of a converted policy but the LM head (which it cannot hold)."""
+    from aligner.checkpoint.dist_ckpt import load_backbone_weights
+    from aligner.models.gpt import build_gpt
+
+    hf_dir, conv = str(tmp_path / "hf"), str(tmp_path / "conv")
+    make_hf("llama", hf_dir)
+    convert_hf_to_dist(hf_dir, conv)
+    cfg = load_model_yaml(os.path.join(conv, "model.yaml"))
+    policy = build_gpt(cfg, head="lm")
+    from aligner.checkpoint.dist_ckpt import load_model_weights
+
+    load_model_weights(conv, [policy])
+    critic = build_gpt(cfg, head="scalar")
+    head_before = {k: v.clone() for k, v in critic.output_layer.state_dict().items()}
+    load_backbone_weights(conv, [critic])
+    theirs = critic.state_dict()
+    for name, t in policy.state_dict().items():
+        if name.endswith("_extra_state") or name.startswith("output_layer."):
+            continue
+        assert torch.equal(theirs[name], t), name
+    for name, t in head_before.items():
+        assert torch.equal(critic.output_layer.state_dict()[name], t)
