@@ -1,0 +1,182 @@
+"""CriticService in one process (world of one, no server): infer against a direct forward, the reward-function
+path, value training, checkpoints, and bad inputs."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from critic_harness import (
+    REPO,
+    direct_values,
+    init_single_process,
+    sample_batch,
+    save_weights,
+    seeded_scalar_model,
+    tiny_model,
+)
+
+from aligner.config.critic import CriticJobConfig
+from aligner.critic.protocol import CriticRequestError
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """Seeded critic and reward-model weights as dist checkpoints, plus the models themselves for direct forwards."""
+    init_single_process()
+    root = tmp_path_factory.mktemp("critic_weights")
+    critic, rm = seeded_scalar_model(tiny_model(), 1), seeded_scalar_model(tiny_model(), 2)
+    return {"critic": critic, "rm": rm, "critic_ckpt": save_weights(critic, str(root / "critic")),
+            "rm_ckpt": save_weights(rm, str(root / "rm"))}
+
+
+def _service(weights, tmp_path, reward="model", **overrides):
+    from aligner.critic.service import CriticService
+
+    cfg = CriticJobConfig(model=tiny_model(checkpoint=weights["critic_ckpt"]), exp_dir=str(tmp_path))
+    if reward == "model":
+        cfg.reward_model = tiny_model(checkpoint=weights["rm_ckpt"])
+        cfg.reward_mean, cfg.reward_std = 0.5, 2.0
+    else:
+        cfg.reward_fn = os.path.join(REPO, "conf", "demo", "reward.py")
+        cfg.tokenizer = os.path.join(REPO, "conf", "demo", "tokenizer.json")
+    cfg.optim.lr = 3e-3
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 2
+    cfg.infer.micro_batch_size = 3
+    cfg.server.max_batch_size = 16
+    for key, value in overrides.items():
+        section, _, name = key.partition("__")
+        setattr(getattr(cfg, section), name, value) if name else setattr(cfg, section, value)
+    cfg.validate()
+    return CriticService(cfg)
+
+
+def test_infer_equals_direct_forward(weights, tmp_path):
+    service = _service(weights, tmp_path)
+    tokens, lengths = sample_batch(7, 12, seed=3)  # 7 rows: micro-batches of 3 with a padded last one
+    values, rewards = service.infer(tokens, lengths)
+    assert values.shape == (7, 12) and values.dtype == torch.float32 and rewards.shape == (7, 1)
+    valid = torch.arange(12)[None, :] < lengths[:, None]
+    expect_v = direct_values(weights["critic"], tokens)
+    torch.testing.assert_close(values[valid], expect_v[valid], rtol=0, atol=1e-5)
+    assert (values[~valid] == 0).all()
+    scores = direct_values(weights["rm"], tokens)[torch.arange(7), lengths - 1]
+    torch.testing.assert_close(rewards[:, 0], (scores - 0.5) / 2.0, rtol=0, atol=1e-5)
+    assert values[valid].std() > 0.05 and rewards.std() > 0.01  # the comparison is not between constants
+    # Padding content cannot change the answer (causal model, values beyond the length are zero).
+    garbage = tokens.clone()
+    garbage[~valid] = 47
+    v2, r2 = service.infer(garbage, lengths)
+    torch.testing.assert_close(v2, values, rtol=0, atol=0)
+    torch.testing.assert_close(r2, rewards, rtol=0, atol=0)
+
+
+def test_reward_function_path(weights, tmp_path):
+    import importlib.util
+
+    from tokenizers import Tokenizer
+
+    service = _service(weights, tmp_path, reward="fn")
+    tok = Tokenizer.from_file(os.path.join(REPO, "conf", "demo", "tokenizer.json"))
+    prompt_ids = tok.encode("say a: moon:").ids
+    responses = ["aaaa", "a b", "xyz"]
+    rows = [prompt_ids + tok.encode(r).ids for r in responses]
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    lengths = torch.tensor([len(r) for r in rows])
+    prompt_lengths = torch.full((3,), len(prompt_ids))
+    _, rewards = service.infer(tokens, lengths, prompt_lengths, labels=["a", "b", None])
+
+    spec = importlib.util.spec_from_file_location("demo_reward", os.path.join(REPO, "conf", "demo", "reward.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    expect = demo.reward_fn(["say a: moon:"] * 3, responses, ["a", "b", None])
+    assert expect == [1.0, 1 / 3, 0.0]
+    torch.testing.assert_close(rewards[:, 0], torch.tensor(expect, dtype=torch.float32))
+    _, whole = service.infer(tokens, lengths)  # no prompt_lengths: the whole sequence is scored
+    full = ["say a: moon:" + r for r in responses]
+    torch.testing.assert_close(whole[:, 0], torch.tensor(demo.reward_fn([""] * 3, full), dtype=torch.float32))
+
+
+def _train_batch(batch=6, seq=10, seed=5):
+    tokens, lengths = sample_batch(batch, seq, seed=seed, min_len=4)
+    pos = torch.arange(seq)[None, :]
+    mask = ((pos >= 2) & (pos < lengths[:, None])).float()  # "response" = everything after a 2-token prompt
+    gen = torch.Generator().manual_seed(seed)
+    returns = torch.randn(batch, seq, generator=gen) * mask
+    return tokens, lengths, returns, mask
+
+
+def test_train_lowers_value_loss_and_reports_metrics(weights, tmp_path):
+    from aligner.rl import explained_variance
+
+    service = _service(weights, tmp_path, train__epochs=2)
+    tokens, lengths, returns, mask = _train_batch()
+    losses = []
+    for _ in range(6):
+        values, _ = service.infer(tokens, lengths)
+        metrics = service.train(tokens, lengths, returns, values, mask)
+        losses.append(metrics["loss"])
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert metrics["steps"] == 4  # 6 rows in global batches of 4 -> 2 steps, 2 epochs
+    assert metrics["tokens"] == mask.sum().item()
+    assert 0 <= metrics["value_clipfrac"] <= 1 and metrics["grad_norm"] > 0 and metrics["lr"] == 3e-3
+    ev = explained_variance(values, returns, mask).item()
+    assert metrics["explained_variance"] == pytest.approx(ev, abs=1e-6)
+    # Loss as the value loss of the service's first forward: 0.5 * (V - R)^2 over masked tokens (no clip yet).
+    fresh = _service(weights, tmp_path / "fresh", train__epochs=1, train__global_batch_size=6,
+                     train__micro_batch_size=3)
+    v0, _ = fresh.infer(tokens, lengths)
+    first = fresh.train(tokens, lengths, returns, v0, mask)
+    expect = (0.5 * (v0 - returns).square() * mask).sum() / mask.sum()
+    assert first["loss"] == pytest.approx(expect.item(), rel=1e-5)
+    assert first["value_clipfrac"] == 0.0  # V == V_old on the first step
+
+
+def test_train_ignores_values_outside_the_mask(weights, tmp_path):
+    tokens, lengths, returns, mask = _train_batch()
+    a, b = _service(weights, tmp_path / "a"), _service(weights, tmp_path / "b")
+    values, _ = a.infer(tokens, lengths)
+    noisy_returns, noisy_values = returns.clone(), values.clone()
+    noisy_returns[mask == 0] = float("nan")
+    noisy_values[mask == 0] = 1e6
+    ma = a.train(tokens, lengths, returns, values, mask)
+    mb = b.train(tokens, lengths, noisy_returns, noisy_values, mask)
+    assert ma == pytest.approx(mb, rel=1e-6, nan_ok=True)
+    torch.testing.assert_close(a.infer(tokens, lengths)[0], b.infer(tokens, lengths)[0], rtol=0, atol=0)
+
+
+def test_save_then_resume_gives_identical_values_and_optimizer(weights, tmp_path):
+    tokens, lengths, returns, mask = _train_batch()
+    service = _service(weights, tmp_path)
+    values, _ = service.infer(tokens, lengths)
+    service.train(tokens, lengths, returns, values, mask)
+    path = service.save(3)
+    assert os.path.basename(path) == "step_000003" and os.path.isfile(os.path.join(path, "state.json"))
+    trained, _ = service.infer(tokens, lengths)
+    assert not torch.allclose(trained, values)
+
+    resumed = _service(weights, tmp_path, checkpoint__resume=True)
+    assert resumed.resumed_from == path
+    torch.testing.assert_close(resumed.infer(tokens, lengths)[0], trained, rtol=0, atol=0)
+    assert resumed.critic.steps_taken == service.critic.steps_taken == 2
+    # The optimizer state came back too: one more identical step gives identical weights.
+    m1 = service.train(tokens, lengths, returns, trained, mask)
+    m2 = resumed.train(tokens, lengths, returns, trained, mask)
+    assert m1 == pytest.approx(m2, rel=1e-6)
+    torch.testing.assert_close(resumed.infer(tokens, lengths)[0], service.infer(tokens, lengths)[0], rtol=0, atol=0)
+
+
+def test_bad_inputs_raise_before_any_work(weights, tmp_path):
+    service = _service(weights, tmp_path)
+    tokens, lengths = sample_batch(3, 8)
+    with pytest.raises(CriticRequestError, match="lengths\\[0\\]=9 is outside 1..T=8"):
+        service.infer(tokens, lengths + 9 - lengths[0])
+    with pytest.raises(CriticRequestError, match="exceeds server.max_batch_size=16"):
+        service.infer(torch.ones(17, 8, dtype=torch.long), torch.ones(17, dtype=torch.long))
+    with pytest.raises(CriticRequestError, match="prev_values has shape"):
+        service.train(tokens, lengths, torch.zeros(3, 8), torch.zeros(3, 7), torch.zeros(3, 8))
+    with pytest.raises(CriticRequestError, match="dtype float32; send int64"):
+        service.infer(tokens.float(), lengths)
+    values, rewards = service.infer(tokens, lengths)  # still serving
+    assert np.isfinite(values.numpy()).all() and rewards.shape == (3, 1)
