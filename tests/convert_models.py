@@ -57,9 +57,13 @@ def hf_class(kind: str):
             "gpt2_reward": tf.GPT2ForSequenceClassification}[kind]
 
 
-def make_hf(kind: str, directory: str | None = None, seed: int = 0, dtype=torch.float32, **save_kwargs):
-    """A tiny random HF model of `kind` (eval mode); saved with the tokenizer when `directory` is given."""
+def make_hf(kind: str, directory: str | None = None, seed: int = 0, dtype=torch.float32, overrides=None,
+            **save_kwargs):
+    """A tiny random HF model of `kind` (eval mode, config fields changed by `overrides`); saved with the
+    tokenizer when `directory` is given."""
     cfg = hf_config(kind)
+    for key, value in (overrides or {}).items():
+        setattr(cfg, key, value)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = hf_class(kind)(cfg).eval()

@@ -88,6 +88,20 @@ def test_bfloat16_round_trip_and_sharded_files(tmp_path):
     assert all(exported[n].dtype == torch.bfloat16 and torch.equal(exported[n], t) for n, t in original.items())
 
 
+def test_sliding_window_capped_to_the_window(tmp_path):
+    """Mistral with a 16-token window and 64 positions: refused as is; capped at 16 positions it is exact (12-token
+    inputs see no window), and the export restores the original config."""
+    hf_dir, conv, back = str(tmp_path / "hf"), str(tmp_path / "conv"), str(tmp_path / "back")
+    hf = make_hf("mistral", hf_dir, overrides={"sliding_window": 16})
+    with pytest.raises(UnsupportedModelError, match="--max-position-embeddings 16"):
+        convert_hf_to_dist(hf_dir, conv)
+    convert_hf_to_dist(hf_dir, conv, max_position_embeddings=16)
+    assert load_model_yaml(os.path.join(conv, "model.yaml")).max_position_embeddings == 16
+    torch.testing.assert_close(ours(conv), hf_outputs(hf), rtol=0, atol=1e-4)
+    convert_dist_to_hf(conv, back)
+    assert json.load(open(os.path.join(back, "config.json"))) == json.load(open(os.path.join(hf_dir, "config.json")))
+
+
 def test_pytorch_bin_shards_and_bare_gpt2_names(tmp_path):
     """Old-style files: sharded pytorch_model-*.bin, GPT-2 names without 'transformer.', causal-mask buffers."""
     hf = make_hf("gpt2")
