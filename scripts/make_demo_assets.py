@@ -22,6 +22,7 @@ def build_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)  # already in the vocabulary: marks them special (skipped when decoding)
     return tok
 
 

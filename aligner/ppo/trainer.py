@@ -72,7 +72,7 @@ class PPOTrainer:
         if self.rank == 0:
             from aligner.critic.client import CriticClient
 
-            self.critic = CriticClient(cfg.critic)
+            self.critic = CriticClient.from_config(cfg.critic)
             self.critic.wait_ready()
         self._resume()
         self.writer = MetricsWriter(cfg.logging.exp_dir, enabled=self.rank == 0,
