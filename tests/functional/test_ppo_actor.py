@@ -1,0 +1,130 @@
+"""The two jobs as real processes (launchers/local/ppo.py): the CPU demo learns, resumes exactly, stops cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCHER = os.path.join(ROOT, "launchers", "local", "ppo.py")
+ACTOR = os.path.join(ROOT, "scripts", "train_ppo_actor.py")
+REQUIRED = ["step", "rollout/reward_mean", "rollout/response_length_mean", "rollout/ended_fraction", "ppo/kl",
+            "ppo/kl_coef", "ppo/policy_loss", "ppo/clipfrac", "ppo/entropy", "ppo/grad_norm", "ppo/logprob_mismatch",
+            "critic/value_loss", "critic/explained_var", "timing/generate", "timing/logprobs", "timing/critic_wait",
+            "timing/train", "timing/refit", "timing/step"]
+
+
+def launch(exp_dir, *actor_overrides, timeout=900, critic=()):
+    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(exp_dir), "--actor", "logging.progress_bar=false",
+           *actor_overrides]
+    if critic:
+        cmd += ["--critic", *critic]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(exp_dir):
+    with open(os.path.join(exp_dir, "actor", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _no_stray_processes(marker):
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def test_demo_learns(tmp_path):
+    proc = launch(tmp_path, "ppo.num_steps=30", "validation.every=10")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"metrics: {tmp_path}/actor/metrics.jsonl"
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(30))
+    for key in REQUIRED:
+        assert all(r.get(key) is not None for r in rows), f"{key} missing from some steps"
+    assert rows[0]["ppo/kl"] == 0.0, "policy and reference must be identical before the first update"
+    assert max(r["ppo/logprob_mismatch"] for r in rows) < 1e-4, "engine and training log-probs must agree"
+    first = sum(r["rollout/reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.05, f"reward did not rise: first 5 steps {first:.3f}, last 5 steps {last:.3f}"
+    assert any("val/reward_mean" in r for r in rows)
+    with open(tmp_path / "actor" / "samples.jsonl") as f:
+        sample = json.loads(f.readline())
+    assert {"step", "prompt", "response", "reward", "ended"} <= set(sample)
+    assert os.path.isdir(tmp_path / "actor" / "tensorboard")
+    assert not _no_stray_processes(str(tmp_path))
+
+
+def _comparable(row):
+    return {k: v for k, v in row.items() if not k.startswith("timing/")}
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = ("checkpoint.save_every=0", "validation.every=0")
+    assert launch(straight, "ppo.num_steps=4", *common).returncode == 0
+    first = launch(split, "ppo.num_steps=2", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(os.listdir(split / "actor" / "checkpoints")) == ["step_000002"]
+    second = launch(split, "ppo.num_steps=4", *common)
+    assert second.returncode == 0, second.stderr[-3000:]
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for ra, rb in zip(a[2:], b[2:]):
+        assert _comparable(ra) == _comparable(rb)
+
+
+def test_sigterm_checkpoints_and_leaves_nothing(tmp_path):
+    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(tmp_path), "--actor", "logging.progress_bar=false",
+           "ppo.num_steps=200", "checkpoint.save_every=0", "validation.every=0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "actor" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    ckpts = sorted(os.listdir(tmp_path / "actor" / "checkpoints"))
+    assert len(ckpts) == 1 and ckpts[0].startswith("step_"), ckpts
+    state = json.loads((tmp_path / "actor" / "checkpoints" / ckpts[0] / "state.json").read_text())
+    assert state["step"] == len(read_metrics(tmp_path)) < 200
+    assert os.listdir(tmp_path / "critic" / "checkpoints") == ckpts, "the critic checkpoints at the same step"
+    time.sleep(1)
+    assert not _no_stray_processes(str(tmp_path))
+
+
+def _actor(*overrides, timeout=300):
+    return subprocess.run([sys.executable, ACTOR, "--config-name", "ppo_actor_demo", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_config_names_the_key(tmp_path):
+    proc = _actor(f"logging.exp_dir={tmp_path}/x", "ppo.rollout_batchsize=8")
+    assert proc.returncode == 2 and "ppo.rollout_batchsize" in proc.stderr
+    proc = _actor(f"logging.exp_dir={tmp_path}/x", "ppo.micro_batch_size=5")
+    assert proc.returncode != 0 and "ppo.micro_batch_size" in proc.stderr
+    proc = _actor(f"logging.exp_dir={tmp_path}/x", "data.train_file=nowhere.jsonl")
+    assert proc.returncode == 2 and "data.train_file" in proc.stderr and "nowhere.jsonl" in proc.stderr
+    assert not os.path.exists(tmp_path / "x"), "nothing is written for a config that fails validation"
+
+
+def test_unreachable_critic_is_explained(tmp_path):
+    from dist import free_port
+
+    port = free_port()
+    proc = _actor(f"logging.exp_dir={tmp_path}/x", f"critic.port={port}", "critic.connect_timeout=3")
+    assert proc.returncode != 0
+    assert f"127.0.0.1:{port}" in proc.stderr and "critic" in proc.stderr
+    assert not os.path.exists(tmp_path / "x" / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("mode", ["swap"])
+def test_reference_swap_mode_kl_zero_at_start(tmp_path, mode):
+    proc = launch(tmp_path, "ppo.num_steps=2", f"reference.mode={mode}", "checkpoint.save_at_end=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert rows[0]["ppo/kl"] == 0.0 and rows[1]["ppo/kl"] != 0.0
