@@ -204,6 +204,20 @@ def triton_workspaces(procs) -> set[str]:
     return out
 
 
+def stub_model_folders(procs) -> set[str]:
+    """The temporary model folders of the Triton python stubs among `procs` (a stub killed mid-unload leaves its
+    folder behind)."""
+    out = set()
+    for p in procs:
+        try:
+            args = p.cmdline()
+        except Exception:  # noqa: BLE001 - gone already
+            continue
+        if args and args[0].endswith("triton_python_backend_stub") and len(args) > 1:
+            out.add(os.path.dirname(os.path.dirname(args[1])))  # <folder>/1/model.py
+    return out
+
+
 def alive(procs) -> list:
     """Those of `procs` (psutil.Process) still running (zombies count as gone)."""
     import psutil

@@ -106,6 +106,20 @@ def master_port_for_single_process(parallel_port):
         return s.getsockname()[1]
 
 
+def _python_stubs() -> list:
+    """Triton python-backend stub processes started (through tritonserver) by this process."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "triton_python_backend_stub" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
 # -- command channel (rank 0 -> all ranks) ----------------------------------------------------------------
 class CommandChannel:
     """Header + tensors broadcast from global rank 0 over the default group (a no-op in a world of one)."""
@@ -269,9 +283,9 @@ class CriticServer:
         config = TritonConfig(http_address=address, http_port=ports["HTTP"], grpc_address=address,
                               grpc_port=ports["gRPC"], metrics_address=address, metrics_port=ports["metrics"],
                               allow_gpu_metrics=torch.cuda.is_available(), log_file=self.cfg.triton_log_file,
-                              # Time for the endpoints' python stubs to unload: cut short, a stub can outlive
-                              # Triton and leave its model folder in /tmp (seen with 1 s; 5 s was enough here).
-                              exit_timeout_secs=10)
+                              # The endpoints are unloaded before stop() (see _unload_endpoints); what is left
+                              # for tritonserver's exit is waiting for clients' keep-alive connections.
+                              exit_timeout_secs=3)
         self._triton = Triton(config=config)
         i64, f32 = np.int64, np.float32
         no_batching = ModelConfig(batching=False)  # shapes include B; the server checks B itself, with clear errors
@@ -312,6 +326,33 @@ class CriticServer:
                 raise TritonStartError(f"endpoint {name} did not answer at {url} within server.ready_timeout="
                                        f"{timeout} s ({exc!r}); see {self.cfg.triton_log_file}") from exc
 
+    def _unload_endpoints(self, timeout: float = 30.0) -> None:
+        """Unload the endpoints while Triton still runs, so that their python stubs exit cleanly.
+
+        tritonserver's own exit first waits (up to exit_timeout) for open client connections, which an actor
+        keeps, and then kills the stubs still loaded: they can outlive it and leave their model folders in /tmp.
+        """
+        import contextlib
+
+        import tritonclient.http as httpclient
+        from pytriton.client.auth import create_auth_headers
+
+        if not self._triton.is_alive():
+            return
+        host = "127.0.0.1" if self.cfg.server.host in ("0.0.0.0", "") else bind_address(self.cfg.server.host)
+        try:
+            headers = create_auth_headers(self._triton.get_access_token(), "http")
+            with contextlib.closing(httpclient.InferenceServerClient(f"{host}:{self.cfg.server.port}",
+                                                                     network_timeout=timeout)) as client:
+                for name in protocol.ENDPOINTS:
+                    client.unload_model(name, headers=headers)
+            # The unload call returns before the stubs have gone: wait for those processes themselves.
+            deadline = time.monotonic() + timeout
+            while _python_stubs() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception as exc:  # noqa: BLE001 - stop() still runs; this only makes it cleaner
+            LOG.warning("could not unload the endpoints before stopping Triton: %r", exc)
+
     def _triton_death_reason(self) -> str:
         detail = ""
         try:  # best effort: PyTriton keeps the process handle private
@@ -351,6 +392,7 @@ class CriticServer:
                 break
             job.future.set_exception(_ShuttingDown("the critic server is shutting down"))
         if self._triton is not None:
+            self._unload_endpoints()
             self._triton.stop()
         try:
             self.channel.send(OP_STOP, arg=code)
