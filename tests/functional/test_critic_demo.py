@@ -1,0 +1,95 @@
+"""The CPU demo's critic job as a user starts it (`--config-name ppo_critic_demo`): the reward-function path end to
+end, SIGINT on a server started like a background job, and a tritonserver that dies under it."""
+
+import importlib.util
+import os
+import signal
+
+import pytest
+import torch
+from critic_harness import REPO, ServerProcess, free_ports, stub_model_folders, triton_workspaces, wait_gone
+
+from aligner.critic import CriticClient
+
+
+def _demo_reward():
+    spec = importlib.util.spec_from_file_location("demo_reward", os.path.join(REPO, "conf", "demo", "reward.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reward_fn
+
+
+def _encode(texts):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(REPO, "conf", "demo", "tokenizer.json"))
+    return [tok.encode(t).ids for t in texts]
+
+
+def _demo_server(tmp_path, **kw) -> ServerProcess:
+    port = free_ports(3)
+    return ServerProcess(["--config-name", "ppo_critic_demo", f"server.port={port}", f"exp_dir={tmp_path}"], **kw)
+
+
+def test_demo_reward_function_end_to_end_and_sigint(tmp_path):
+    # Started the way a shell starts a background job (SIGINT ignored): the job's own handler must still stop it.
+    server = _demo_server(tmp_path, ignore_sigint=True)
+    try:
+        url = server.wait_ready()
+        prompts, responses, labels = ["say a: cat:", "say a: moon rain:"], ["aaxa", "b a"], ["a", "b"]
+        prompt_ids, response_ids = _encode(prompts), _encode(responses)
+        rows = [p + r for p, r in zip(prompt_ids, response_ids)]
+        width = max(map(len, rows)) + 3
+        tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        lengths = torch.tensor([len(r) for r in rows])
+        prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
+        reward_fn = _demo_reward()
+        with CriticClient(url, connect_timeout=30) as client:
+            values, rewards = client.infer_async(tokens, lengths, prompt_lengths, labels).result(60)
+            expect = reward_fn(prompts, responses, labels)
+            assert expect == [0.75, 1 / 3]  # the share of the label's letter
+            torch.testing.assert_close(rewards[:, 0], torch.tensor(expect))
+            assert values.shape == tokens.shape and values[0, : lengths[0]].abs().sum() > 0
+            _, whole = client.infer_async(tokens, lengths).result(60)  # no prompt_lengths, no labels
+            full = [p + r for p, r in zip(prompts, responses)]
+            torch.testing.assert_close(whole[:, 0], torch.tensor(reward_fn([""] * 2, full), dtype=torch.float32))
+            pos = torch.arange(width)[None]
+            mask = (pos >= prompt_lengths[:, None]) & (pos < lengths[:, None])
+            metrics = client.train_async(tokens, lengths, rewards.expand(-1, width) * mask, values,
+                                         mask.float()).result(60)
+            assert metrics["tokens"] == mask.sum().item() and metrics["steps"] == 1
+        procs = server.descendants()
+        leftovers = triton_workspaces(procs) | stub_model_folders(procs)
+        server.signal(signal.SIGINT)
+        assert server.wait_exit(90) == 0, server.output[-3000:]
+        assert "SIGINT received, stopping" in server.output
+        assert wait_gone(procs) == []
+        assert len(leftovers) == 4 and not any(os.path.exists(p) for p in leftovers)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+def test_tritonserver_death_ends_the_job_with_the_reason(tmp_path):
+    server = _demo_server(tmp_path)
+    try:
+        server.wait_ready()
+        procs = server.descendants()
+        (triton,) = [p for p in procs if p.name() == "tritonserver"]
+        triton.kill()
+        code = server.wait_exit(90)
+        assert code == 1, server.output[-3000:]
+        assert "tritonserver (or an endpoint's python stub) exited unexpectedly" in server.output
+        assert str(tmp_path / "tritonserver.log") in server.output
+        assert wait_gone(procs) == []
+        assert not any(os.path.exists(p) for p in triton_workspaces(procs) | stub_model_folders(procs))
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
+@pytest.mark.parametrize("override, text", [("reward_fn=missing.py", "config error at 'reward_fn'"),
+                                            ("server.port=70000", "outside 1..65535")])
+def test_bad_config_exits_2_with_the_key(tmp_path, override, text):
+    server = ServerProcess(["--config-name", "ppo_critic_demo", override, f"exp_dir={tmp_path}"])
+    assert server.wait_exit(60) == 2 and text in server.output, server.output[-2000:]
