@@ -38,6 +38,7 @@ class SamplingConfig:
     greedy: bool = False
     min_new_tokens: int = 0
     max_new_tokens: Optional[int] = None  # None = generation.max_response_length
+    ignore_eos: bool = False  # EOS and stop tokens end nothing: every response has max_new_tokens (benchmarks)
 
 
 @dataclass

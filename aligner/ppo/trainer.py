@@ -178,7 +178,8 @@ class PPOTrainer:
     def _sampling_kw(self, greedy: bool | None = None) -> dict:
         s = self.cfg.sampling
         return dict(greedy=s.greedy if greedy is None else greedy, temperature=s.temperature, top_k=s.top_k,
-                    top_p=s.top_p, min_new_tokens=s.min_new_tokens, max_new_tokens=s.max_new_tokens)
+                    top_p=s.top_p, min_new_tokens=s.min_new_tokens, max_new_tokens=s.max_new_tokens,
+                    ignore_eos=s.ignore_eos)
 
     def generate_rollouts(self) -> Rollout:
         """Sample one response per prompt of this DP rank's share of the step's prompts (engine = last refit)."""
