@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -326,7 +327,7 @@ class CriticServer:
                 raise TritonStartError(f"endpoint {name} did not answer at {url} within server.ready_timeout="
                                        f"{timeout} s ({exc!r}); see {self.cfg.triton_log_file}") from exc
 
-    def _unload_endpoints(self, timeout: float = 30.0) -> None:
+    def _unload_endpoints(self, log_level: int = logging.WARNING, timeout: float = 30.0) -> None:
         """Unload the endpoints while Triton still runs, so that their python stubs exit cleanly.
 
         tritonserver's own exit first waits (up to exit_timeout) for open client connections, which an actor
@@ -351,7 +352,7 @@ class CriticServer:
             while _python_stubs() and time.monotonic() < deadline:
                 time.sleep(0.1)
         except Exception as exc:  # noqa: BLE001 - stop() still runs; this only makes it cleaner
-            LOG.warning("could not unload the endpoints before stopping Triton: %r", exc)
+            LOG.log(log_level, "could not unload the endpoints before stopping Triton: %r", exc)
 
     def _triton_death_reason(self) -> str:
         detail = ""
@@ -362,21 +363,34 @@ class CriticServer:
         return (f"tritonserver (or an endpoint's python stub) exited unexpectedly{detail}; "
                 f"its log: {self.cfg.triton_log_file}")
 
+    def _signalled(self, grace: float = 0.0) -> bool:
+        """Whether SIGTERM/SIGINT arrived, waiting up to `grace` s for it: a launcher (srun, torchrun) signals
+        every rank at once, so a collective can fail on a dead peer a moment before our own signal is handled."""
+        deadline = time.monotonic() + grace
+        while self._signal is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the handler runs on this (main) thread between these calls
+        return self._signal is not None
+
     def _loop(self) -> int:
         world = dist.get_world_size() if dist.is_initialized() else 1
         last_command = time.monotonic()
         while True:
             if self._signal is not None:
-                print(f"critic server: {signal.Signals(self._signal).name} received, stopping", flush=True)
                 return 0
             if not self._triton.is_alive():
+                if self._signalled(1.0):  # tritonserver got the same signal (same process group) and went first
+                    return 0
                 print(f"critic server: {self._triton_death_reason()}", file=sys.stderr, flush=True)
                 return 1
             try:
                 job = self._jobs.get(timeout=0.2)
             except queue.Empty:
                 if world > 1 and time.monotonic() - last_command > self.cfg.server.heartbeat_s:
-                    self.channel.send(OP_NOOP)
+                    try:
+                        self.channel.send(OP_NOOP)
+                    except Exception as exc:
+                        raise RuntimeError(f"lost contact with the other ranks of the critic job ({exc}); "
+                                           f"did one of them die? See its log") from exc
                     last_command = time.monotonic()
                 continue
             self._execute(job)
@@ -391,13 +405,15 @@ class CriticServer:
             except queue.Empty:
                 break
             job.future.set_exception(_ShuttingDown("the critic server is shutting down"))
+        # After a signal, tritonserver and the other ranks may have received it too and be gone: not worth a warning.
+        level = logging.INFO if self._signal is not None else logging.WARNING
         if self._triton is not None:
-            self._unload_endpoints()
+            self._unload_endpoints(level)
             self._triton.stop()
         try:
             self.channel.send(OP_STOP, arg=code)
         except Exception as exc:  # noqa: BLE001 - the other ranks may already be gone
-            LOG.warning("could not tell the other ranks to stop: %r", exc)
+            LOG.log(level, "could not tell the other ranks to stop: %r", exc)
 
     def serve(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -412,10 +428,15 @@ class CriticServer:
                   f" DP {ps.get_data_parallel_world_size()})", flush=True)
             code = self._loop()
         except Exception as exc:
-            print(f"critic server failed: {exc}", file=sys.stderr, flush=True)
-            if not isinstance(exc, (PortInUseError, TritonStartError)):
-                raise
+            if self._signalled(2.0):
+                code = 0
+            else:
+                if not isinstance(exc, (PortInUseError, TritonStartError)):
+                    traceback.print_exc()
+                print(f"critic server failed: {exc}", file=sys.stderr, flush=True)
         finally:
+            if self._signal is not None:
+                print(f"critic server: {signal.Signals(self._signal).name} received, stopping", flush=True)
             self._shutdown(code)
             for s, handler in previous.items():
                 signal.signal(s, handler)
