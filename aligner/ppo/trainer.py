@@ -147,11 +147,21 @@ class PPOTrainer:
         return metrics
 
     # -- phases -------------------------------------------------------------------------------------------
-    def _my_prompt_indices(self, global_indices: list[int]) -> tuple[list[int], list[int]]:
-        """(dataset indices, positions in the global batch) of this DP rank's contiguous share."""
-        per = len(global_indices) // self.dp
-        lo = self.dp_rank * per
-        return global_indices[lo:lo + per], list(range(lo, lo + per))
+    def _my_positions(self, n: int, groups: int, seed: int | None) -> list[int]:
+        """Positions in a global batch of `n` that this DP rank owns, mini-batch by mini-batch.
+
+        The global batch is permuted once (same seed on every rank) and cut into `groups` global mini-batches; each
+        DP rank takes its contiguous share of every mini-batch. So local rows [m*n/(groups*dp), ...) form this rank's
+        share of global mini-batch m, and the mini-batches are the same sets of samples for any DP size (DP=2
+        reproduces DP=1)."""
+        order = list(range(n)) if seed is None else torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        per_group = n // groups
+        share = per_group // self.dp
+        mine = []
+        for m in range(groups):
+            lo = m * per_group + self.dp_rank * share
+            mine.extend(order[lo:lo + share])
+        return mine
 
     def _generate(self, prompts, positions, sampling_kw, step_seed) -> Rollout:
         """Generate for `prompts` in engine-sized chunks; returns the assembled rollout."""
@@ -168,6 +178,7 @@ class PPOTrainer:
             part = assemble(tokens_BP.to(self.device), lengths_B.to(self.device), out.response_tokens_BR,
                             out.response_lengths_B, out.logprobs_BR, out.ended_B, self.tokenizer.pad_id, total)
             part.labels = [p.label for p in sub]
+            part.positions = list(positions[lo:lo + chunk])
             parts.append(part)
         rollout = concat(parts, self.tokenizer.pad_id)
         # One sequence length across DP ranks: the critic gets one [B, T] batch and shapes stay static.
@@ -184,30 +195,40 @@ class PPOTrainer:
     def generate_rollouts(self) -> Rollout:
         """Sample one response per prompt of this DP rank's share of the step's prompts (engine = last refit)."""
         global_indices = self.sampler.next_batch(self.cfg.ppo.rollout_batch_size)
-        mine, positions = self._my_prompt_indices(global_indices)
+        positions = self._my_positions(len(global_indices), self.cfg.ppo.num_mini_batches,
+                                       self.cfg.seed * 7 + self.step)
+        mine = [global_indices[p] for p in positions]
         prompts = [self.train_data.items[i] for i in mine]
         rollout = self._generate(prompts, positions, self._sampling_kw(), self.step)
         rollout.prompt_indices = mine
         return rollout
 
-    def _gather_dp(self, array: np.ndarray) -> np.ndarray | None:
-        """Concatenate a per-DP-rank array on global rank 0 (in DP order); None elsewhere."""
+    def _gather_dp(self, rollout: Rollout, *arrays):
+        """The whole global batch on global rank 0, rows in global-position order (the order a single process would
+        hold them in, so the critic sees the same batch for any DP size); a list of None elsewhere."""
         parts = [None] * self.dp
-        dist.all_gather_object(parts, array, group=self.dp_group)
-        return np.concatenate(parts) if self.rank == 0 else None
+        dist.all_gather_object(parts, (rollout.positions, arrays), group=self.dp_group)
+        if self.rank != 0:
+            return [None] * len(arrays)
+        order = np.argsort(np.concatenate([np.asarray(pos) for pos, _ in parts]), kind="stable")
+        out = []
+        for i, a in enumerate(arrays):
+            if isinstance(a, list):
+                flat = [x for _, arrs in parts for x in arrs[i]]
+                out.append([flat[j] for j in order])
+            else:
+                out.append(np.concatenate([arrs[i] for _, arrs in parts])[order])
+        return out
 
     def request_values(self, rollout: Rollout):
         """Send the whole batch to critic_infer from rank 0 (non-blocking); returns a future on rank 0."""
-        tokens = self._gather_dp(rollout.tokens_BT.cpu().numpy())
-        lengths = self._gather_dp(rollout.lengths_B.cpu().numpy())
-        prompt_lengths = self._gather_dp(rollout.prompt_lengths_B.cpu().numpy())
-        labels = [None] * self.dp
-        dist.all_gather_object(labels, rollout.labels, group=self.dp_group)
+        tokens, lengths, prompt_lengths, labels = self._gather_dp(
+            rollout, rollout.tokens_BT.cpu().numpy(), rollout.lengths_B.cpu().numpy(),
+            rollout.prompt_lengths_B.cpu().numpy(), list(rollout.labels))
         if self.rank != 0:
             return None
-        flat = [x for part in labels for x in part]
         return self.critic.infer_async(tokens, lengths, prompt_lengths,
-                                       labels=flat if any(x is not None for x in flat) else None)
+                                       labels=labels if any(x is not None for x in labels) else None)
 
     def receive_values(self, future, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's values [B, T] and scores [B] from the critic's answer (broadcast from rank 0)."""
@@ -221,8 +242,8 @@ class PPOTrainer:
         values, scores = values.to(self.device), scores.to(self.device)
         dist.broadcast(values, src=0)
         dist.broadcast(scores, src=0)
-        lo = self.dp_rank * B
-        return values[lo:lo + B], scores[lo:lo + B]
+        mine = torch.tensor(rollout.positions, device=values.device)
+        return values[mine], scores[mine]
 
     def _micro_batches(self, rollout: Rollout, rows: list[int] | None = None, **per_token) -> list[dict]:
         rows = list(range(rollout.batch_size)) if rows is None else rows
@@ -290,9 +311,8 @@ class PPOTrainer:
         def full_grid(x_BS):  # the critic's [B, T] grid: the shifted grid plus an empty last position
             return torch.nn.functional.pad(x_BS.float(), (0, 1)).cpu().numpy()
 
-        gathered = [self._gather_dp(a) for a in (rollout.tokens_BT.cpu().numpy(), rollout.lengths_B.cpu().numpy(),
-                                                 full_grid(batch["returns"]), full_grid(batch["values"]),
-                                                 full_grid(rollout.mask_BS))]
+        gathered = self._gather_dp(rollout, rollout.tokens_BT.cpu().numpy(), rollout.lengths_B.cpu().numpy(),
+                                   full_grid(batch["returns"]), full_grid(batch["values"]), full_grid(rollout.mask_BS))
         if self.rank != 0:
             return None
         return self.critic.train_async(*gathered)
@@ -316,8 +336,9 @@ class PPOTrainer:
         per_mini = B // cfg.num_mini_batches
         stats, grad_norms = [], []
         g = torch.Generator().manual_seed(self.cfg.seed * 31 + self.step)
-        for _ in range(cfg.epochs):
-            order = torch.randperm(B, generator=g).tolist()
+        for epoch in range(cfg.epochs):
+            # Epoch 0 keeps the global mini-batches laid out by _my_positions; later epochs reshuffle locally.
+            order = list(range(B)) if epoch == 0 else torch.randperm(B, generator=g).tolist()
             for m in range(cfg.num_mini_batches):
                 rows = order[m * per_mini:(m + 1) * per_mini]
                 micro = self._micro_batches(rollout, rows, **batch)
@@ -359,8 +380,8 @@ class PPOTrainer:
         n = (len(items) // self.dp) * self.dp
         if n == 0:
             return {}
-        indices = list(range(n))
-        mine, positions = self._my_prompt_indices(indices)
+        positions = self._my_positions(n, 1, None)
+        mine = positions
         rollout = self._generate([items[i] for i in mine], positions, self._sampling_kw(self.cfg.validation.greedy),
                                  10_000_000 + self.step)
         rollout.labels = [items[i].label for i in mine]

@@ -128,3 +128,20 @@ def test_reference_swap_mode_kl_zero_at_start(tmp_path, mode):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert rows[0]["ppo/kl"] == 0.0 and rows[1]["ppo/kl"] != 0.0
+
+
+def test_actor_dp2_matches_one_process(tmp_path):
+    """Two data-parallel actor ranks (torchrun, gloo) reproduce the one-process run: same prompts per global
+    mini-batch, same per-sample seeds, global-token loss normalisation, whitening over the DP group."""
+    common = ("ppo.num_steps=2", "checkpoint.save_at_end=false", "validation.every=0")
+    one = launch(tmp_path / "one", *common)
+    assert one.returncode == 0, one.stderr[-3000:]
+    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(tmp_path / "two"), "--actor-procs", "2", "--actor",
+           "logging.progress_bar=false", *common]
+    two = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):
+        for key, value in _comparable(ra).items():
+            assert rb[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

@@ -1,0 +1,104 @@
+"""Side-by-side tables of two result records (HF loop, aligner) and the per-step speed-up.
+
+`compare(hf, al)` -> (rows, problems): one row per phase, the step, tokens/s and memory; problems lists workload
+differences (which make the speed-up meaningless). `text_table` and `markdown_table` render the rows; the markdown is
+what docs/PERF.md records. Pure Python.
+"""
+
+from __future__ import annotations
+
+from aligner.ppo.bench.workload import PHASES
+
+GOAL_SPEEDUP = 2.0
+LABELS = {
+    "generate": "generate",
+    "logprobs": "log-probs (policy, reference)",
+    "values_rewards": "values + rewards (critic, reward model)",
+    "critic_wait": "critic wait (values; critic update)",
+    "advantages": "KL rewards, GAE, whitening",
+    "train": "policy update",
+    "refit": "refit (policy -> engine)",
+    "critic_train": "critic update",
+    "other": "other (unphased)",
+}
+# What aligner's actor cannot time because the critic job does it concurrently (its wait is in critic_wait).
+IN_CRITIC_JOB = ("values_rewards", "critic_train")
+
+
+def _cell(record: dict, phase: str) -> str:
+    value = record["phases_s"].get(phase)
+    if value is not None:
+        return f"{value:.3f}"
+    if record["mode"] == "aligner" and phase in IN_CRITIC_JOB:
+        return "critic job"
+    return "-"
+
+
+def _gb(record: dict) -> str:
+    value = (record.get("memory") or {}).get("gpu_mem_peak_gb")
+    return "-" if value is None else f"{value:.1f}"
+
+
+def compare(hf: dict, al: dict) -> tuple[list[list[str]], list[str]]:
+    problems = []
+    for name, record, mode in (("first", hf, "hf"), ("second", al, "aligner")):
+        if record.get("mode") != mode:
+            problems.append(f"the {name} file is mode {record.get('mode')!r}, expected {mode!r} (order: hf, aligner)")
+    wh, wa = hf["workload"], al["workload"]
+    for key in sorted(set(wh) | set(wa)):
+        if key != "gen_batch" and wh.get(key) != wa.get(key):
+            problems.append(f"workload.{key}: HF {wh.get(key)!r} vs aligner {wa.get(key)!r}")
+    rows = [["phase", "HF loop (s)", "aligner (s)"]]
+    for phase in (*PHASES, "other"):
+        if phase in hf["phases_s"] or phase in al["phases_s"]:
+            rows.append([LABELS[phase], _cell(hf, phase), _cell(al, phase)])
+    rows += [["step", f"{hf['step_s']:.3f}", f"{al['step_s']:.3f}"],
+             ["rollout tokens/s (of step time)", f"{hf['tokens_per_s']:,.0f}", f"{al['tokens_per_s']:,.0f}"],
+             ["generated tokens/s (of generate)", f"{hf['generated_tokens_per_s']:,.0f}",
+              f"{al['generated_tokens_per_s']:,.0f}"],
+             ["generate batch", str(wh["gen_batch"]), str(wa["gen_batch"])],
+             ["peak GPU memory, all processes (GB)", _gb(hf), _gb(al)]]
+    return rows, problems
+
+
+def speedup(hf: dict, al: dict) -> float:
+    return hf["step_s"] / al["step_s"]
+
+
+def describe(record: dict) -> str:
+    w = record["workload"]
+    return (f"{w['rollouts']} rollouts x ({w['prompt_len']} prompt + {w['response_len']} generated tokens), "
+            f"{w['num_layers']} layers, hidden {w['hidden_size']}, {w['num_attention_heads']} heads, "
+            f"{w['num_query_groups']} KV groups, FFN {w['ffn_hidden_size']}, vocab {w['vocab_size']}, {w['dtype']}; "
+            f"micro-batches of {w['micro_batch']}, {w['num_mini_batches']} mini-batch(es) x {w['epochs']} epoch(s); "
+            f"mean of {record['timed_steps']} timed steps after {record['warmup_steps']} warm-up; "
+            f"device {record.get('device', '?')}")
+
+
+def verdict(hf: dict, al: dict, problems: list[str]) -> str:
+    if problems:
+        return "speed-up: not comparable (" + "; ".join(problems) + ")"
+    s = speedup(hf, al)
+    return f"speed-up per step: {s:.2f}x (goal >= {GOAL_SPEEDUP:g}x: {'PASS' if s >= GOAL_SPEEDUP else 'FAIL'})"
+
+
+def text_table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
+                     for r in rows)
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "| --- | " + " | ".join("---:" for _ in rows[0][1:]) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(lines)
+
+
+def render(hf: dict, al: dict) -> tuple[str, bool]:
+    """The full report (text table, verdict, markdown block) and whether the two records are comparable."""
+    rows, problems = compare(hf, al)
+    notes = ("aligner: the critic job computes values/rewards while the actor computes log-probs, and trains while "
+             "the actor trains, on the same GPU; the actor's 'critic wait' is the part not hidden.")
+    out = [describe(hf), "", text_table(rows), "", verdict(hf, al, problems), notes, "",
+           "markdown for docs/PERF.md:", "", markdown_table(rows), "", verdict(hf, al, problems)]
+    return "\n".join(out), not problems
