@@ -1,4 +1,4 @@
-"""CriticService on two gloo ranks, at DP=2 and at TP=2, against the same service on one rank.
+"""CriticService on two gloo ranks, at DP=2, TP=2 and PP=2, against the same service on one rank.
 
 Same weights (one dist checkpoint), same requests: infer must give the same values and rewards, and one train call
 the same metrics and the same updated critic. At DP=2 the 5-row batch splits 3/2 for infer; training runs global
@@ -14,10 +14,11 @@ from dist import run_ranks
 from aligner.config.critic import CriticJobConfig
 
 
-def _config(critic_ckpt, rm_ckpt, exp_dir, tp=1) -> CriticJobConfig:
+def _config(critic_ckpt, rm_ckpt, exp_dir, tp=1, pp=1) -> CriticJobConfig:
     cfg = CriticJobConfig(model=tiny_model(checkpoint=critic_ckpt), reward_model=tiny_model(checkpoint=rm_ckpt),
                           reward_mean=0.25, reward_std=1.5, exp_dir=exp_dir)
     cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.pipeline_model_parallel_size = pp
     cfg.optim.lr = 1e-3
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 2
     cfg.infer.micro_batch_size = 2
@@ -48,10 +49,10 @@ def _two_rank_body(rank, world_size, critic_ckpt, rm_ckpt, exp_dir):
     from aligner.parallel import initialize
 
     out = {}
-    for name, tp in (("dp2", 1), ("tp2", 2)):
-        initialize(tp, 1)
-        assert parallel_state.get_data_parallel_world_size() == 2 // tp
-        out[name] = _exercise(CriticService(_config(critic_ckpt, rm_ckpt, f"{exp_dir}/{name}", tp)))
+    for name, tp, pp in (("dp2", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)):
+        initialize(tp, pp)
+        assert parallel_state.get_data_parallel_world_size() == 2 // (tp * pp)
+        out[name] = _exercise(CriticService(_config(critic_ckpt, rm_ckpt, f"{exp_dir}/{name}", tp, pp)))
         parallel_state.destroy_model_parallel()
     return out
 
@@ -66,7 +67,7 @@ def test_two_ranks_match_one_rank(tmp_path):
     assert ref["metrics"]["steps"] == 2 and ref["values"].std() > 0.05
 
     results = run_ranks(_two_rank_body, 2, critic_ckpt, rm_ckpt, str(tmp_path))
-    for name in ("dp2", "tp2"):
+    for name in ("dp2", "tp2", "pp2"):
         for rank, got in enumerate(results):
             where = f"{name} rank {rank}"
             torch.testing.assert_close(got[name]["values"], ref["values"], rtol=0, atol=1e-5, msg=where)
