@@ -5,7 +5,7 @@
 - `reward_fn`: rewards from a user's Python function on decoded text.
 - `server`: the PyTriton binding on rank 0 and the command loop of the other ranks.
 - `client.CriticClient`: non-blocking calls returning futures.
-Importing this package is cheap: the service (megatron) and PyTriton load only when used.
+Importing this package loads neither megatron nor PyTriton: the service and the transport load when used.
 """
 
 from aligner.critic.client import CriticClient, CriticUnreachableError, owns_dp_slice
