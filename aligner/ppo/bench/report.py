@@ -34,8 +34,8 @@ def _cell(record: dict, phase: str) -> str:
     return "-"
 
 
-def _gb(record: dict) -> str:
-    value = (record.get("memory") or {}).get("gpu_mem_peak_gb")
+def _gb(record: dict, key: str) -> str:
+    value = (record.get("memory") or {}).get(key)
     return "-" if value is None else f"{value:.1f}"
 
 
@@ -57,7 +57,8 @@ def compare(hf: dict, al: dict) -> tuple[list[list[str]], list[str]]:
              ["generated tokens/s (of generate)", f"{hf['generated_tokens_per_s']:,.0f}",
               f"{al['generated_tokens_per_s']:,.0f}"],
              ["generate batch", str(wh["gen_batch"]), str(wa["gen_batch"])],
-             ["peak GPU memory, all processes (GB)", _gb(hf), _gb(al)]]
+             ["peak GPU memory, all processes (GB)", _gb(hf, "gpu_mem_peak_gb"), _gb(al, "gpu_mem_peak_gb")],
+             ["peak allocated by torch (GB)", _gb(hf, "torch_peak_allocated_gb"), _gb(al, "torch_peak_allocated_gb")]]
     return rows, problems
 
 

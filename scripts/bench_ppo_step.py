@@ -1,0 +1,100 @@
+"""PPO step benchmark (issue 6): aligner's two jobs against a plain HF transformers loop on the same work.
+
+    python scripts/bench_ppo_step.py --mode hf --out hf.json            # plain HF loop (numpy 2; no megatron)
+    python scripts/bench_ppo_step.py --mode aligner --out aligner.json  # critic + actor jobs (megatron, PyTriton)
+    python scripts/bench_ppo_step.py --report hf.json aligner.json      # both tables, the speed-up, markdown
+    add --tiny for the CPU smoke size (2 layers, hidden 64, 8 rollouts of 8 + 8 tokens)
+
+Workload (aligner/ppo/bench/workload.py): ~1B Llama-style policy, reference, critic and reward model, 512 rollouts
+of 128 prompt + 256 generated tokens (EOS ignored), micro-batches of 16, one PPO epoch. Each mode runs --steps steps
+and reports the mean of those after --warmup; the JSON holds per-phase seconds, step seconds, tokens/s and memory.
+The aligner mode uses conf/bench/ppo_step_{actor,critic}[_tiny].yaml (checked against the workload) and passes
+--actor/--critic KEY=VALUE overrides to launchers/local/ppo.py. Exit status: 0, 1 on a failed run, 2 on bad input
+(a config that does not describe the workload, or --report files that are not comparable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from aligner.ppo.bench.workload import FULL, TINY, write_json  # noqa: E402
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("hf", "aligner"))
+    p.add_argument("--report", nargs=2, metavar=("HF_JSON", "ALIGNER_JSON"), help="compare two result files")
+    p.add_argument("--out", help="write the result JSON here")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke size")
+    p.add_argument("--steps", type=int, default=3, help="PPO steps in all, warm-up included (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of the means (default 1)")
+    p.add_argument("--hf-gen-batch", type=int, default=None, help="prompts per HF generate call (default: all)")
+    p.add_argument("--hf-no-compile", action="store_true", help="HF static cache without torch.compile")
+    p.add_argument("--exp-dir", default=None, help="aligner: a new directory for the jobs' files (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=480.0, help="aligner: seconds before the jobs are stopped")
+    p.add_argument("--actor", nargs="*", default=[], metavar="KEY=VALUE", help="aligner: actor config overrides")
+    p.add_argument("--critic", nargs="*", default=[], metavar="KEY=VALUE", help="aligner: critic config overrides")
+    a = p.parse_args(argv)
+    if bool(a.mode) == bool(a.report):
+        p.error("give exactly one of --mode or --report")
+    if a.mode and not 0 <= a.warmup < a.steps:
+        p.error(f"--warmup {a.warmup} must leave at least one of --steps {a.steps} timed")
+    return a
+
+
+def report(paths) -> int:
+    from aligner.ppo.bench.report import render
+
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.append(json.load(f))
+    text, comparable = render(*records)
+    print(text)
+    return 0 if comparable else 2
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    a = parse(argv)
+    if a.report:
+        return report(a.report)
+    w = TINY if a.tiny else FULL
+    if a.mode == "hf":
+        from aligner.ppo.bench import hf_loop
+
+        if a.hf_gen_batch:
+            w = w.with_(gen_batch=a.hf_gen_batch)
+        result = hf_loop.run(w, a.steps, a.warmup, compile_generate=False if a.hf_no_compile else None)
+    else:
+        from aligner.config import ConfigError
+        from aligner.ppo.bench import aligner_jobs
+
+        suffix = "_tiny" if a.tiny else ""
+        exp_dir = a.exp_dir or tempfile.mkdtemp(prefix="bench_ppo_step_")
+        try:
+            result = aligner_jobs.run(w, a.steps, a.warmup, f"bench/ppo_step_actor{suffix}",
+                                      f"bench/ppo_step_critic{suffix}", os.path.abspath(exp_dir), a.actor, a.critic,
+                                      a.timeout)
+        except (ConfigError, aligner_jobs.WorkloadMismatch, FileExistsError) as exc:
+            print(f"bench_ppo_step: {exc}", file=sys.stderr)
+            return 2
+        except RuntimeError as exc:
+            print(f"bench_ppo_step: {exc}", file=sys.stderr)
+            return 1
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in result["phases_s"].items())
+    print(f"{a.mode}: step {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s ({phases})")
+    if a.out:
+        write_json(a.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

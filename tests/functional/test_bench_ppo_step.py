@@ -1,0 +1,108 @@
+"""scripts/bench_ppo_step.py --tiny on CPU: both modes run the GPU benchmark's code paths end to end and write the
+JSON the report reads; the HF mode imports no megatron, omegaconf or PyTriton (it must run under numpy 2 on the
+GPU machine); the aligner mode refuses configs that do not describe the HF loop's workload; --report compares.
+No assertion on speed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "scripts", "bench_ppo_step.py")
+RESULT_KEYS = {"mode", "workload", "warmup_steps", "timed_steps", "phases_s", "step_s", "tokens_per_s",
+               "generated_tokens_per_s", "per_step_s", "memory", "device", "versions"}
+# Any import of these raises ImportError in the HF run: the GPU image runs that mode without them.
+BLOCK_HEAVY = ("import runpy, sys; [sys.modules.__setitem__(m, None) for m in ('megatron', 'omegaconf', 'pytriton')]; "
+               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def _env():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def bench(*args, block_heavy=False, timeout=300):
+    head = [sys.executable, "-c", BLOCK_HEAVY] if block_heavy else [sys.executable]
+    return subprocess.run([*head, SCRIPT, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    hf = bench("--mode", "hf", "--tiny", "--steps", "2", "--out", str(tmp / "hf.json"), block_heavy=True)
+    assert hf.returncode == 0, hf.stdout[-2000:] + hf.stderr[-4000:]
+    al = bench("--mode", "aligner", "--tiny", "--steps", "2", "--exp-dir", str(tmp / "run"),
+               "--out", str(tmp / "aligner.json"))
+    assert al.returncode == 0, al.stdout[-2000:] + al.stderr[-4000:]
+    return tmp
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _check_record(r, mode, phases):
+    assert RESULT_KEYS <= set(r), RESULT_KEYS - set(r)
+    assert r["mode"] == mode and r["warmup_steps"] == 1 and r["timed_steps"] == 1 and len(r["per_step_s"]) == 2
+    assert set(phases) <= set(r["phases_s"]), r["phases_s"]
+    assert all(v >= 0 for v in r["phases_s"].values())
+    w = r["workload"]
+    assert (w["num_layers"], w["hidden_size"], w["rollouts"], w["prompt_len"], w["response_len"]) == (2, 64, 8, 8, 8)
+    assert r["step_s"] == pytest.approx(r["per_step_s"][1]["step"])
+    assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_s"])
+    # the phases partition the step: their sum plus the unphased rest is the step
+    assert sum(r["phases_s"].values()) == pytest.approx(r["step_s"], rel=1e-6)
+
+
+def test_hf_mode_record(results):
+    _check_record(_load(results / "hf.json"), "hf",
+                  ("generate", "logprobs", "values_rewards", "advantages", "train", "critic_train"))
+
+
+def test_aligner_mode_record(results):
+    r = _load(results / "aligner.json")
+    _check_record(r, "aligner", ("generate", "logprobs", "critic_wait", "advantages", "train", "refit"))
+    assert r["checks"]["kl_step0"] == 0.0, "policy and reference start identical"
+    assert r["checks"]["response_length_mean"] == 8 and r["checks"]["ended_fraction_max"] == 0.0
+    assert r["checks"]["logprob_mismatch_max"] < 1e-4
+    with open(results / "run" / "prompts.jsonl") as f:
+        assert all(len(json.loads(line)["prompt"].split()) == 7 for line in f), "7 words + BOS = 8 prompt tokens"
+    assert os.path.exists(results / "run" / "actor" / "metrics.jsonl")
+
+
+def test_report_compares(results):
+    proc = bench("--report", str(results / "hf.json"), str(results / "aligner.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "speed-up per step:" in out and "| phase | HF loop (s) | aligner (s) |" in out
+    hf, al = _load(results / "hf.json"), _load(results / "aligner.json")
+    assert f"{hf['step_s'] / al['step_s']:.2f}x" in out
+    for label in ("generate", "policy update", "critic update", "critic wait", "step"):
+        assert f"| {label}" in out
+
+
+def test_report_refuses_different_workloads(results, tmp_path):
+    al = _load(results / "aligner.json")
+    al["workload"]["response_len"] = 9
+    (tmp_path / "other.json").write_text(json.dumps(al))
+    proc = bench("--report", str(results / "hf.json"), str(tmp_path / "other.json"))
+    assert proc.returncode == 2 and "not comparable" in proc.stdout and "workload.response_len" in proc.stdout
+    proc = bench("--report", str(results / "aligner.json"), str(results / "hf.json"))
+    assert proc.returncode == 2 and "order: hf, aligner" in proc.stdout
+
+
+def test_aligner_config_must_match_workload(tmp_path):
+    proc = bench("--mode", "aligner", "--tiny", "--exp-dir", str(tmp_path / "run"), "--actor",
+                 "ppo.micro_batch_size=2", timeout=120)
+    assert proc.returncode == 2 and "ppo.micro_batch_size" in proc.stderr, proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "run" / "launcher.log"), "nothing is launched"
+    proc = bench("--mode", "aligner", "--tiny", "--exp-dir", str(tmp_path / "run2"), "--critic",
+                 "reward_model.num_layers=3", timeout=120)
+    assert proc.returncode == 2 and "critic: reward_model.num_layers" in proc.stderr, proc.stderr[-2000:]
