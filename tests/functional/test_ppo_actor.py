@@ -130,18 +130,36 @@ def test_reference_swap_mode_kl_zero_at_start(tmp_path, mode):
     assert rows[0]["ppo/kl"] == 0.0 and rows[1]["ppo/kl"] != 0.0
 
 
-def test_actor_dp2_matches_one_process(tmp_path):
-    """Two data-parallel actor ranks (torchrun, gloo) reproduce the one-process run: same prompts per global
-    mini-batch, same per-sample seeds, global-token loss normalisation, whitening over the DP group."""
-    common = ("ppo.num_steps=2", "checkpoint.save_at_end=false", "validation.every=0")
-    one = launch(tmp_path / "one", *common)
-    assert one.returncode == 0, one.stderr[-3000:]
-    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(tmp_path / "two"), "--actor-procs", "2", "--actor",
-           "logging.progress_bar=false", *common]
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    exp = tmp_path_factory.mktemp("one")
+    proc = launch(exp, *PARITY_ARGS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_metrics(exp)
+
+
+PARITY_ARGS = ("ppo.num_steps=2", "checkpoint.save_at_end=false", "validation.every=0")
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_two_actor_ranks_match_one_process(tmp_path, one_process_run, layout):
+    """DP=2: the same prompts per global mini-batch and per-sample seeds, global-token loss normalisation and
+    whitening over the DP group reproduce the one-process run to float precision, step after step.
+    TP=2: the demo's padded vocabulary is the same at TP=1 and TP=2, so the random initial weights are too; the
+    first step matches up to the float rounding of TP reductions (later steps may part where a sample's draw sits on
+    a CDF boundary)."""
+    extra = ["parallel.tensor_model_parallel_size=2"] if layout == "tp2" else []
+    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(tmp_path), "--actor-procs", "2", "--actor",
+           "logging.progress_bar=false", *PARITY_ARGS, *extra]
     two = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    a, b = one_process_run, read_metrics(tmp_path)
     assert len(a) == len(b) == 2
-    for ra, rb in zip(a, b):
+    steps = 2 if layout == "dp2" else 1
+    noise = ("ppo/logprob_mismatch", "ppo/logprob_mismatch_max", "ppo/ratio_error")  # ~1e-7 either way
+    for ra, rb in zip(a[:steps], b[:steps]):
         for key, value in _comparable(ra).items():
-            assert rb[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+            if key in noise:
+                assert rb[key] < 1e-5, key
+            else:
+                assert rb[key] == pytest.approx(value, rel=1e-4 if layout == "dp2" else 1e-3, abs=1e-6), key

@@ -37,6 +37,8 @@ def test_mpi_environments():
 
 def test_single_process_and_bad_rank():
     assert discover({})[:3] == (0, 1, 0)
+    assert discover({}).master_port != 29500, "a world of one takes a free port: jobs on one machine must not collide"
+    assert discover({"MASTER_PORT": "6001"}).master_port == 6001
     with pytest.raises(ValueError, match="outside a world of 2"):
         discover({"RANK": "2", "WORLD_SIZE": "2"})
 
