@@ -62,8 +62,9 @@ def _check_record(r, mode, phases):
 
 
 def test_hf_mode_record(results):
-    _check_record(_load(results / "hf.json"), "hf",
-                  ("generate", "logprobs", "values_rewards", "advantages", "train", "critic_train"))
+    r = _load(results / "hf.json")
+    _check_record(r, "hf", ("generate", "logprobs", "values_rewards", "advantages", "train", "critic_train"))
+    assert r["checks"]["kl_step0"] == 0.0, "the reference starts as an exact copy of the policy"
 
 
 def test_aligner_mode_record(results):
@@ -106,3 +107,40 @@ def test_aligner_config_must_match_workload(tmp_path):
     proc = bench("--mode", "aligner", "--tiny", "--exp-dir", str(tmp_path / "run2"), "--critic",
                  "reward_model.num_layers=3", timeout=120)
     assert proc.returncode == 2 and "critic: reward_model.num_layers" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_full_configs_describe_the_full_workload(tmp_path):
+    """conf/bench/ppo_step_{actor,critic}.yaml (the GPU run) match the HF loop's FULL workload as the jobs load them."""
+    from aligner.ppo.bench import aligner_jobs
+    from aligner.ppo.bench.workload import FULL
+
+    tok, prompts = str(tmp_path / "tokenizer.json"), str(tmp_path / "prompts.jsonl")
+    aligner_jobs.write_tokenizer(tok, FULL.vocab_size)
+    aligner_jobs.write_prompts(prompts, 4, FULL.prompt_len - 1, FULL.vocab_size)
+    actor = ["--config-name", "bench/ppo_step_actor", f"data.train_file={prompts}", f"model.tokenizer={tok}"]
+    critic = ["--config-name", "bench/ppo_step_critic"]
+    assert aligner_jobs.check_configs(FULL, actor, critic) == FULL
+    with pytest.raises(aligner_jobs.WorkloadMismatch, match="generation.max_response_length"):
+        aligner_jobs.check_configs(FULL, actor + ["generation.max_response_length=128"], critic)
+
+    from aligner.data.prompts import PromptDataset
+    from aligner.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tok)
+    assert tokenizer.vocab_size == FULL.vocab_size and (tokenizer.pad_id, tokenizer.bos_id) == (0, 1)
+    data = PromptDataset(prompts, tokenizer, FULL.prompt_len)
+    assert [len(p.ids) for p in data.items] == [FULL.prompt_len] * 4 and data.items[0].ids[0] == tokenizer.bos_id
+
+
+def test_sampling_ignore_eos_reaches_the_engine():
+    from types import SimpleNamespace
+
+    from aligner.config.actor import ActorJobConfig
+    from aligner.generation import SamplingParams
+    from aligner.ppo.trainer import PPOTrainer
+
+    cfg = ActorJobConfig()
+    for ignore, ends in ((False, [2]), (True, [])):
+        cfg.sampling.ignore_eos = ignore
+        kw = PPOTrainer._sampling_kw(SimpleNamespace(cfg=cfg))
+        assert SamplingParams(**kw, eos_token_id=2).end_token_ids() == ends

@@ -100,6 +100,7 @@ class HFLoop:
                 values_BT, scores_B = self.values_and_rewards(tokens_BT)
             with self.timer("advantages"):
                 batch = self.advantages(logp_BS, ref_logp_BS, values_BT, scores_B)
+            self.last_kl = ((logp_BS - ref_logp_BS) * self.mask_BS).sum() / self.mask_BS.sum()  # read after timing
             with self.timer("train"):
                 self.update_policy(tokens_BT, batch)
             with self.timer("critic_train"):
@@ -219,10 +220,11 @@ def run(w: Workload, steps: int, warmup: int, device: str | None = None, compile
     t0 = time.perf_counter()
     loop = HFLoop(w, dev, compile_generate)
     setup_s = time.perf_counter() - t0
-    timings = []
+    timings, kl = [], []
     try:
         for i in range(steps):
             timings.append(loop.step())
+            kl.append(float(loop.last_kl))
             log.warning("hf step %d/%d: %.2f s (%s)", i + 1, steps, timings[-1]["step"],
                         ", ".join(f"{k} {v:.2f}" for k, v in timings[-1].items() if k != "step"))
     finally:
@@ -233,7 +235,7 @@ def run(w: Workload, steps: int, warmup: int, device: str | None = None, compile
         memory = {"torch_peak_allocated_gb": torch.cuda.max_memory_allocated(dev) / 1e9,
                   "torch_peak_reserved_gb": torch.cuda.max_memory_reserved(dev) / 1e9,
                   "gpu_mem_peak_gb": poller.peak_gb()}
-    return result("hf", w, timings, warmup, setup_s=setup_s, memory=memory,
+    return result("hf", w, timings, warmup, setup_s=setup_s, memory=memory, checks={"kl_step0": kl[0]},
                   device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                   versions={"torch": torch.__version__, "transformers": transformers.__version__},
                   settings={"generate": "HF generate, static cache" + (", compiled" if compile_generate else ""),
