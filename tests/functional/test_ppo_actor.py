@@ -163,3 +163,21 @@ def test_two_actor_ranks_match_one_process(tmp_path, one_process_run, layout):
                 assert rb[key] < 1e-5, key
             else:
                 assert rb[key] == pytest.approx(value, rel=1e-4 if layout == "dp2" else 1e-3, abs=1e-6), key
+
+
+def test_critic_warmup_then_max_time(tmp_path):
+    """During critic warm-up only the critic trains (the policy stays the reference: KL stays exactly 0);
+    max_time stops the run cleanly with a checkpoint."""
+    proc = launch(tmp_path, "ppo.num_steps=50", "ppo.critic_warmup_steps=2", "max_time=0.001",
+                  "validation.every=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 1, "max_time stops after the step in progress"
+    assert "ppo/policy_loss" not in rows[0] and rows[0]["critic/value_loss"] is not None
+    assert os.listdir(tmp_path / "actor" / "checkpoints") == ["step_000001"]
+    resumed = launch(tmp_path, "ppo.num_steps=3", "ppo.critic_warmup_steps=2", "validation.every=0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["ppo/kl"] == 0.0 and "ppo/policy_loss" not in rows[1], "still warming up the critic"
+    assert rows[2]["ppo/kl"] == 0.0 and "ppo/policy_loss" in rows[2], "first policy update on the last step"
