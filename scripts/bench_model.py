@@ -67,9 +67,6 @@ def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int) -> di
     seconds = (time.perf_counter() - start) / iters
     dense, attn = flops_per_step(cfg, n_params, batch, seq)
     mem = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return {"attention": cfg.attention_backend, "seconds": seconds, "tokens_per_s": batch * seq / seconds,
             "tflops_6nd": dense / seconds / 1e12, "tflops_total": (dense + attn) / seconds / 1e12,
             "params": n_params, "peak_mem_gb": mem}
@@ -99,6 +96,8 @@ def main(argv=None):
             row = bench(cfg, batch, seq, args.warmup, args.iters)
             row["mfu"] = row["tflops_total"] / args.peak_tflops if gpu else float("nan")
             rows.append(row)
+            if gpu:
+                torch.cuda.empty_cache()  # the model of this backend is gone with bench()'s frame
     finally:
         shutdown()
     device = torch.cuda.get_device_name() if gpu else "cpu"

@@ -45,7 +45,8 @@ def main():
         with open(os.path.join(args.out, name), "w") as f:
             for row in prompts(n, seed):
                 f.write(json.dumps(row) + "\n")
-    print(f"wrote {args.out}/tokenizer.json (vocab {len(SPECIALS) + len(CHARS)}), prompts_train.jsonl, prompts_val.jsonl")
+    vocab = len(SPECIALS) + len(CHARS)
+    print(f"wrote {args.out}/tokenizer.json (vocab {vocab}), prompts_train.jsonl, prompts_val.jsonl")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ def _resolve_path(name: str, config_dir: str | None) -> str:
     for candidate in (os.path.join(config_dir, name), os.path.join(config_dir, name + ".yaml")):
         if os.path.isfile(candidate):
             return candidate
-    available = sorted(f[:-5] for f in os.listdir(config_dir) if f.endswith(".yaml")) if os.path.isdir(config_dir) else []
+    available = []
+    if os.path.isdir(config_dir):
+        available = sorted(f[:-5] for f in os.listdir(config_dir) if f.endswith(".yaml"))
     raise ConfigError("--config-name", f"no config {name!r} in {config_dir} (available: {', '.join(available)})")
 
 

@@ -154,7 +154,10 @@ class PPOTrainer:
         DP rank takes its contiguous share of every mini-batch. So local rows [m*n/(groups*dp), ...) form this rank's
         share of global mini-batch m, and the mini-batches are the same sets of samples for any DP size (DP=2
         reproduces DP=1)."""
-        order = list(range(n)) if seed is None else torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        if seed is None:
+            order = list(range(n))
+        else:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
         per_group = n // groups
         share = per_group // self.dp
         mine = []

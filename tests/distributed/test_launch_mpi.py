@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from dist import free_port
 
 PROGRAM = """

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from dist import run_ranks
 
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=100,

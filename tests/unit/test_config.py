@@ -39,7 +39,8 @@ class JobConfig:
 @pytest.fixture
 def conf_dir(tmp_path):
     (tmp_path / "base.yaml").write_text("model:\n  num_layers: 4\n  hidden_size: 128\n  num_attention_heads: 8\n")
-    (tmp_path / "recipe.yaml").write_text("defaults: [base]\nmodel:\n  hidden_size: 256\ntrain:\n  micro_batch_size: 1\n")
+    (tmp_path / "recipe.yaml").write_text(
+        "defaults: [base]\nmodel:\n  hidden_size: 256\ntrain:\n  micro_batch_size: 1\n")
     return tmp_path
 
 

@@ -16,7 +16,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -112,12 +111,6 @@ def check_configs(w: Workload, actor_argv: list[str], critic_argv: list[str]) ->
 
 
 # -- running ------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: str, lines: int = 60) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -157,13 +150,13 @@ def run(w: Workload, steps: int, warmup: int, actor_config: str, critic_config: 
     write_tokenizer(tokenizer, w.vocab_size)
     write_prompts(prompts, w.rollouts, w.prompt_len - 1, w.vocab_size)
     actor_ovr = [f"ppo.num_steps={steps}", f"data.train_file={prompts}", f"model.tokenizer={tokenizer}",
-                 # the critic takes a free rendezvous port of its own only when MASTER_PORT is unset (removed below)
-                 f"parallel.master_port={_free_port()}", *actor_overrides]
+                 *actor_overrides]
     critic_ovr = ["checkpoint.resume=false", *critic_overrides]
     w = check_configs(w, ["--config-name", actor_config, *actor_ovr], ["--config-name", critic_config, *critic_ovr])
 
     cmd = [sys.executable, LAUNCHER, "--actor-config", actor_config, "--critic-config", critic_config,
            "--exp-dir", exp_dir, "--actor", *actor_ovr, "--critic", *critic_ovr]
+    # Two single-process jobs: each takes a free rendezvous port of its own unless MASTER_PORT forces one on both.
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     log_path = os.path.join(exp_dir, "launcher.log")
     poller = DeviceMemoryPoller().start()
