@@ -1,20 +1,22 @@
 """Run PPO on one machine: start the critic job, wait until it answers, run the actor job, stop the critic.
 
-    python launchers/local/ppo.py [--actor-procs N] [--critic-procs M] [--actor-config NAME]
-                                  [--critic-config NAME] [--exp-dir DIR] [--port P]
+    python launchers/local/ppo.py [--actor-procs N] [--critic-procs M] [--launcher torchrun|mpiexec]
+                                  [--actor-config NAME] [--critic-config NAME] [--exp-dir DIR] [--port P]
                                   [--actor KEY=VALUE ...] [--critic KEY=VALUE ...]
 
 With no arguments: the CPU demo (conf/ppo_actor_demo.yaml + conf/ppo_critic_demo.yaml). More than one process per job
-uses torchrun (gloo on CPU, NCCL on GPU). The critic's output goes to <exp-dir>/critic.log (its tail is printed if it
-fails). Exit status: the actor's if it failed, else the critic's if it failed, else 0; no process is left behind.
-The last line printed is `metrics: <path of metrics.jsonl>`. Restarting the same command resumes both jobs from their
-latest checkpoints.
+uses torchrun (gloo on CPU, NCCL on GPU), or `mpiexec -n N` with --launcher mpiexec (the mpich wheel's, or the
+MPI on PATH; ranks read PMI_*/OMPI_* and meet at MASTER_ADDR:MASTER_PORT, set per job). The critic's output goes to
+<exp-dir>/critic.log (its tail is printed if it fails). Exit status: the actor's if it failed, else the critic's if it
+failed, else 0; no process is left behind. The last line printed is `metrics: <path of metrics.jsonl>`. Restarting the
+same command resumes both jobs from their latest checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,8 +45,22 @@ def free_port(span: int = 3) -> int:
     raise RuntimeError("no free port range found")
 
 
-def command(script: str, procs: int, config: str, overrides: list[str]) -> list[str]:
-    if procs > 1:
+def mpiexec_path() -> str:
+    """The mpiexec beside this interpreter (pip's mpich wheel) if there is one, else the first on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = here if os.path.exists(here) else shutil.which("mpiexec")
+    if found is None:
+        raise SystemExit("--launcher mpiexec: no mpiexec found; pip install -e '.[mpi]' (the mpich wheel) or load "
+                         "an MPI module")
+    return found
+
+
+def command(script: str, procs: int, config: str, overrides: list[str], launcher: str = "torchrun") -> list[str]:
+    if procs > 1 and launcher == "mpiexec":
+        # `env` gives this job its own rendezvous port without touching the other job's environment.
+        head = ["env", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={free_port(1)}", mpiexec_path(), "-n", str(procs),
+                sys.executable]
+    elif procs > 1:
         head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
                 "--master-port", str(free_port(1))]
     else:
@@ -95,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--critic-config", default="ppo_critic_demo")
     p.add_argument("--actor-procs", type=int, default=1)
     p.add_argument("--critic-procs", type=int, default=1)
+    p.add_argument("--launcher", choices=["torchrun", "mpiexec"], default="torchrun",
+                   help="how jobs of more than one process are started")
     p.add_argument("--exp-dir", default=os.path.join("results", "demo"))
     p.add_argument("--port", type=int, default=None, help="critic HTTP port (default: a free one)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -108,9 +126,9 @@ def main(argv=None) -> int:
     url = f"http://127.0.0.1:{port}"
     critic_cmd = command("serve_ppo_critic.py", args.critic_procs, args.critic_config, [
         f"server.port={port}", "server.host=127.0.0.1", f"exp_dir={exp}/critic", "checkpoint.resume=true",
-        *args.critic])
+        *args.critic], args.launcher)
     actor_cmd = command("train_ppo_actor.py", args.actor_procs, args.actor_config, [
-        f"critic.port={port}", "critic.host=127.0.0.1", f"logging.exp_dir={exp}/actor", *args.actor])
+        f"critic.port={port}", "critic.host=127.0.0.1", f"logging.exp_dir={exp}/actor", *args.actor], args.launcher)
     critic_log = os.path.join(exp, "critic.log")
     critic = actor = None
     interrupted = []

@@ -174,8 +174,11 @@ class SlurmCluster:
             time.sleep(0.2)
         raise SlurmUnavailable(f"{what} not reached within {timeout:.0f} s; logs: {self.root}/log\n{self.logs_tail()}")
 
-    def _run(self, *cmd: str, timeout: float = 20) -> subprocess.CompletedProcess:
-        return subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=timeout)
+    def run(self, *cmd: str, timeout: float = 30, env: dict | None = None, cwd: str | None = None
+            ) -> subprocess.CompletedProcess:
+        """Run a Slurm client command against this cluster (wrapped in `timeout`: a client can block for long)."""
+        return subprocess.run(["timeout", str(int(timeout)), *cmd], env=env or self.env(), cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout + 10)
 
     def start(self, timeout: float = 60) -> "SlurmCluster":
         ensure_installed()
@@ -186,25 +189,26 @@ class SlurmCluster:
                                f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"])
         self._wait("munged's socket", lambda: os.path.exists(self.socket), timeout)
         self._spawn("slurmctld", [_sbin("slurmctld"), "-D", "-f", self.conf])
-        self._wait("slurmctld answering", lambda: self._run("scontrol", "ping").stdout.count("UP") > 0, timeout)
+        self._wait("slurmctld answering", lambda: self.run("scontrol", "ping").stdout.count("UP") > 0, timeout)
         for i in range(1, self.nodes + 1):
             self._spawn(f"slurmd-n{i}", [_sbin("slurmd"), "-D", "-N", f"n{i}", "-f", self.conf])
         self._wait(f"{self.nodes} idle nodes", self._all_idle, timeout)
         return self
 
     def _all_idle(self) -> bool:
-        out = self._run("sinfo", "-h", "-N", "-o", "%N %t").stdout.split()
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %t").stdout.split()
         return len(out) == 2 * self.nodes and set(out[1::2]) == {"idle"}
 
     def jobs(self) -> list[str]:
-        """Ids of the jobs still known to the controller (pending, running or completing)."""
-        return self._run("squeue", "-h", "-o", "%i").stdout.split()
+        """Ids of the jobs still queued, running or completing (a heterogeneous job by its leader's id)."""
+        ids = self.run("squeue", "-h", "-o", "%i").stdout.split()
+        return sorted({i.split("+")[0] for i in ids})
 
     def stop(self, timeout: float = 30) -> None:
         """Cancel every job, wait for them to end, then stop the daemons (SIGTERM, then SIGKILL)."""
         try:
             if self._procs and all(p.poll() is None for p in self._procs):
-                self._run("scancel", "--full", "--user=root")
+                self.run("scancel", "--full", "--user=root")
                 deadline = time.monotonic() + timeout
                 while self.jobs() and time.monotonic() < deadline:
                     time.sleep(0.5)
