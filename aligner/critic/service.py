@@ -66,11 +66,7 @@ class CriticService:
         self.limits = Limits(cfg.server.max_batch_size, cfg.max_seq_len, vocab, cfg.server.max_train_batch_size)
         self.critic = TrainableModel(cfg.model, cfg.optim, head="scalar")
         if cfg.model.checkpoint:
-            dist_ckpt.load_model_weights(cfg.model.checkpoint, [self.critic.module])
-            # A megatron mixed-precision optimizer keeps fp32 copies made at construction: refresh them.
-            reload = getattr(self.critic.optimizer, "reload_model_params", None)
-            if callable(reload):
-                reload()
+            self.critic.load_weights(cfg.model.checkpoint)
         self.reward_model = None
         if cfg.reward_model is not None:
             self.reward_model = TrainableModel(cfg.reward_model, cfg.optim, head="scalar", trainable=False)

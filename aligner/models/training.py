@@ -78,7 +78,8 @@ class TrainableModel:
                 params_dtype=self.config.params_dtype,
                 use_distributed_optimizer=cfg.use_distributed_optimizer,
             )
-            return get_megatron_optimizer(ocfg, self.model)
+            # aligner makes no gloo groups on GPU (initialize: NCCL only), so the optimizer must not ask for them.
+            return get_megatron_optimizer(ocfg, self.model, use_gloo_process_groups=False)
         params = [p for p in self.model[0].parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                  weight_decay=cfg.weight_decay)
@@ -88,6 +89,16 @@ class TrainableModel:
         """The bare GPTModel (under the DDP wrapper)."""
         m = self.model[0]
         return m.module if isinstance(m, DistributedDataParallel) else m
+
+    def load_weights(self, path: str, backbone_only: bool = False) -> None:
+        """Load model weights from a dist checkpoint (any TP/PP layout), then refresh the optimizer's fp32 copies."""
+        from aligner.checkpoint import dist_ckpt
+
+        loader = dist_ckpt.load_backbone_weights if backbone_only else dist_ckpt.load_model_weights
+        loader(path, [self.module])
+        reload = getattr(self.optimizer, "reload_model_params", None)  # megatron's mixed-precision optimizers
+        if callable(reload):
+            reload()
 
     # -- schedule ----------------------------------------------------------------------------------------
     def _run_schedule(self, micro_batches: list[dict], fn: Callable, forward_only: bool):

@@ -62,7 +62,7 @@ class PPOTrainer:
 
         self.policy = TrainableModel(cfg.model, cfg.optim, head="lm")
         if cfg.model.checkpoint:
-            dist_ckpt.load_model_weights(cfg.model.checkpoint, [self.policy.module])
+            self.policy.load_weights(cfg.model.checkpoint)
         self.reference = build_reference(cfg.reference.mode, cfg.model, self.policy.module)
         self.engine = build_engine(cfg.generation, cfg.model, self.policy.module)
         self.kl_ctl = rl.make_kl_controller(cfg.ppo.kl.coef, cfg.ppo.kl.adaptive, cfg.ppo.kl.target,
