@@ -57,6 +57,7 @@ class PPOConfig:
     rollout_batch_size: int = 64  # prompts per step, whole job
     num_mini_batches: int = 1  # optimizer steps per epoch over the rollouts
     micro_batch_size: int = 4
+    forward_micro_batch_size: Optional[int] = None  # rows per forward-only pass (log-probs); None = micro_batch_size
     epochs: int = 1
     clip_eps: float = 0.2
     clip_eps_high: Optional[float] = None  # asymmetric upper clip (None = clip_eps)
@@ -128,6 +129,9 @@ class ActorJobConfig:
                            p.micro_batch_size), ("ppo.epochs", p.epochs)):
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
+        if p.forward_micro_batch_size is not None and p.forward_micro_batch_size < 1:
+            raise ConfigError("ppo.forward_micro_batch_size",
+                              f"must be >= 1 (or null), got {p.forward_micro_batch_size}")
         if not 0 < p.clip_eps < 1:
             raise ConfigError("ppo.clip_eps", f"must be in (0, 1), got {p.clip_eps}")
         if p.dual_clip is not None and not p.dual_clip > 1:

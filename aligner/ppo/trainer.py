@@ -248,9 +248,10 @@ class PPOTrainer:
         mine = torch.tensor(rollout.positions, device=values.device)
         return values[mine], scores[mine]
 
-    def _micro_batches(self, rollout: Rollout, rows: list[int] | None = None, **per_token) -> list[dict]:
+    def _micro_batches(self, rollout: Rollout, rows: list[int] | None = None, size: int | None = None,
+                       **per_token) -> list[dict]:
         rows = list(range(rollout.batch_size)) if rows is None else rows
-        mbs = self.cfg.ppo.micro_batch_size
+        mbs = size or self.cfg.ppo.micro_batch_size
         out = []
         for lo in range(0, len(rows), mbs):
             idx = torch.tensor(rows[lo:lo + mbs], device=rollout.tokens_BT.device)
@@ -269,7 +270,7 @@ class PPOTrainer:
 
     def compute_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [B, T-1] of the sampled tokens under the policy (training layout) and the reference."""
-        micro = self._micro_batches(rollout)
+        micro = self._micro_batches(rollout, size=self.cfg.ppo.forward_micro_batch_size)
         logp = torch.cat(self.policy.forward(micro, self._logprobs_fn))
         ref_logp = torch.cat(self.reference.forward(self.policy, micro, self._logprobs_fn))
         return logp, ref_logp
