@@ -10,15 +10,16 @@ import pytest
 from dist import free_port
 
 PROGRAM = """
-import json, torch, torch.distributed as dist
+import json, os, torch, torch.distributed as dist
 from megatron.core import parallel_state as ps
 from aligner.parallel import discover, initialize, shutdown
 info = discover()
 initialize(tensor_parallel=2, seed=1)
 t = torch.tensor([float(info.rank + 1)])
 dist.all_reduce(t)
-print("RESULT " + json.dumps({"rank": info.rank, "world": info.world_size, "source": info.source, "sum": t.item(),
-                              "tp_rank": ps.get_tensor_model_parallel_rank(), "backend": dist.get_backend()}))
+row = {"rank": info.rank, "world": info.world_size, "source": info.source, "sum": t.item(),
+       "tp_rank": ps.get_tensor_model_parallel_rank(), "backend": dist.get_backend()}
+os.write(1, ("RESULT " + json.dumps(row) + "\\n").encode())  # one write: the two ranks share the pipe
 shutdown()
 """
 
