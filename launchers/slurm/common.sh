@@ -27,7 +27,7 @@ aligner_parse_args() {
       --critic-address) CRITIC_ADDRESS="$2"; shift 2; into="" ;;
       --actor) into=actor; shift ;;
       --critic) into=critic; shift ;;
-      -h|--help) sed -n '/^# Usage/,/^[^#]/p' "${ALIGNER_SCRIPT:-$0}" | sed '$d'; exit 0 ;;
+      -h|--help) sed -n '/^# Usage/,/^#$/p' "${ALIGNER_SCRIPT:-$0}"; exit 0 ;;
       --*) fail "unknown option $1 (options: --actor-config --critic-config --exp-dir --ready-timeout" \
                 "--critic-address --actor K=V... --critic K=V...)"; exit 2 ;;
       *=*)

@@ -121,6 +121,21 @@ def test_failing_critic_fails_the_job_fast(cluster, tmp_path):
     assert not leftovers(str(exp))
 
 
+def test_failing_actor_fails_the_job_and_stops_the_critic(cluster, tmp_path):
+    exp, out = tmp_path / "exp", tmp_path / "job.out"
+    job = submit(cluster, "-o", str(out), PPO, *DEMO, "--exp-dir", str(exp), "--actor", "ppo.micro_batch_size=5")
+    try:
+        wait_gone(cluster, job)
+    finally:
+        cluster.run("scancel", job)
+    log = out.read_text()
+    assert exit_code(cluster, job) != "0:0", log[-4000:]
+    assert "ppo.micro_batch_size" in log and "the actor job failed" in log
+    (critic_log,) = (exp / "logs").iterdir()
+    assert "SIGTERM received, stopping" in critic_log.read_text(), "the critic is stopped cleanly after the actor"
+    assert not leftovers(str(exp))
+
+
 def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
     """After a SIGTERM-stopped first job: matching checkpoints; a second job resumes both and completes."""
     wait_gone(cluster, first_id)
@@ -170,8 +185,9 @@ def test_scancel_sigterm_checkpoints_and_resumes(cluster, tmp_path):
 def test_time_limit_signal_checkpoints_and_resumes(cluster, tmp_path):
     exp = tmp_path / "exp"
     out = tmp_path / "job.out"
-    # One minute of wall time; Slurm sends SIGTERM to the batch script 40 s before it runs out.
-    job = submit(cluster, "-o", str(out), "--time=1", "--signal=B:TERM@40", ":", "--time=1", PPO, *DEMO,
+    # Two minutes of wall time; Slurm sends SIGTERM to the batch script 90 s before they run out (its time-limit
+    # check runs every 30 s, so 30-60 s into the job), which leaves the actor a minute to checkpoint.
+    job = submit(cluster, "-o", str(out), "--time=2", "--signal=B:TERM@90", ":", "--time=2", PPO, *DEMO,
                  "--exp-dir", str(exp), "--actor", "ppo.num_steps=200", *QUICK)
     try:
         _stopped_run_resumes(cluster, tmp_path, exp, out, job)
