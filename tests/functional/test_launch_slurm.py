@@ -31,7 +31,7 @@ def cluster():
     try:
         yield c
     finally:
-        c.stop()
+        c.stop(remove=not os.environ.get("ALIGNER_KEEP_SLURM"))  # ALIGNER_KEEP_SLURM=1 keeps its logs
 
 
 def _env(cluster):

@@ -1,6 +1,6 @@
 """A throw-away Slurm cluster on this machine, for tests and CI (root, no systemd needed).
 
-    cluster = SlurmCluster(nodes=3).start()     # munged + slurmctld + one slurmd per virtual node, ~5-15 s
+    cluster = SlurmCluster(nodes=3).start()     # munged + slurmctld + one slurmd per virtual node, ~1 s
     subprocess.run(["sbatch", "--wait", ...], env=cluster.env())
     cluster.stop()                              # cancels what is left, stops every daemon it started
 
@@ -20,7 +20,9 @@ Debian's packages are installed if missing (`ensure_installed`, root only); `Slu
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import random
 import shutil
 import signal
 import socket
@@ -83,6 +85,7 @@ class SlurmCluster:
     """munged + slurmctld + `nodes` slurmd on localhost, all configured under `root` (a new temp dir by default)."""
 
     def __init__(self, nodes: int = 3, cpus_per_node: int = 4, root: str | None = None):
+        self._own_root = root is None
         if os.geteuid() != 0:
             raise SlurmUnavailable("the test cluster runs its daemons as root (SlurmUser=root); run as root")
         self.nodes, self.cpus = nodes, cpus_per_node
@@ -103,6 +106,8 @@ class SlurmCluster:
         ctld_port, *node_ports = _free_ports(1 + self.nodes)
         lines = [
             "ClusterName=alignerci",
+            # Job ids seed the launchers' default ports: a random start keeps two clusters on one machine apart.
+            f"FirstJobId={random.randrange(1000, 4_000_000)}",
             "SlurmctldHost=localhost",
             f"SlurmctldPort={ctld_port}",
             "SlurmUser=root",
@@ -204,8 +209,9 @@ class SlurmCluster:
         ids = self.run("squeue", "-h", "-o", "%i").stdout.split()
         return sorted({i.split("+")[0] for i in ids})
 
-    def stop(self, timeout: float = 30) -> None:
-        """Cancel every job, wait for them to end, then stop the daemons (SIGTERM, then SIGKILL)."""
+    def stop(self, timeout: float = 30, remove: bool = False) -> None:
+        """Cancel every job, wait for them to end, then stop the daemons (SIGTERM, then SIGKILL); `remove` deletes
+        the state directory if this object made it."""
         try:
             if self._procs and all(p.poll() is None for p in self._procs):
                 self.run("scancel", "--full", "--user=root")
@@ -223,6 +229,8 @@ class SlurmCluster:
                     p.kill()
                     p.wait()
         self._procs.clear()
+        if remove and self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def logs_tail(self, lines: int = 15) -> str:
         out = []
@@ -254,14 +262,17 @@ def _main(argv=None) -> int:
         return 0
     if not args.dir:
         p.error("down needs --dir")
-    for pidfile in ("slurmd-n*.pid", "slurmctld.pid", "munge/munged.pid"):
-        import glob
-
-        for path in glob.glob(os.path.join(args.dir, pidfile)):
+    conf = os.path.join(args.dir, "slurm.conf")
+    subprocess.run(["timeout", "30", "scancel", "--full", "--user=root"], env={**os.environ, "SLURM_CONF": conf},
+                   capture_output=True)
+    for pattern in ("slurmd-n*.pid", "slurmctld.pid", "munge/munged.pid"):  # daemons first, munged last
+        for path in glob.glob(os.path.join(args.dir, pattern)):
             try:
-                os.kill(int(open(path).read().split()[0]), signal.SIGTERM)
+                with open(path) as f:
+                    os.kill(int(f.read().split()[0]), signal.SIGTERM)
             except (OSError, ValueError, IndexError):
                 pass
+        time.sleep(1)
     return 0
 
 
