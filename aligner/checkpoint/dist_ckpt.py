@@ -26,6 +26,10 @@ import torch
 import torch.distributed as dist
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+# megatron's distributed optimizer state layout: each DP rank writes its own buffer shard. megatron-core 0.16.1's
+# default ('fully_sharded_model_space') builds ShardedTensors with flattened ranges, which its own dist checkpointing
+# then rejects (seen on the H200). 'dp_reshardable' resumes on any DP size with the same TP/PP.
+OPTIM_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _rank() -> int:
@@ -101,7 +105,8 @@ def save(root: str, step: int, models, optimizer=None, state: dict | None = None
     model_state = _model_sharded_state(models)
     dist_checkpointing.save(model_state, os.path.join(tmp, "model"))
     if _optim_is_megatron(optimizer):
-        dist_checkpointing.save(optimizer.sharded_state_dict(_model_sharded_state(models)), os.path.join(tmp, "optim"))
+        dist_checkpointing.save(optimizer.sharded_state_dict(_model_sharded_state(models), metadata=OPTIM_SHARDING),
+                                os.path.join(tmp, "optim"))
     elif optimizer is not None:
         name = (f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
                 f"_dp{ps.get_data_parallel_rank()}.pt")
@@ -134,6 +139,7 @@ def read_state(path: str) -> dict:
         return json.load(f)
 
 
+@torch.no_grad()  # megatron copies loaded optimizer state into views of leaf parameters
 def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
     """Load a checkpoint written by `save` into `models` (any TP/PP layout) and `optimizer` (if given).
 
@@ -152,8 +158,16 @@ def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
         for i, m in enumerate(models):
             m.load_state_dict(loaded[f"model{i}"], strict=False)
     if _optim_is_megatron(optimizer):
+        # A fresh torch Adam has no state (not even 'step'), and megatron's distributed optimizer cannot describe an
+        # empty state without apex/TE (it asserts on the step): give it zero-valued states first, as megatron does
+        # for its own fsdp format. The load overwrites them.
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+            if callable(init) and not opt.optimizer.state:
+                init()
         optimizer.load_state_dict(dist_checkpointing.load(
-            optimizer.sharded_state_dict(_model_sharded_state(models), is_loading=True), os.path.join(path, "optim")))
+            optimizer.sharded_state_dict(_model_sharded_state(models), is_loading=True, metadata=OPTIM_SHARDING),
+            os.path.join(path, "optim")))
     elif optimizer is not None:
         name = (f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
                 f"_dp{ps.get_data_parallel_rank()}.pt")
