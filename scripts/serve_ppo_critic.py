@@ -26,7 +26,7 @@ def main(argv) -> int:
         print(exc, file=sys.stderr)
         return 2
 
-    from aligner.critic.server import PortInUseError, check_ports_free, master_port_for_single_process, serve
+    from aligner.critic.server import PortInUseError, check_ports_free, serve
     from aligner.parallel.launch import discover, initialize, shutdown
 
     info = discover(master_addr=cfg.parallel.master_addr, master_port=cfg.parallel.master_port)
@@ -36,11 +36,9 @@ def main(argv) -> int:
         except PortInUseError as exc:
             print(f"critic server failed: {exc}", file=sys.stderr)
             return 1
-    master_port = master_port_for_single_process(cfg.parallel.master_port) if info.world_size == 1 else \
-        cfg.parallel.master_port
     initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
                backend=cfg.parallel.backend, seed=cfg.seed, master_addr=cfg.parallel.master_addr,
-               master_port=master_port, timeout_minutes=cfg.parallel.timeout_minutes)
+               master_port=cfg.parallel.master_port, timeout_minutes=cfg.parallel.timeout_minutes)
     try:
         cfg.validate_world(info.world_size)
         from aligner.critic.service import CriticService

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import time
 import torch
 
 from aligner.config.schema import ModelConfig
+from aligner.utils.net import free_port_range
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "serve_ppo_critic.py")
@@ -37,26 +37,8 @@ def model_yaml(indent: str = "  ", **overrides) -> str:
 
 
 def free_ports(n: int = 3) -> int:
-    """A base port p with p, p+1, ..., p+n-1 all free (HTTP, gRPC, metrics)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
+    """A base port p with p, ..., p+n-1 free (HTTP, gRPC, metrics)."""
+    return free_port_range(n)
 
 
 def init_single_process() -> None:

@@ -11,18 +11,13 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from aligner.utils.net import free_port_range as free_port  # noqa: F401  (tests import it from here)
 
 
 def _worker(rank, world_size, port, fn, args, queue):

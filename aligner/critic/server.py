@@ -97,16 +97,6 @@ def check_ports_free(server: CriticServerConfig) -> None:
                     f"metrics default to port+1 and port+2; set {key}=... to move only this one)") from exc
 
 
-def master_port_for_single_process(parallel_port):
-    """A world of one needs a rendezvous port nobody else uses (an actor job on the same machine takes the
-    launcher default): a free one, unless the config or the environment names one."""
-    if parallel_port is not None or "MASTER_PORT" in os.environ:
-        return parallel_port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _python_stubs() -> list:
     """Triton python-backend stub processes started (through tritonserver) by this process."""
     import psutil

@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from aligner.utils.net import free_port_range
+
 DEFAULT_PORT = 29500
 
 
@@ -43,14 +45,6 @@ def first_slurm_host(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return prefix + first
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env_int(env, *names):
@@ -90,7 +84,7 @@ def discover(env=None, master_addr: str | None = None, master_port: int | None =
         source, rank, world, local = "single", 0, 1, 0
         addr = master_addr or env.get("MASTER_ADDR", "127.0.0.1")
         if master_port is None and "MASTER_PORT" not in env:
-            port = _free_port()  # a world of one needs no agreed port; a fixed one would collide with other jobs
+            port = free_port_range()  # a world of one needs no agreed port; a fixed one would collide with other jobs
     if not 0 <= rank < world:
         raise ValueError(f"{source}: rank {rank} is outside a world of {world}")
     return RankInfo(rank, world, local, addr, int(port), source)

@@ -18,31 +18,15 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
-
-def free_port(span: int = 3) -> int:
-    """A port P with P..P+span-1 free (the critic takes HTTP, gRPC and metrics ports)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span >= 65535:
-            continue
-        try:
-            for p in range(port, port + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port range found")
+from aligner.utils.net import free_port_range  # noqa: E402  (stdlib only)
 
 
 def mpiexec_path() -> str:
@@ -58,11 +42,11 @@ def mpiexec_path() -> str:
 def command(script: str, procs: int, config: str, overrides: list[str], launcher: str = "torchrun") -> list[str]:
     if procs > 1 and launcher == "mpiexec":
         # `env` gives this job its own rendezvous port without touching the other job's environment.
-        head = ["env", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={free_port(1)}", mpiexec_path(), "-n", str(procs),
+        head = ["env", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={free_port_range(1)}", mpiexec_path(), "-n", str(procs),
                 sys.executable]
     elif procs > 1:
         head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
-                "--master-port", str(free_port(1))]
+                "--master-port", str(free_port_range(1))]
     else:
         head = [sys.executable]
     return head + [os.path.join(ROOT, "scripts", script), "--config-name", config] + overrides
@@ -122,7 +106,7 @@ def main(argv=None) -> int:
 
     exp = os.path.abspath(args.exp_dir)
     os.makedirs(exp, exist_ok=True)
-    port = args.port or free_port()
+    port = args.port or free_port_range(3)
     url = f"http://127.0.0.1:{port}"
     critic_cmd = command("serve_ppo_critic.py", args.critic_procs, args.critic_config, [
         f"server.port={port}", "server.host=127.0.0.1", f"exp_dir={exp}/critic", "checkpoint.resume=true",
