@@ -25,7 +25,6 @@ class Rollout:
     engine_logp_BS: torch.Tensor  # float32 on the shifted grid, 0 off the response
     mask_BS: torch.Tensor  # float32 on the shifted grid
     labels: list = field(default_factory=list)
-    prompt_indices: list = field(default_factory=list)
     positions: list = field(default_factory=list)  # each row's position in the step's global batch
 
     @property
@@ -80,7 +79,6 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         engine_logp_BS=torch.cat([pad(r.engine_logp_BS, T - 1, 0.0) for r in rollouts]),
         mask_BS=torch.cat([pad(r.mask_BS, T - 1, 0.0) for r in rollouts]),
         labels=[x for r in rollouts for x in r.labels],
-        prompt_indices=[x for r in rollouts for x in r.prompt_indices],
         positions=[x for r in rollouts for x in r.positions],
     )
 

@@ -200,11 +200,8 @@ class PPOTrainer:
         global_indices = self.sampler.next_batch(self.cfg.ppo.rollout_batch_size)
         positions = self._my_positions(len(global_indices), self.cfg.ppo.num_mini_batches,
                                        self.cfg.seed * 7 + self.step)
-        mine = [global_indices[p] for p in positions]
-        prompts = [self.train_data.items[i] for i in mine]
-        rollout = self._generate(prompts, positions, self._sampling_kw(), self.step)
-        rollout.prompt_indices = mine
-        return rollout
+        prompts = [self.train_data.items[global_indices[p]] for p in positions]
+        return self._generate(prompts, positions, self._sampling_kw(), self.step)
 
     def _gather_dp(self, rollout: Rollout, *arrays):
         """The whole global batch on global rank 0, rows in global-position order (the order a single process would
@@ -385,10 +382,8 @@ class PPOTrainer:
         if n == 0:
             return {}
         positions = self._my_positions(n, 1, None)
-        mine = positions
-        rollout = self._generate([items[i] for i in mine], positions, self._sampling_kw(self.cfg.validation.greedy),
-                                 10_000_000 + self.step)
-        rollout.labels = [items[i].label for i in mine]
+        sampling = self._sampling_kw(self.cfg.validation.greedy)
+        rollout = self._generate([items[i] for i in positions], positions, sampling, 10_000_000 + self.step)
         _, scores = self.receive_values(self.request_values(rollout), rollout)
         sums = torch.stack([scores.sum(), rollout.response_lengths_B.float().sum().to(scores.device),
                             rollout.ended_B.float().sum().to(scores.device)]).double()
