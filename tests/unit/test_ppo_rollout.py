@@ -1,0 +1,46 @@
+"""The actor's sequence layout (aligner/ppo/rollout.py), by hand."""
+
+import torch
+
+from aligner.ppo.rollout import assemble, concat, pad_to, response_mask, sample_seeds
+
+
+def test_layout_and_shifted_grid():
+    prompts = torch.tensor([[5, 6, 0], [7, 8, 9]])
+    prompt_lengths = torch.tensor([2, 3])
+    responses = torch.tensor([[10, 11, 2], [12, 0, 0]])
+    response_lengths = torch.tensor([3, 1])
+    logprobs = torch.tensor([[-0.1, -0.2, -0.3], [-0.4, 0.0, 0.0]])
+    r = assemble(prompts, prompt_lengths, responses, response_lengths, logprobs, torch.tensor([True, False]),
+                 pad_id=0, total_length=6)
+    assert r.tokens_BT.tolist() == [[5, 6, 10, 11, 2, 0], [7, 8, 9, 12, 0, 0]]
+    assert r.lengths_B.tolist() == [5, 4]
+    # shifted index i is token i+1: sample 0's response tokens 2..4 sit at 1..3, sample 1's token 3 at 2
+    assert r.mask_BS.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]
+    torch.testing.assert_close(r.engine_logp_BS, torch.tensor([[0, -0.1, -0.2, -0.3, 0], [0, 0, -0.4, 0, 0]]))
+    assert r.ended_B.tolist() == [True, False]
+
+
+def test_response_mask_matches_assemble():
+    m = response_mask(torch.tensor([1, 4]), torch.tensor([2, 0]), 5)
+    assert m.tolist() == [[1, 1, 0, 0, 0], [0, 0, 0, 0, 0]]
+
+
+def test_concat_and_pad_keep_rows_aligned():
+    def one(tokens, p, resp):
+        return assemble(torch.tensor([tokens]), torch.tensor([p]), torch.tensor([resp]), torch.tensor([len(resp)]),
+                        torch.full((1, len(resp)), -1.0), torch.tensor([True]), 0, p + len(resp))
+
+    a, b = one([1, 2], 2, [3]), one([4], 1, [5, 6, 7])
+    a.positions, b.positions = [3], [0]
+    c = concat([a, b], pad_id=0)
+    assert c.tokens_BT.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
+    assert c.mask_BS.tolist() == [[0, 1, 0], [1, 1, 1]]
+    assert c.positions == [3, 0]
+    c = pad_to(c, 6, pad_id=0)
+    assert c.tokens_BT.shape == (2, 6) and c.mask_BS.shape == (2, 5) and c.mask_BS.sum() == 4
+
+
+def test_seeds_depend_on_position_not_batch():
+    assert sample_seeds(1, 2, [5, 9])[1] == sample_seeds(1, 2, [9])[0]
+    assert sample_seeds(1, 2, [5]) != sample_seeds(1, 3, [5]) != sample_seeds(2, 2, [5])
