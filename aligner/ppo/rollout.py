@@ -94,6 +94,27 @@ def pad_to(rollout: Rollout, total_length: int, pad_id: int) -> Rollout:
     return rollout
 
 
+def minibatch_positions(n: int, groups: int, dp: int, dp_rank: int, seed: int | None) -> list[int]:
+    """Positions in a global batch of `n` that DP rank `dp_rank` owns, mini-batch by mini-batch.
+
+    The global batch is permuted once (the same `seed` on every rank; None = no permutation) and cut into `groups`
+    global mini-batches; each DP rank takes its contiguous share of every one. So local rows
+    [m * n / (groups * dp), (m + 1) * n / (groups * dp)) are this rank's share of global mini-batch m, and the
+    mini-batches are the same sets of samples for any DP size (DP=2 reproduces DP=1).
+    """
+    if seed is None:
+        order = list(range(n))
+    else:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    per_group = n // groups
+    share = per_group // dp
+    mine = []
+    for m in range(groups):
+        lo = m * per_group + dp_rank * share
+        mine.extend(order[lo:lo + share])
+    return mine
+
+
 def sample_seeds(base_seed: int, step: int, indices: list[int]) -> list[int]:
     """Per-sample sampling seeds that depend only on (seed, step, position in the global batch): a resumed run or
     another data-parallel layout draws the same responses."""

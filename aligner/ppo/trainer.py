@@ -32,7 +32,7 @@ from aligner.generation import SamplingParams, build_engine
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
 from aligner.ppo.reference import build_reference
-from aligner.ppo.rollout import Rollout, assemble, concat, pad_to, sample_seeds
+from aligner.ppo.rollout import Rollout, assemble, concat, minibatch_positions, pad_to, sample_seeds
 from aligner.utils.metrics import MetricsWriter, Timer
 
 log = logging.getLogger(__name__)
@@ -148,23 +148,7 @@ class PPOTrainer:
 
     # -- phases -------------------------------------------------------------------------------------------
     def _my_positions(self, n: int, groups: int, seed: int | None) -> list[int]:
-        """Positions in a global batch of `n` that this DP rank owns, mini-batch by mini-batch.
-
-        The global batch is permuted once (same seed on every rank) and cut into `groups` global mini-batches; each
-        DP rank takes its contiguous share of every mini-batch. So local rows [m*n/(groups*dp), ...) form this rank's
-        share of global mini-batch m, and the mini-batches are the same sets of samples for any DP size (DP=2
-        reproduces DP=1)."""
-        if seed is None:
-            order = list(range(n))
-        else:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-        per_group = n // groups
-        share = per_group // self.dp
-        mine = []
-        for m in range(groups):
-            lo = m * per_group + self.dp_rank * share
-            mine.extend(order[lo:lo + share])
-        return mine
+        return minibatch_positions(n, groups, self.dp, self.dp_rank, seed)
 
     def _generate(self, prompts, positions, sampling_kw, step_seed) -> Rollout:
         """Generate for `prompts` in engine-sized chunks; returns the assembled rollout."""

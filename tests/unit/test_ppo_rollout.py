@@ -44,3 +44,15 @@ def test_concat_and_pad_keep_rows_aligned():
 def test_seeds_depend_on_position_not_batch():
     assert sample_seeds(1, 2, [5, 9])[1] == sample_seeds(1, 2, [9])[0]
     assert sample_seeds(1, 2, [5]) != sample_seeds(1, 3, [5]) != sample_seeds(2, 2, [5])
+
+
+def test_minibatches_are_the_same_sets_for_any_dp():
+    from aligner.ppo.rollout import minibatch_positions
+
+    n, groups = 16, 2
+    one = minibatch_positions(n, groups, 1, 0, seed=3)
+    assert sorted(one) == list(range(n)) and one != list(range(n))
+    two = [minibatch_positions(n, groups, 2, r, seed=3) for r in range(2)]
+    for m in range(groups):  # global mini-batch m = union of the ranks' m-th local slices
+        assert set(two[0][m * 4:(m + 1) * 4]) | set(two[1][m * 4:(m + 1) * 4]) == set(one[m * 8:(m + 1) * 8])
+    assert minibatch_positions(4, 1, 2, 1, None) == [2, 3]
