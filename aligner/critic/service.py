@@ -23,6 +23,7 @@ Contract
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 
 import numpy as np
@@ -66,7 +67,7 @@ class CriticService:
         self.limits = Limits(cfg.server.max_batch_size, cfg.max_seq_len, vocab, cfg.server.max_train_batch_size)
         self.critic = TrainableModel(cfg.model, cfg.optim, head="scalar")
         if cfg.model.checkpoint:
-            self.critic.load_weights(cfg.model.checkpoint)
+            self.critic.load_weights(cfg.model.checkpoint, backbone_only=_is_lm_checkpoint(cfg.model.checkpoint))
         self.reward_model = None
         if cfg.reward_model is not None:
             self.reward_model = TrainableModel(cfg.reward_model, cfg.optim, head="scalar", trainable=False)
@@ -244,3 +245,15 @@ class CriticService:
         state = dist_ckpt.load(path, [self.critic.module], self.critic.optimizer)
         self.critic.steps_taken = int(state.get("optimizer_steps", 0))
         return path
+
+
+def _is_lm_checkpoint(path: str) -> bool:
+    """A policy (LM-head) checkpoint: the critic takes its backbone and keeps a fresh value head, as NeMo-Aligner's
+    critic does when it starts from the SFT policy."""
+    from aligner.checkpoint.convert import detect_model_type
+
+    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+    if detect_model_type(model_dir) != "policy":
+        return False
+    LOG.warning("model.checkpoint %s holds an LM head: loading its backbone, the value head starts fresh", path)
+    return True

@@ -180,3 +180,21 @@ def test_bad_inputs_raise_before_any_work(weights, tmp_path):
         service.infer(tokens.float(), lengths)
     values, rewards = service.infer(tokens, lengths)  # still serving
     assert np.isfinite(values.numpy()).all() and rewards.shape == (3, 1)
+
+
+def test_critic_starts_from_a_policy_checkpoint(weights, tmp_path):
+    """NeMo-Aligner's usual start: the critic's backbone from the (converted) policy, a fresh value head."""
+    from aligner.models.gpt import build_gpt
+
+    torch.manual_seed(11)
+    policy = build_gpt(tiny_model(), head="lm")
+    path = save_weights(policy, str(tmp_path / "policy"))
+    service = _service({**weights, "critic_ckpt": path}, tmp_path / "exp")
+    mine = service.critic.module.state_dict()
+    for name, tensor in policy.state_dict().items():
+        if torch.is_tensor(tensor) and not name.startswith("output_layer") and "_extra_state" not in name:
+            assert torch.equal(mine[name], tensor), name
+    assert mine["output_layer.weight"].shape == (1, 64)
+    tokens, lengths = sample_batch(3, 8, seed=1)
+    values, _ = service.infer(tokens, lengths)
+    assert torch.isfinite(values).all()
