@@ -31,7 +31,7 @@ def main(argv) -> int:
                p.master_port, p.timeout_minutes)
     try:
         metrics_path = PPOTrainer(cfg).fit()
-        if metrics_path:
+        if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):  # a launcher prints it last itself
             print(f"metrics: {os.path.abspath(metrics_path)}", flush=True)
     except ConfigError as exc:
         print(f"train_ppo_actor: {exc}", file=sys.stderr)

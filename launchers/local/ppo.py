@@ -136,7 +136,8 @@ def main(argv=None) -> int:
             print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
             return 1
         print(f"[ppo] critic ready at {url}\n[ppo] actor job: {' '.join(actor_cmd)}", flush=True)
-        actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=env, start_new_session=True)
+        actor_env = {**env, "ALIGNER_NO_METRICS_LINE": "1"}  # this launcher prints the metrics line last
+        actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True)
         while actor.poll() is None:
             if critic.poll() is not None:
                 print(f"[ppo] the critic job died (status {critic.returncode}); stopping the actor\n"
