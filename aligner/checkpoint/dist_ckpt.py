@@ -88,8 +88,12 @@ def _optim_is_megatron(optimizer) -> bool:
     return optimizer is not None and hasattr(optimizer, "sharded_state_dict")
 
 
-def save(root: str, step: int, models, optimizer=None, state: dict | None = None, keep: int | None = None) -> str:
-    """Write `<root>/step_<step>` atomically; returns its path. Collective."""
+def save(root: str, step: int, models, optimizer=None, state: dict | None = None, keep: int | None = None,
+         model_cfg=None) -> str:
+    """Write `<root>/step_<step>` atomically; returns its path. Collective.
+
+    With `model_cfg` (a ModelConfig), `model.yaml` describes the model, so the checkpoint converts to HF
+    (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -117,7 +121,12 @@ def save(root: str, step: int, models, optimizer=None, state: dict | None = None
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank()}.pt"))
     _barrier()
     if _rank() == 0:
-        with open(os.path.join(tmp, "state.json"), "w") as f:
+        if model_cfg is not None:
+            from aligner.config import to_yaml
+
+            with open(os.path.join(tmp, "model.yaml"), "w") as f:
+                f.write(to_yaml(model_cfg))
+        with open(os.path.join(tmp, "state.json"), "w") as f:  # last: its presence marks a complete checkpoint
             json.dump({"step": step, **(state or {})}, f, indent=1)
         if os.path.exists(final):
             shutil.rmtree(final)

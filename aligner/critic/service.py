@@ -235,7 +235,7 @@ class CriticService:
         step = check_step(step)
         return dist_ckpt.save(self.cfg.checkpoint_dir, step, [self.critic.module], self.critic.optimizer,
                               state={"optimizer_steps": self.critic.steps_taken, "job": "critic"},
-                              keep=self.cfg.checkpoint.keep)
+                              keep=self.cfg.checkpoint.keep, model_cfg=self.cfg.model)
 
     def _resume(self) -> str | None:
         path = dist_ckpt.latest_checkpoint(self.cfg.checkpoint_dir)

@@ -386,7 +386,7 @@ class PPOTrainer:
         if self.rank == 0 and cfg.save_critic:
             critic_future = self.critic.save_async(self.step)
         path = dist_ckpt.save(self.cfg.checkpoint_dir, self.step, [self.policy.module], self.policy.optimizer,
-                              self.trainer_state(), keep=cfg.keep)
+                              self.trainer_state(), keep=cfg.keep, model_cfg=self.cfg.model)
         if critic_future is not None:
             critic_future.result()
         if self.rank == 0:
