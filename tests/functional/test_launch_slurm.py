@@ -136,6 +136,9 @@ def test_failing_actor_fails_the_job_and_stops_the_critic(cluster, tmp_path):
     assert not leftovers(str(exp))
 
 
+LONG_RUN = 100_000  # steps no run reaches: only the signal ends it, however fast the machine
+
+
 def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
     """After a SIGTERM-stopped first job: matching checkpoints; a second job resumes both and completes."""
     wait_gone(cluster, first_id)
@@ -144,7 +147,7 @@ def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
     assert "asking the actor to checkpoint and stop" in log
     rows = metrics(exp)
     stopped = len(rows)
-    assert [r["step"] for r in rows] == list(range(stopped)) and stopped < 200
+    assert [r["step"] for r in rows] == list(range(stopped)) and stopped < LONG_RUN
     assert os.listdir(exp / "actor" / "checkpoints") == [f"step_{stopped:06d}"]
     assert os.listdir(exp / "critic" / "checkpoints") == [f"step_{stopped:06d}"]
     assert json.loads((exp / "actor" / "checkpoints" / f"step_{stopped:06d}" / "state.json").read_text())["step"] \
@@ -168,7 +171,8 @@ def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
 def test_scancel_sigterm_checkpoints_and_resumes(cluster, tmp_path):
     exp = tmp_path / "exp"
     out = tmp_path / "job.out"
-    job = submit(cluster, "-o", str(out), PPO, *DEMO, "--exp-dir", str(exp), "--actor", "ppo.num_steps=200", *QUICK)
+    job = submit(cluster, "-o", str(out), PPO, *DEMO, "--exp-dir", str(exp), "--actor", f"ppo.num_steps={LONG_RUN}",
+                 *QUICK)
     try:
         deadline = time.monotonic() + 180
         mfile = exp / "actor" / "metrics.jsonl"
@@ -185,10 +189,12 @@ def test_scancel_sigterm_checkpoints_and_resumes(cluster, tmp_path):
 def test_time_limit_signal_checkpoints_and_resumes(cluster, tmp_path):
     exp = tmp_path / "exp"
     out = tmp_path / "job.out"
-    # Two minutes of wall time; Slurm sends SIGTERM to the batch script 90 s before they run out (its time-limit
-    # check runs every 30 s, so 30-60 s into the job), which leaves the actor a minute to checkpoint.
-    job = submit(cluster, "-o", str(out), "--time=2", "--signal=B:TERM@90", ":", "--time=2", PPO, *DEMO,
-                 "--exp-dir", str(exp), "--actor", "ppo.num_steps=200", *QUICK)
+    # Three minutes of wall time; Slurm sends SIGTERM to the batch script 90 s before they run out (its time-limit
+    # check runs every 30 s, so 90-120 s after the allocation), which leaves the actor a minute to checkpoint. Two
+    # minutes were too tight: on a loaded machine the batch script started 26 s after the allocation, and the signal
+    # came before the actor had started (seen in CI).
+    job = submit(cluster, "-o", str(out), "--time=3", "--signal=B:TERM@90", ":", "--time=3", PPO, *DEMO,
+                 "--exp-dir", str(exp), "--actor", f"ppo.num_steps={LONG_RUN}", *QUICK)
     try:
         _stopped_run_resumes(cluster, tmp_path, exp, out, job)
     finally:
