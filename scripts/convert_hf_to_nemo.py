@@ -17,13 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from aligner.checkpoint.convert import convert_hf_to_dist  # noqa: E402
-from aligner.checkpoint.hf import CheckpointMismatchError, UnsupportedModelError  # noqa: E402
-from aligner.config import ConfigError  # noqa: E402
+from aligner.checkpoint.convert import USER_ERRORS, convert_hf_to_dist  # noqa: E402
 from aligner.parallel import discover, shutdown  # noqa: E402
-
-USER_ERRORS = (UnsupportedModelError, CheckpointMismatchError, ConfigError, FileNotFoundError, FileExistsError,
-               ValueError)
 
 
 def parse_args(argv=None):

@@ -59,6 +59,9 @@ HEADS = {"policy": "lm", "reward": "scalar"}
 # Tensors HF files may carry that are buffers, not weights (recomputed by the model).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
+# What the converter scripts report as a one-line user error (bad input, missing files) instead of a traceback.
+USER_ERRORS = (UnsupportedModelError, CheckpointMismatchError, FileNotFoundError, FileExistsError, ValueError)
+
 
 # -- process groups and atomic directories ---------------------------------------------------------------------
 
