@@ -11,7 +11,9 @@ gradients, grad norm. At TP=2 also the generation engine: greedy tokens and log-
     torchrun --nproc_per_node 2 tests/gpu/nccl_parity.py dp DIR
 
 Each writes DIR/<mode>.json and prints a PASS/FAIL line with its numbers. Tolerances are bf16 ones: relative norm
-errors (||x - ref|| / ||ref||), since elementwise bounds mean nothing after 16 layers of bf16 rounding.
+errors (||x - ref|| / ||ref||) for gradients and losses, since elementwise bounds mean nothing after 16 layers of
+bf16 rounding; log-prob differences against the noise floor that the reference run measures (see LOGP_FLOOR_FACTOR).
+Results of the run on two H200s: docs/PERF.md ("Multi-GPU").
 """
 
 import json
@@ -26,7 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 TINY = os.environ.get("ALIGNER_PARITY_TINY") == "1"  # a CPU smoke run of this script (gloo, 2-layer model)
 BATCH, SEQ = (4, 16) if TINY else (4, 1024)
 GEN_B, GEN_PROMPT, GEN_NEW = (2, 8, 8) if TINY else (8, 64, 64)
-TOL = {"logp_mean_abs": 2e-2, "grad_rel": 5e-2, "nll_rel": 2e-3, "grad_norm_rel": 2e-2, "engine_logp_mean_abs": 2e-2}
+# Log-prob tolerances are relative to the noise floor measured in the reference run: the mean |difference| between
+# two correct bf16 implementations on one GPU (the engine and the training forward at TP=1, same weights and tokens).
+LOGP_FLOOR_FACTOR = 1.5
+TOL = {"grad_rel": 5e-2, "nll_rel": 2e-3, "grad_norm_rel": 2e-2}
+LOGP_KEYS = ("logp_mean_abs", "engine_logp_mean_abs", "refit_engine_vs_training_logp_mean_abs")
 
 
 def model_cfg():
@@ -54,7 +60,7 @@ def data(cfg):
 
 def sync():
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def rel(a, b) -> float:
@@ -130,11 +136,13 @@ def run_ref(out_dir):
     del engine
     logp, metrics = train_once(model, cfg, tokens)
     grads = {k: v.float().cpu() for k, v in full_state_dict(model.module, cfg, grads=True).items()}
-    torch.save({"logp": logp, "nll_sum": float(metrics["nll_sum"]), "grad_norm": float(metrics["grad_norm"]),
-                "grads": grads, "gen_tokens": out.response_tokens_BR.cpu(), "gen_logp": out.logprobs_BR.float().cpu(),
+    floor = float((out.logprobs_BR.float().cpu() - train_logp).abs().mean())
+    torch.save({"engine_vs_training_logp_mean_abs": floor, "logp": logp, "nll_sum": float(metrics["nll_sum"]),
+                "grad_norm": float(metrics["grad_norm"]), "grads": grads, "gen_tokens": out.response_tokens_BR.cpu(),
+                "gen_logp": out.logprobs_BR.float().cpu(),
                 "gen_margins": margins, "gen_train_logp": train_logp}, os.path.join(out_dir, "ref.pt"))
     report = {"mode": "ref", "grad_norm": float(metrics["grad_norm"]), "nll_sum": float(metrics["nll_sum"]),
-              "engine_vs_training_logp_mean_abs": float((out.logprobs_BR.float().cpu() - train_logp).abs().mean()),
+              "engine_vs_training_logp_mean_abs": floor,
               "median_greedy_margin": float(margins.median())}
     return report
 
@@ -148,7 +156,7 @@ def compare_training(ref, logp, metrics, cfg, model):
 
     grads = full_state_dict(model.module, cfg, grads=True)
     per_param = {k: rel(grads[k], ref["grads"][k]) for k in ref["grads"]}
-    num = sum(float((grads[k].float() - ref["grads"][k].cuda()).norm() ** 2) for k in ref["grads"])
+    num = sum(float((grads[k].float() - ref["grads"][k].to(grads[k].device)).norm() ** 2) for k in ref["grads"])
     den = sum(float(ref["grads"][k].norm() ** 2) for k in ref["grads"])
     # Log-probs and nll: each data-parallel slice's last stage holds its share; gather them on every rank.
     last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -250,7 +258,8 @@ def run_parallel(mode, out_dir):
     # shard of them, so that run uses the plain optimizer (DDP all-reduces the full gradients).
     model = TrainableModel(cfg, OptimConfig(lr=1e-5, clip_grad=0.0, use_distributed_optimizer=mode != "dp"))
     load_full_state_dict(model.module, full, cfg)
-    report = {"mode": mode, "world": dist.get_world_size()}
+    report = {"mode": mode, "world": dist.get_world_size(),
+              "noise_floor_logp_mean_abs": ref["engine_vs_training_logp_mean_abs"]}
     engine = None
     if mode == "tp":
         engine, gen = engine_checks(ref, cfg, model, prompts)
@@ -264,9 +273,11 @@ def run_parallel(mode, out_dir):
 
 def verdict(report) -> str:
     checks = {k: report[k] <= v for k, v in TOL.items() if k in report}
+    floor = report["noise_floor_logp_mean_abs"]
+    # On CPU (float32) the floor can be 0: then allow float32 noise.
+    checks.update({k: report[k] <= max(LOGP_FLOOR_FACTOR * floor, 1e-5) for k in LOGP_KEYS if k in report})
     if "refit_pointers_unchanged" in report:
         checks["refit_pointers_unchanged"] = report["refit_pointers_unchanged"]
-        checks["refit_logp"] = report["refit_engine_vs_training_logp_mean_abs"] <= TOL["engine_logp_mean_abs"]
     failed = [k for k, ok in checks.items() if not ok]
     report["checks"], report["failed"] = checks, failed
     return "PASS" if not failed else "FAIL " + ",".join(failed)
