@@ -78,6 +78,7 @@ class CriticService:
         # Loaded on every rank (a broken file fails everywhere at start-up), called on global rank 0 only.
         self.reward_function = RewardFunction(cfg.reward_fn, cfg.tokenizer_path) if cfg.reward_fn else None
         self.resumed_from = self._resume() if cfg.checkpoint.resume else None
+        dist_ckpt.start_writer()  # not inside the first critic_save request
 
     # -- layout helpers ----------------------------------------------------------------------------------
     def _my_rows(self, batch: int) -> tuple[int, int]:

@@ -75,6 +75,7 @@ class PPOTrainer:
             self.critic = CriticClient.from_config(cfg.critic)
             self.critic.wait_ready()
         self._resume()
+        dist_ckpt.start_writer()  # not inside the first checkpoint (the critic saves at the same time)
         self.writer = MetricsWriter(cfg.logging.exp_dir, enabled=self.rank == 0,
                                     tensorboard=cfg.logging.tensorboard, resume_step=self.step)
 

@@ -71,6 +71,14 @@ def exit_code(cluster, job_id) -> str:
     return next(f.split("=", 1)[1] for f in out.split() if f.startswith("ExitCode="))
 
 
+def critic_logs(exp, chars: int = 3000) -> str:
+    """The ends of the critic's own log and of its tritonserver log, for a failing test's message."""
+    out = []
+    for path in sorted([*exp.glob("logs/*"), *exp.glob("critic/tritonserver.log")]):
+        out.append(f"--- {path} ---\n{path.read_text(errors='replace')[-chars:]}")
+    return "\n".join(out)
+
+
 def metrics(exp):
     with open(os.path.join(exp, "actor", "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -93,7 +101,7 @@ def test_het_job_runs_critic_and_two_rank_actor(cluster, tmp_path):
     proc, log = sbatch_wait(cluster, "-o", str(tmp_path / "job.out"), "-N1", ":", "-N2", PPO, *DEMO,
                             "--exp-dir", str(exp), "--actor", "ppo.num_steps=3",
                             "parallel.tensor_model_parallel_size=2", *QUICK)
-    assert proc.returncode == 0, log[-4000:]
+    assert proc.returncode == 0, log[-4000:] + critic_logs(exp)
     assert "critic on n1 (1/node), actor on n[2-3] (1/node)" in log
     rows = metrics(exp)
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -1,0 +1,57 @@
+"""dist_ckpt.start_writer: megatron's checkpoint writer helper (a 'spawn' Manager process) is started and made ready
+(torch imported there) at job start, not inside the first save; its queue is left empty and saves still work.
+
+Run in a fresh interpreter whose main script does not import torch, as a job's Manager would start from one: the
+helper is only created once per process, so the pytest process (where other tests saved already) cannot show it.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BODY = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {repo!r})
+
+    def torch_mapped(pid):
+        with open(f"/proc/{{pid}}/maps") as f:
+            return "libtorch" in f.read()
+
+    def main():
+        import psutil
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        from aligner.checkpoint import dist_ckpt
+        from aligner.models.gpt import build_gpt
+        from aligner.config import ModelConfig
+        from aligner.parallel import initialize
+        from aligner.utils.net import free_port_range
+
+        initialize(1, 1, master_port=free_port_range(1))
+        assert filesystem_async._results_queue is None, "the helper exists before start_writer"
+        dist_ckpt.start_writer()
+        queue = filesystem_async._results_queue
+        assert queue is not None and queue.qsize() == 0, "start_writer left something in megatron's queue"
+        helpers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(helpers) == 1, helpers
+        print("helper_has_torch", torch_mapped(helpers[0].pid))
+        model = build_gpt(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64))
+        path = dist_ckpt.save(sys.argv[1], 1, [model])
+        print("saved", os.path.isfile(os.path.join(path, "state.json")), "queue", queue.qsize())
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_start_writer_readies_megatron_helper_before_the_first_save(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(BODY.format(repo=REPO))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "helper_has_torch True" in proc.stdout, proc.stdout
+    assert "saved True queue 0" in proc.stdout, proc.stdout
