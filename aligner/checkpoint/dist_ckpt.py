@@ -41,27 +41,53 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_writer_manager = None  # the helper started by start_writer (kept alive for the whole process)
+
+
+def _die_with_parent() -> None:
+    """Runs first in the helper process: end it when the job process that started it ends, however that ends
+    (SIGKILL included; Linux). Without this an orphaned helper outlives a killed job."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the job ended before the line above ran
+        os._exit(0)
+
+
 def start_writer() -> None:
-    """Start now the helper process that megatron's checkpoint writer would otherwise start at this process's first
-    save. Jobs that save (the actor, the critic) call it at start-up.
+    """Start now, from the main thread, the helper process that megatron's checkpoint writer would otherwise start
+    at this process's first save; jobs that save (the actor, the critic) call it at start-up.
 
     megatron-core's filesystem writer (used by every torch_dist save, synchronous ones too) creates a multiprocessing
     Manager with the 'spawn' start method on first use: a fresh interpreter that imports the main script and torch,
     and the save waits for it. That took 2.0 s on an idle 2-core CPU (first critic_save 2.04 s, later ones 0.09 s),
     longer when several ranks do it at once, and inside a critic_save request Triton's python stub waits all that
-    time. A no-op where megatron's private helper is not there (other megatron-core versions).
+    time. megatron's own helper also outlives a job killed with SIGKILL; this one ends with the job.
+    A no-op where megatron's private hook is not there (other megatron-core versions).
     """
+    global _writer_manager
     try:
+        import multiprocessing as mp
+        from multiprocessing.managers import SyncManager
+
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from torch.distributed.checkpoint.storage import WriteResult
-
-        # The Manager's process imports the main script, then, on the first results a save sends it, torch's
-        # checkpoint classes (1.8 s of the 2 s). A round trip of that class (pickled by name) does both now.
-        results = filesystem_async._get_write_results_queue()
-        results.put(WriteResult)
-        results.get()
-    except (ImportError, AttributeError):
-        pass
+    except ImportError:
+        return
+    if _writer_manager is not None or getattr(filesystem_async, "_results_queue", "missing") is not None:
+        return  # started already, or not this megatron-core
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(_die_with_parent)
+    results = manager.Queue()
+    # A round trip of a torch checkpoint class (pickled by name) waits until the helper has imported it.
+    results.put(WriteResult)
+    results.get()
+    _writer_manager = manager
+    filesystem_async._results_queue = results
 
 
 def step_dir_name(step: int) -> str:

@@ -1,5 +1,6 @@
 """dist_ckpt.start_writer: megatron's checkpoint writer helper (a 'spawn' Manager process) is started and made ready
-(torch imported there) at job start, not inside the first save; its queue is left empty and saves still work.
+(torch imported there) at job start, not inside the first save; its queue is left empty, saves still work, and the
+helper ends when the job is killed with SIGKILL (megatron's own would be orphaned).
 
 Run in a fresh interpreter whose main script does not import torch, as a job's Manager would start from one: the
 helper is only created once per process, so the pytest process (where other tests saved already) cannot show it.
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,9 +39,11 @@ BODY = textwrap.dedent("""
         helpers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
         assert len(helpers) == 1, helpers
         print("helper_has_torch", torch_mapped(helpers[0].pid))
+        print("helper_pid", helpers[0].pid)
         model = build_gpt(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64))
         path = dist_ckpt.save(sys.argv[1], 1, [model])
-        print("saved", os.path.isfile(os.path.join(path, "state.json")), "queue", queue.qsize())
+        print("saved", os.path.isfile(os.path.join(path, "state.json")), "queue", queue.qsize(), flush=True)
+        os.kill(os.getpid(), 9)  # a job killed outright: no atexit, no finalizers
 
     if __name__ == "__main__":
         main()
@@ -50,8 +54,26 @@ def test_start_writer_readies_megatron_helper_before_the_first_save(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(BODY.format(repo=REPO))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,
-                          env=env, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "helper_has_torch True" in proc.stdout, proc.stdout
-    assert "saved True queue 0" in proc.stdout, proc.stdout
+    # Output to files, not pipes: a helper left behind would hold a pipe open and stall the call instead of failing.
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        code = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], stdout=fo, stderr=fe, env=env,
+                              timeout=240).returncode
+    stdout = out.read_text()
+    assert code == -9, err.read_text()[-3000:]
+    assert "helper_has_torch True" in stdout, stdout
+    assert "saved True queue 0" in stdout, stdout
+    pid = int(stdout.split("helper_pid ")[1].split()[0])
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), f"the writer helper (pid {pid}) outlived its killed job"
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
