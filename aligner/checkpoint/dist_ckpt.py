@@ -44,12 +44,16 @@ def _barrier() -> None:
 _writer_manager = None  # the helper started by start_writer (kept alive for the whole process)
 
 
-def _die_with_parent() -> None:
-    """Runs first in the helper process: end it when the job process that started it ends, however that ends
-    (SIGKILL included; Linux). Without this an orphaned helper outlives a killed job."""
+def _helper_init() -> None:
+    """Runs first in the helper process. It ignores the signals that ask a job to stop (Slurm and our launchers send
+    them to every process of the job, and the job then saves a last checkpoint through this helper), and it ends
+    when the job process that started it ends, however that ends (SIGKILL included; Linux): without that an
+    orphaned helper outlives a killed job."""
     import ctypes
     import signal
 
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -66,7 +70,8 @@ def start_writer() -> None:
     Manager with the 'spawn' start method on first use: a fresh interpreter that imports the main script and torch,
     and the save waits for it. That took 2.0 s on an idle 2-core CPU (first critic_save 2.04 s, later ones 0.09 s),
     longer when several ranks do it at once, and inside a critic_save request Triton's python stub waits all that
-    time. megatron's own helper also outlives a job killed with SIGKILL; this one ends with the job.
+    time. megatron's own helper also dies of the SIGTERM that asks the job to checkpoint and stop (so that last save
+    fails), and outlives a job killed with SIGKILL; this one ignores the first and ends with the job.
     A no-op where megatron's private hook is not there (other megatron-core versions).
     """
     global _writer_manager
@@ -81,7 +86,7 @@ def start_writer() -> None:
     if _writer_manager is not None or getattr(filesystem_async, "_results_queue", "missing") is not None:
         return  # started already, or not this megatron-core
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(_die_with_parent)
+    manager.start(_helper_init)
     results = manager.Queue()
     # A round trip of a torch checkpoint class (pickled by name) waits until the helper has imported it.
     results.put(WriteResult)

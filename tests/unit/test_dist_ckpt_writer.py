@@ -1,6 +1,7 @@
 """dist_ckpt.start_writer: megatron's checkpoint writer helper (a 'spawn' Manager process) is started and made ready
-(torch imported there) at job start, not inside the first save; its queue is left empty, saves still work, and the
-helper ends when the job is killed with SIGKILL (megatron's own would be orphaned).
+(torch imported there) at job start, not inside the first save; its queue is left empty; a SIGTERM sent to the whole
+job (as scancel does before the job's last checkpoint) leaves it serving; and it ends when the job is killed with
+SIGKILL. megatron's own helper would die of the SIGTERM (the last save fails) and outlive the SIGKILL.
 
 Run in a fresh interpreter whose main script does not import torch, as a job's Manager would start from one: the
 helper is only created once per process, so the pytest process (where other tests saved already) cannot show it.
@@ -15,7 +16,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BODY = textwrap.dedent("""
-    import os, sys
+    import os, signal, sys, time
     sys.path.insert(0, {repo!r})
 
     def torch_mapped(pid):
@@ -41,6 +42,10 @@ BODY = textwrap.dedent("""
         print("helper_has_torch", torch_mapped(helpers[0].pid))
         print("helper_pid", helpers[0].pid)
         model = build_gpt(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64))
+        # What scancel and our launchers do: SIGTERM to every process of the job, which then saves a last time.
+        signal.signal(signal.SIGTERM, lambda *_: print("job got SIGTERM", flush=True))
+        os.killpg(0, signal.SIGTERM)
+        time.sleep(1)
         path = dist_ckpt.save(sys.argv[1], 1, [model])
         print("saved", os.path.isfile(os.path.join(path, "state.json")), "queue", queue.qsize(), flush=True)
         os.kill(os.getpid(), 9)  # a job killed outright: no atexit, no finalizers
@@ -58,11 +63,11 @@ def test_start_writer_readies_megatron_helper_before_the_first_save(tmp_path):
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     with open(out, "w") as fo, open(err, "w") as fe:
         code = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], stdout=fo, stderr=fe, env=env,
-                              timeout=240).returncode
+                              timeout=240, start_new_session=True).returncode
     stdout = out.read_text()
     assert code == -9, err.read_text()[-3000:]
     assert "helper_has_torch True" in stdout, stdout
-    assert "saved True queue 0" in stdout, stdout
+    assert "job got SIGTERM" in stdout and "saved True queue 0" in stdout, stdout
     pid = int(stdout.split("helper_pid ")[1].split()[0])
     deadline = time.monotonic() + 20
     while _alive(pid) and time.monotonic() < deadline:
