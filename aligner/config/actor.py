@@ -154,10 +154,6 @@ class ActorJobConfig:
             raise ConfigError("generation.max_response_length",
                               f"max_prompt_length + max_response_length = {total} exceeds "
                               f"model.max_position_embeddings={self.model.max_position_embeddings}")
-        if self.parallel.pipeline_model_parallel_size != 1:
-            raise ConfigError("parallel.pipeline_model_parallel_size",
-                              "the actor job generates with the training layout and does not reshard PP yet: use "
-                              "PP=1 (TP and DP scale the actor; the critic job supports PP)")
         if self.max_time is not None and self.max_time <= 0:
             raise ConfigError("max_time", "must be > 0 seconds (or null)")
 

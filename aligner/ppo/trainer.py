@@ -45,6 +45,12 @@ class PPOTrainer:
         self.dp = cfg.validate_world(dist.get_world_size())
         self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        # Pipeline parallelism: the engine generates on every stage (all layers gathered, see the engine); the
+        # training schedule's outputs (log-probs, loss statistics) exist on the last stage and are broadcast from it.
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.pp_group = ps.get_pipeline_model_parallel_group() if self.pp > 1 else None
+        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.last_stage = ps.is_pipeline_last_stage()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.timer = Timer(torch.cuda.synchronize if torch.cuda.is_available() else None)
         self.stop_requested = False
@@ -253,9 +259,17 @@ class PPOTrainer:
     def compute_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [B, T-1] of the sampled tokens under the policy (training layout) and the reference."""
         micro = self._micro_batches(rollout, size=self.cfg.ppo.forward_micro_batch_size)
-        logp = torch.cat(self.policy.forward(micro, self._logprobs_fn))
-        ref_logp = torch.cat(self.reference.forward(self.policy, micro, self._logprobs_fn))
-        return logp, ref_logp
+        logp = self.policy.forward(micro, self._logprobs_fn)
+        ref_logp = self.reference.forward(self.policy, micro, self._logprobs_fn)
+        if self.pp == 1:
+            return torch.cat(logp), torch.cat(ref_logp)
+        B, T = rollout.tokens_BT.shape
+        both = torch.zeros(2, B, T - 1, dtype=torch.float32, device=self.device)
+        if self.last_stage:
+            both[0].copy_(torch.cat(logp))
+            both[1].copy_(torch.cat(ref_logp))
+        dist.broadcast(both, src=self.pp_last_rank, group=self.pp_group)
+        return both[0], both[1]
 
     def compute_advantages(self, rollout, logp_BS, ref_logp_BS, values_BT, scores_B) -> tuple[dict, dict]:
         cfg, mask = self.cfg.ppo, rollout.mask_BS
@@ -343,7 +357,13 @@ class PPOTrainer:
                     return loss, {}
 
                 grad_norms.append(self.policy.step(micro, loss_fn)["grad_norm"])
-        reduced = rl.reduce_stats(stats, group=self.dp_group)
+        keys = ("pg_loss", "clipfrac", "entropy", "approx_kl", "ratio", "ratio_max")
+        reduced = rl.reduce_stats(stats, group=self.dp_group)  # loss statistics: last pipeline stage only
+        if self.pp > 1:
+            vals = torch.tensor([reduced[k] if self.last_stage else 0.0 for k in keys], dtype=torch.float64,
+                                device=self.device)
+            dist.broadcast(vals, src=self.pp_last_rank, group=self.pp_group)
+            reduced = dict(zip(keys, vals.tolist(), strict=True))
         return {"ppo/policy_loss": reduced["pg_loss"], "ppo/clipfrac": reduced["clipfrac"],
                 "ppo/entropy": reduced["entropy"], "ppo/approx_kl": reduced["approx_kl"],
                 "ppo/ratio_mean": reduced["ratio"], "ppo/ratio_max": reduced["ratio_max"],

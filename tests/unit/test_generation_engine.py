@@ -251,12 +251,12 @@ def test_release_acquire_and_input_errors():
         engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True, max_new_tokens=13))
 
 
-def test_pipeline_parallel_generation_is_refused(monkeypatch):
-    from aligner.generation.native import engine as native_engine
-
+def test_a_pipeline_stage_without_a_pipeline_group_is_refused(monkeypatch):
+    """PP > 1 itself is supported (tests/distributed/test_generation_tp.py); a stage module that does not match
+    megatron's parallel state is a usage error, named as such."""
     model = _model(LLAMA)
-    monkeypatch.setattr(native_engine, "_tp_state", lambda: (None, 1, 0, 2))
-    with pytest.raises(NotImplementedError, match="pipeline_model_parallel_size > 1"):
+    monkeypatch.setattr(model, "pre_process", False)
+    with pytest.raises(ValueError, match="one pipeline stage but megatron's parallel state says PP=1"):
         build_engine(GEN, LLAMA, model)
 
 

@@ -1,8 +1,8 @@
 """The native generation engine: built once, refitted in place, prefill then a (CUDA-graphed) decode loop.
 
 Contract (see aligner.generation.interfaces): `NativeEngine(gen_cfg, model_cfg, policy)` after megatron's parallel
-state is initialised, from this rank's policy (PP=1: with pipeline parallelism, generation is refused until the
-layers can be gathered to the generating ranks). Everything is allocated here, once: the engine's copy of the
+state is initialised, from this rank's policy (with PP > 1 every rank of a pipeline group holds all layers of its TP
+shard and generates on its own: see weights.py). Everything is allocated here, once: the engine's copy of the
 weights (bf16 on GPU), the KV cache for max_batch_size x (max_prompt_length + max_response_length) tokens, and the
 static state the decode step reads and writes (current token and position per sample, step counter, uniforms,
 ended flags, output buffers). `refit` copies weights into place; `release_memory`/`acquire_memory` free and
@@ -39,24 +39,25 @@ from aligner.generation.native.weights import EngineWeights, unwrap_policy
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _tp_state():
+def _parallel_state():
+    """(TP group, TP size, TP rank, PP group or None, model-parallel group or None)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        return None, 1, 0, 1
+        return None, 1, 0, None, None
+    pp = ps.get_pipeline_model_parallel_world_size()
     return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
+            ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+            ps.get_model_parallel_group() if pp > 1 else None)
 
 
 class NativeEngine:
     def __init__(self, gen_cfg: GenerationConfig, model_cfg, policy):
         validate_generation(gen_cfg, model_cfg)
         module = unwrap_policy(policy)
-        group, tp, tp_rank, pp = _tp_state()
-        if pp > 1 or not (module.pre_process and module.post_process):
-            raise NotImplementedError(
-                "generation with pipeline_model_parallel_size > 1 is not supported yet (the layers would have to be "
-                "gathered to the generating ranks): train the actor with PP=1 or use more TP")
+        group, tp, tp_rank, pp_group, mp_group = _parallel_state()
+        if pp_group is None and not (module.pre_process and module.post_process):
+            raise ValueError("this policy is one pipeline stage but megatron's parallel state says PP=1")
         config = module.config
         if getattr(config, "rotary_interleaved", False) or getattr(config, "rotary_percent", 1.0) != 1.0:
             raise NotImplementedError("the native engine implements megatron's default RoPE only (non-interleaved, "
@@ -70,7 +71,7 @@ class NativeEngine:
         else:
             dtype = _DTYPES[gen_cfg.dtype]
         kv_dtype = dtype if gen_cfg.kv_dtype == "auto" else _DTYPES[gen_cfg.kv_dtype]
-        self.weights = EngineWeights(module, dtype, self.device)
+        self.weights = EngineWeights(module, dtype, self.device, pp_group)
         vocab_local = self.weights.get("embedding.word_embeddings.weight").shape[0]
         layout = Layout(
             arch=model_cfg.arch, num_layers=self.weights.num_layers, hidden=config.hidden_size,
@@ -88,6 +89,8 @@ class NativeEngine:
         self.decoder = Decoder(layout, self.weights, group, self.max_batch, self.max_seq, kv_dtype, self.device,
                                gen_cfg.decode_attention, compile_elementwise=compile_)
         self.tp_group, self.tp = group, tp
+        # Ranks that must draw identical tokens: the TP group, and with PP > 1 the whole model-parallel group.
+        self.seed_group = mp_group if mp_group is not None else (group if tp > 1 else None)
         self._alloc_state()
         self.use_graphs = bool(gen_cfg.cuda_graphs and self.on_gpu)
         self._capturer = CudaGraphCapturer() if self.use_graphs else None
@@ -238,12 +241,12 @@ class NativeEngine:
             return [int(s) for s in sampling.seeds]
         base = sampling.seed
         if base is None:
-            # Drawn here, then rank 0's value shared: TP ranks must draw identical tokens.
+            # Drawn here, then rank 0's value shared: TP (and PP) ranks must draw identical tokens.
             base_t = torch.randint(0, 2**62, (1,), device=self.device)
-            if self.tp > 1:
+            if self.seed_group is not None:
                 import torch.distributed as dist
 
-                dist.broadcast(base_t, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
+                dist.broadcast(base_t, src=dist.get_global_rank(self.seed_group, 0), group=self.seed_group)
             base = int(base_t)
         return [base + b for b in range(B)]
 

@@ -12,8 +12,14 @@ Layout (megatron-core local/TE layer names, this TP rank's slice; see aligner.mo
 Keeping the training layout is what makes refit a plain local `copy_` per tensor: the engine's TP layout is the
 training TP layout (same ranks, same communicators), so refit moves no bytes between GPUs.
 
-refit: every engine tensor is overwritten in place (`torch._foreach_copy_`, casting to the engine dtype); storage
-pointers never change, so CUDA graphs captured over these buffers stay valid.
+Pipeline parallelism (NeMo-Aligner's "reshard"): with PP > 1 every rank of a pipeline group holds the engine's copy
+of *all* layers of its TP shard (layers named by their global index), so each rank can generate on its own; the
+pipeline group's ranks then generate the same tokens. At build time the stages exchange a manifest (names, shapes);
+refit copies this stage's own tensors locally and broadcasts each stage's tensors from that stage over the static
+pipeline communicator, into the same buffers.
+
+refit: every engine tensor is overwritten in place (`torch._foreach_copy_`, casting to the engine dtype, then the
+pipeline broadcasts); storage pointers never change, so CUDA graphs captured over these buffers stay valid.
 """
 
 from __future__ import annotations
@@ -43,12 +49,22 @@ def unwrap_policy(policy) -> torch.nn.Module:
     return policy
 
 
+def _layer_offset(module: torch.nn.Module) -> int:
+    """Global index of this pipeline stage's first layer (megatron numbers its layers globally from 1)."""
+    layers = module.decoder.layers
+    return int(layers[0].layer_number) - 1 if len(layers) else 0
+
+
 def _policy_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    named = dict(module.named_parameters())
+    """This rank's parameters by engine name: layers renamed to their global index (the same names at PP=1)."""
+    offset = _layer_offset(module)
     out = {}
-    for name, tensor in named.items():
-        if name in _GLOBAL or name.startswith("decoder.layers.") and name.endswith(_SUFFIXES):
+    for name, tensor in module.named_parameters():
+        if name in _GLOBAL:
             out[name] = tensor
+        elif name.startswith("decoder.layers.") and name.endswith(_SUFFIXES):
+            _, _, local, rest = name.split(".", 3)
+            out[f"decoder.layers.{int(local) + offset}.{rest}"] = tensor
         else:
             raise NotImplementedError(f"the native engine does not know the parameter {name!r} (e.g. QK layernorm, "
                                       "MoE): extend aligner/generation/native/weights.py and decoder.py")
@@ -56,35 +72,58 @@ def _policy_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class EngineWeights:
-    """Engine-owned tensors named as the policy's parameters; `layer(i)` returns layer i's tensors by suffix."""
+    """Engine-owned tensors named as the policy's parameters; `layer(i)` returns layer i's tensors by suffix.
 
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device):
+    `pp_group`: the pipeline-parallel communicator when PP > 1 (every rank then holds all layers; see above)."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device, pp_group=None):
         source = _policy_tensors(module)
         self.dtype = dtype
+        self.pp_group = pp_group
+        shapes = {name: tuple(t.shape) for name, t in source.items()}
+        self._owner: dict[str, int] = {}  # name -> global rank that broadcasts it (PP > 1)
+        if pp_group is not None:
+            import torch.distributed as dist
+
+            manifests = [None] * dist.get_world_size(pp_group)
+            dist.all_gather_object(manifests, (dist.get_rank(), shapes), group=pp_group)
+            shapes = {}
+            for rank, stage_shapes in manifests:
+                for name, shape in stage_shapes.items():
+                    if name in self._owner:
+                        raise ValueError(f"two pipeline stages hold {name!r}: the engine cannot tell which is current")
+                    self._owner[name], shapes[name] = rank, shape
         self.tensors: dict[str, torch.Tensor] = {
-            name: torch.empty(tuple(t.shape), dtype=dtype, device=device) for name, t in source.items()
+            name: torch.empty(shape, dtype=dtype, device=device) for name, shape in sorted(shapes.items())
         }
+        self._own = sorted(source)
         self.num_layers = 1 + max(int(n.split(".")[2]) for n in self.tensors if n.startswith("decoder.layers."))
         self._layers = [{s: self.tensors.get(f"decoder.layers.{i}.{s}") for s in _SUFFIXES}
                         for i in range(self.num_layers)]
         self.refit(module)
 
     def refit(self, module: torch.nn.Module) -> None:
-        """Copy the policy's current parameters into the engine's tensors, in place."""
+        """Copy the policy's current parameters into the engine's tensors, in place (collective over the pipeline
+        group when PP > 1)."""
         source = _policy_tensors(module)
-        if source.keys() != self.tensors.keys():
-            diff = sorted(set(source) ^ set(self.tensors))[:5]
+        if sorted(source) != self._own:
+            diff = sorted(set(source) ^ set(self._own))[:5]
             raise ValueError(f"the policy's parameters differ from those the engine was built from ({diff}): "
                              "refit needs the same model and parallel layout; rebuild the engine")
         dst, src = [], []
-        for name, target in self.tensors.items():
-            s = source[name].detach()
+        for name in self._own:
+            s, target = source[name].detach(), self.tensors[name]
             if s.shape != target.shape:
                 raise ValueError(f"refit: {name} has shape {tuple(s.shape)}, the engine holds {tuple(target.shape)}")
             dst.append(target)
             src.append(s if s.device == target.device else s.to(target.device))
         with torch.no_grad():
             torch._foreach_copy_(dst, src)
+            if self.pp_group is not None:
+                import torch.distributed as dist
+
+                for name, target in self.tensors.items():  # the same order on every rank (sorted names)
+                    dist.broadcast(target, src=self._owner[name], group=self.pp_group)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
