@@ -20,6 +20,7 @@ Contract
 
 from __future__ import annotations
 
+import http.client
 import re
 import sys
 import warnings
@@ -156,14 +157,22 @@ class CriticClient:
         try:
             return self._client(name).infer_sample(**inputs)
         except PyTritonClientInferenceServerError as exc:
-            raise CriticRequestError(f"{name} at {self.url} rejected the request: {_server_reason(str(exc))}") \
-                from exc
+            reason = _server_reason(str(exc))
+            if "is not healthy" in reason:  # Triton's python backend: the endpoint's stub did not run for ~1 s
+                reason += (" (the critic job's Triton python stub for this endpoint stopped responding: a frozen or "
+                           "starved process on the critic's host; Triton does not recover from this: the "
+                           "endpoint's next request brings tritonserver down and the critic job exits 1; see its "
+                           "log and docs/CRITIC.md)")
+            raise CriticRequestError(f"{name} at {self.url} rejected the request: {reason}") from exc
         except PyTritonClientTimeoutError as exc:
+            if "Connection refused" in str(exc):  # PyTriton reports a server that went away as a timeout
+                self._ready = False
+                raise self._unreachable(self.connect_timeout, f"{name}: connection refused") from exc
             timeout, key = ((self.infer_timeout, "infer_timeout") if name == protocol.INFER
                             else (self.train_timeout, "train_timeout"))
             raise TimeoutError(f"{name} at {self.url} did not answer within {timeout:g} s (critic.{key}): the "
                                f"server is up but busy or stuck; see the critic job's log") from exc
-        except (PyTritonClientError, OSError) as exc:
+        except (PyTritonClientError, OSError, http.client.HTTPException) as exc:  # the last: a dropped connection
             self._ready = False
             raise self._unreachable(self.connect_timeout, f"{name}: {exc!r}") from exc
 
