@@ -1,8 +1,13 @@
 """Run PPO on one machine: start the critic job, wait until it answers, run the actor job, stop the critic.
 
     python launchers/local/ppo.py [--actor-procs N] [--critic-procs M] [--launcher torchrun|mpiexec]
+                                  [--actor-gpus LIST] [--critic-gpus LIST]
                                   [--actor-config NAME] [--critic-config NAME] [--exp-dir DIR] [--port P]
                                   [--actor KEY=VALUE ...] [--critic KEY=VALUE ...]
+
+On a machine with several GPUs, --actor-gpus 0,1 --critic-gpus 2 gives each job its own devices
+(CUDA_VISIBLE_DEVICES per job; each rank takes the GPU of its local rank among them). Without them both jobs see
+every GPU the launcher sees, and the ranks of each job start at GPU 0.
 
 With no arguments: the CPU demo (conf/ppo_actor_demo.yaml + conf/ppo_critic_demo.yaml). More than one process per job
 uses torchrun (gloo on CPU, NCCL on GPU), or `mpiexec -n N` with --launcher mpiexec (the mpich wheel's, or the
@@ -52,6 +57,18 @@ def command(script: str, procs: int, config: str, overrides: list[str], launcher
     return head + [os.path.join(ROOT, "scripts", script), "--config-name", config] + overrides
 
 
+def gpu_env(gpus: str | None, procs: int, flag: str) -> dict:
+    """CUDA_VISIBLE_DEVICES for one job ({} when `gpus` is None); ValueError naming `flag` for a bad list."""
+    if gpus is None:
+        return {}
+    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not ids or not all(g.isdigit() for g in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"{flag} {gpus!r}: give distinct GPU indices separated by commas, e.g. {flag} 0,1")
+    if len(ids) < procs:
+        raise ValueError(f"{flag} {gpus!r} names {len(ids)} GPU(s) for {procs} process(es): one GPU per process")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
+
+
 def stop(proc: subprocess.Popen | None, grace: float = 30.0) -> None:
     """SIGTERM the whole process group, then SIGKILL what is left after `grace` seconds."""
     if proc is None or proc.poll() is not None:
@@ -97,12 +114,22 @@ def main(argv=None) -> int:
     p.add_argument("--critic-procs", type=int, default=1)
     p.add_argument("--launcher", choices=["torchrun", "mpiexec"], default="torchrun",
                    help="how jobs of more than one process are started")
+    p.add_argument("--actor-gpus", default=None, metavar="LIST", help="GPU indices for the actor job, e.g. 0,1")
+    p.add_argument("--critic-gpus", default=None, metavar="LIST", help="GPU indices for the critic job, e.g. 2")
     p.add_argument("--exp-dir", default=os.path.join("results", "demo"))
     p.add_argument("--port", type=int, default=None, help="critic HTTP port (default: a free one)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--actor", nargs="*", default=[], metavar="KEY=VALUE")
     p.add_argument("--critic", nargs="*", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    try:
+        actor_gpus = gpu_env(args.actor_gpus, args.actor_procs, "--actor-gpus")
+        critic_gpus = gpu_env(args.critic_gpus, args.critic_procs, "--critic-gpus")
+    except ValueError as exc:
+        p.error(str(exc))
+    if actor_gpus and critic_gpus and set(args.actor_gpus.split(",")) & set(args.critic_gpus.split(",")):
+        print("[ppo] note: the actor and critic jobs share GPU(s) "
+              f"{sorted(set(args.actor_gpus.split(',')) & set(args.critic_gpus.split(',')))}", flush=True)
 
     exp = os.path.abspath(args.exp_dir)
     os.makedirs(exp, exist_ok=True)
@@ -128,15 +155,15 @@ def main(argv=None) -> int:
     try:
         print(f"[ppo] critic job: {' '.join(critic_cmd)}\n[ppo] critic log: {critic_log}", flush=True)
         with open(critic_log, "ab") as logf:
-            critic = subprocess.Popen(critic_cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True)
+            critic = subprocess.Popen(critic_cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                                      env={**env, **critic_gpus}, start_new_session=True)
         try:
             wait_ready(url, critic, args.ready_timeout)
         except RuntimeError as exc:
             print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
             return 1
         print(f"[ppo] critic ready at {url}\n[ppo] actor job: {' '.join(actor_cmd)}", flush=True)
-        actor_env = {**env, "ALIGNER_NO_METRICS_LINE": "1"}  # this launcher prints the metrics line last
+        actor_env = {**env, **actor_gpus, "ALIGNER_NO_METRICS_LINE": "1"}  # this launcher prints the metrics line
         actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True)
         while actor.poll() is None:
             if critic.poll() is not None:

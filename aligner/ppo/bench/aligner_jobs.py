@@ -141,8 +141,10 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def run(w: Workload, steps: int, warmup: int, actor_config: str, critic_config: str, exp_dir: str,
-        actor_overrides=(), critic_overrides=(), timeout_s: float = 480.0) -> dict:
-    """Run the two jobs for `steps` PPO steps in a fresh `exp_dir`; the result record (see workload.result)."""
+        actor_overrides=(), critic_overrides=(), timeout_s: float = 480.0, actor_gpus: str | None = None,
+        critic_gpus: str | None = None) -> dict:
+    """Run the two jobs for `steps` PPO steps in a fresh `exp_dir`; the result record (see workload.result).
+    `actor_gpus` / `critic_gpus`: the launcher's --actor-gpus / --critic-gpus (None: both jobs see every GPU)."""
     if os.path.exists(exp_dir) and os.listdir(exp_dir):
         raise FileExistsError(f"{exp_dir} is not empty: give a new --exp-dir (a run never resumes an old one)")
     os.makedirs(exp_dir, exist_ok=True)
@@ -155,7 +157,11 @@ def run(w: Workload, steps: int, warmup: int, actor_config: str, critic_config: 
     w = check_configs(w, ["--config-name", actor_config, *actor_ovr], ["--config-name", critic_config, *critic_ovr])
 
     cmd = [sys.executable, LAUNCHER, "--actor-config", actor_config, "--critic-config", critic_config,
-           "--exp-dir", exp_dir, "--actor", *actor_ovr, "--critic", *critic_ovr]
+           "--exp-dir", exp_dir]
+    for flag, gpus in (("--actor-gpus", actor_gpus), ("--critic-gpus", critic_gpus)):
+        if gpus is not None:
+            cmd += [flag, gpus]
+    cmd += ["--actor", *actor_ovr, "--critic", *critic_ovr]
     # Two single-process jobs: each takes a free rendezvous port of its own unless MASTER_PORT forces one on both.
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     log_path = os.path.join(exp_dir, "launcher.log")
@@ -196,4 +202,5 @@ def run(w: Workload, steps: int, warmup: int, actor_config: str, critic_config: 
                   device=_device_name(), checks=checks, exp_dir=exp_dir,
                   versions={k: _version(k) for k in ("torch", "megatron-core", "nvidia-pytriton")},
                   settings={"actor_config": actor_config, "critic_config": critic_config,
-                            "actor_overrides": list(actor_overrides), "critic_overrides": list(critic_overrides)})
+                            "actor_overrides": list(actor_overrides), "critic_overrides": list(critic_overrides),
+                            "actor_gpus": actor_gpus, "critic_gpus": critic_gpus})

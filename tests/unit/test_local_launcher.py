@@ -1,0 +1,41 @@
+"""launchers/local/ppo.py: per-job GPU lists (--actor-gpus / --critic-gpus) and their errors."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATH = os.path.join(ROOT, "launchers", "local", "ppo.py")
+
+
+def _launcher():
+    spec = importlib.util.spec_from_file_location("local_ppo_launcher", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_lists_become_each_jobs_visible_devices():
+    gpu_env = _launcher().gpu_env
+    assert gpu_env(None, 4, "--actor-gpus") == {}
+    assert gpu_env("0,1", 2, "--actor-gpus") == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert gpu_env(" 4, 5,6 ", 1, "--critic-gpus") == {"CUDA_VISIBLE_DEVICES": "4,5,6"}
+
+
+@pytest.mark.parametrize("gpus, procs, text", [("0", 2, r"names 1 GPU\(s\) for 2 process\(es\)"),
+                                               ("0,0", 1, "distinct GPU indices"), ("a", 1, "distinct GPU indices"),
+                                               ("", 1, "distinct GPU indices")])
+def test_bad_gpu_lists_are_named(gpus, procs, text):
+    with pytest.raises(ValueError, match=text):
+        _launcher().gpu_env(gpus, procs, "--actor-gpus")
+
+
+def test_bad_gpu_list_stops_the_launcher_before_any_job(tmp_path):
+    proc = subprocess.run([sys.executable, PATH, "--exp-dir", str(tmp_path / "exp"), "--critic-gpus", "x"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--critic-gpus 'x'" in proc.stderr
+    assert not (tmp_path / "exp").exists(), "nothing started, nothing written"
