@@ -268,8 +268,12 @@ class PPOTrainer:
         if self.last_stage:
             both[0].copy_(torch.cat(logp))
             both[1].copy_(torch.cat(ref_logp))
-        dist.broadcast(both, src=self.pp_last_rank, group=self.pp_group)
+        self._from_last_stage(both)
         return both[0], both[1]
+
+    def _from_last_stage(self, t: torch.Tensor) -> None:
+        """Overwrite `t` in place with the last pipeline stage's values (PP > 1 only)."""
+        dist.broadcast(t, src=self.pp_last_rank, group=self.pp_group)
 
     def compute_advantages(self, rollout, logp_BS, ref_logp_BS, values_BT, scores_B) -> tuple[dict, dict]:
         cfg, mask = self.cfg.ppo, rollout.mask_BS
@@ -362,7 +366,7 @@ class PPOTrainer:
         if self.pp > 1:
             vals = torch.tensor([reduced[k] if self.last_stage else 0.0 for k in keys], dtype=torch.float64,
                                 device=self.device)
-            dist.broadcast(vals, src=self.pp_last_rank, group=self.pp_group)
+            self._from_last_stage(vals)
             reduced = dict(zip(keys, vals.tolist(), strict=True))
         return {"ppo/policy_loss": reduced["pg_loss"], "ppo/clipfrac": reduced["clipfrac"],
                 "ppo/entropy": reduced["entropy"], "ppo/approx_kl": reduced["approx_kl"],

@@ -127,9 +127,10 @@ def main(argv=None) -> int:
         critic_gpus = gpu_env(args.critic_gpus, args.critic_procs, "--critic-gpus")
     except ValueError as exc:
         p.error(str(exc))
-    if actor_gpus and critic_gpus and set(args.actor_gpus.split(",")) & set(args.critic_gpus.split(",")):
-        print("[ppo] note: the actor and critic jobs share GPU(s) "
-              f"{sorted(set(args.actor_gpus.split(',')) & set(args.critic_gpus.split(',')))}", flush=True)
+    shared = set(actor_gpus.get("CUDA_VISIBLE_DEVICES", "").split(",")) & set(
+        critic_gpus.get("CUDA_VISIBLE_DEVICES", "").split(",")) - {""}
+    if shared:
+        print(f"[ppo] note: the actor and critic jobs share GPU(s) {sorted(shared)}", flush=True)
 
     exp = os.path.abspath(args.exp_dir)
     os.makedirs(exp, exist_ok=True)
