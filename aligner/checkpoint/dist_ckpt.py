@@ -68,7 +68,8 @@ def start_writer() -> None:
 
     megatron-core's filesystem writer (used by every torch_dist save, synchronous ones too) creates a multiprocessing
     Manager with the 'spawn' start method on first use: a fresh interpreter that imports the main script and torch,
-    and the save waits for it. That took 2.0 s on an idle 2-core CPU (first critic_save 2.04 s, later ones 0.09 s),
+    and the save waits for it: the demo critic's first save took 1.87 s on a 2-core CPU, later ones 0.06 s
+    (scripts/bench_checkpoint_writer.py, docs/PERF.md),
     longer when several ranks do it at once, and inside a critic_save request Triton's python stub waits all that
     time. megatron's own helper also dies of the SIGTERM that asks the job to checkpoint and stop (so that last save
     fails), and outlives a job killed with SIGKILL; this one ignores the first and ends with the job.
