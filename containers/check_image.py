@@ -35,8 +35,11 @@ def main(argv=None) -> int:
             want = f.read().strip().split("==", 1)[1]
         if version("torch") != want:
             problems.append(f"torch is {version('torch')}, the base image had {want}: something replaced it")
-    for dist, want in (("megatron-core", args.megatron_core), ("nvidia-pytriton", args.pytriton),
-                       ("tensorrt-llm", args.trtllm or None)):
+    for dist, want in (
+        ("megatron-core", args.megatron_core),
+        ("nvidia-pytriton", args.pytriton),
+        ("tensorrt-llm", args.trtllm or None),
+    ):
         if want and version(dist) != want:
             problems.append(f"{dist} is {version(dist)}, expected {want}")
     numpy_version = version("numpy") or "0"
@@ -47,8 +50,16 @@ def main(argv=None) -> int:
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - report every failure, not only ImportError
             problems.append(f"import {module} failed: {exc!r}")
-    for dist in ("torch", "numpy", "megatron-core", "nvidia-pytriton", "transformer-engine", "apex", "tensorrt-llm",
-                 "aligner"):
+    for dist in (
+        "torch",
+        "numpy",
+        "megatron-core",
+        "nvidia-pytriton",
+        "transformer-engine",
+        "apex",
+        "tensorrt-llm",
+        "aligner",
+    ):
         print(f"  {dist:20s} {version(dist) or '-'}")
     for problem in problems:
         print(f"check_image: {problem}", file=sys.stderr)

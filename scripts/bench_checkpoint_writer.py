@@ -65,7 +65,7 @@ def measure(warm: bool) -> dict:
         if proc.returncode != 0:
             raise RuntimeError(f"measurement failed:\n{proc.stderr[-3000:]}")
         line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-        return json.loads(line[len("RESULT "):])
+        return json.loads(line[len("RESULT ") :])
 
 
 def main(argv=None) -> int:

@@ -30,7 +30,9 @@ def main(argv=None) -> int:
         batch_sizes=tuple(a.batch_sizes or ((2, 4) if a.tiny else (64, 256))),
         prompt_len=a.prompt_len or (16 if a.tiny else 128),
         new_tokens=a.new_tokens or (16 if a.tiny else 256),
-        tiny=a.tiny, skip_hf=a.skip_hf, hf_compile=not (a.hf_no_compile or a.tiny),
+        tiny=a.tiny,
+        skip_hf=a.skip_hf,
+        hf_compile=not (a.hf_no_compile or a.tiny),
     )
     try:
         report = run(args)

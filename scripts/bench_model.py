@@ -27,10 +27,24 @@ from aligner.models.logprobs import default_tp_group, shift_for_next_token, voca
 from aligner.parallel import initialize, shutdown  # noqa: E402
 
 PRESETS = {
-    "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=8192,
-               vocab_size=32000, max_position_embeddings=4096),
-    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                 vocab_size=100, max_position_embeddings=256),
+    "1b": dict(
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=100,
+        max_position_embeddings=256,
+    ),
 }
 
 
@@ -67,9 +81,15 @@ def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int) -> di
     seconds = (time.perf_counter() - start) / iters
     dense, attn = flops_per_step(cfg, n_params, batch, seq)
     mem = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
-    return {"attention": cfg.attention_backend, "seconds": seconds, "tokens_per_s": batch * seq / seconds,
-            "tflops_6nd": dense / seconds / 1e12, "tflops_total": (dense + attn) / seconds / 1e12,
-            "params": n_params, "peak_mem_gb": mem}
+    return {
+        "attention": cfg.attention_backend,
+        "seconds": seconds,
+        "tokens_per_s": batch * seq / seconds,
+        "tflops_6nd": dense / seconds / 1e12,
+        "tflops_total": (dense + attn) / seconds / 1e12,
+        "params": n_params,
+        "peak_mem_gb": mem,
+    }
 
 
 def main(argv=None):
@@ -104,12 +124,25 @@ def main(argv=None):
     print(f"\nforward+backward, preset {args.preset}, batch {batch} x {seq} tokens, {dtype}, {device}")
     print(f"{'attention':<10}{'s/step':>10}{'tokens/s':>12}{'TFLOP/s 6ND':>13}{'TFLOP/s all':>13}{'MFU':>7}{'GB':>8}")
     for r in rows:
-        print(f"{r['attention']:<10}{r['seconds']:>10.4f}{r['tokens_per_s']:>12.0f}{r['tflops_6nd']:>13.1f}"
-              f"{r['tflops_total']:>13.1f}{r['mfu']:>7.1%}{r['peak_mem_gb']:>8.1f}")
+        print(
+            f"{r['attention']:<10}{r['seconds']:>10.4f}{r['tokens_per_s']:>12.0f}{r['tflops_6nd']:>13.1f}"
+            f"{r['tflops_total']:>13.1f}{r['mfu']:>7.1%}{r['peak_mem_gb']:>8.1f}"
+        )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"preset": args.preset, "batch": batch, "seq": seq, "dtype": dtype, "device": device,
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "preset": args.preset,
+                    "batch": batch,
+                    "seq": seq,
+                    "dtype": dtype,
+                    "device": device,
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,12 @@ def parse(argv):
     p.add_argument("--timeout", type=float, default=480.0, help="aligner: seconds before the jobs are stopped")
     p.add_argument("--actor", nargs="*", default=[], metavar="KEY=VALUE", help="aligner: actor config overrides")
     p.add_argument("--critic", nargs="*", default=[], metavar="KEY=VALUE", help="aligner: critic config overrides")
-    p.add_argument("--actor-gpus", default=None, metavar="LIST",
-                   help="aligner: GPUs of the actor job, e.g. 0 (default: both jobs see every GPU)")
+    p.add_argument(
+        "--actor-gpus",
+        default=None,
+        metavar="LIST",
+        help="aligner: GPUs of the actor job, e.g. 0 (default: both jobs see every GPU)",
+    )
     p.add_argument("--critic-gpus", default=None, metavar="LIST", help="aligner: GPUs of the critic job, e.g. 1")
     a = p.parse_args(argv)
     if bool(a.mode) == bool(a.report):
@@ -83,9 +87,19 @@ def main(argv=None) -> int:
         suffix = "_tiny" if a.tiny else ""
         exp_dir = a.exp_dir or tempfile.mkdtemp(prefix="bench_ppo_step_")
         try:
-            result = aligner_jobs.run(w, a.steps, a.warmup, f"bench/ppo_step_actor{suffix}",
-                                      f"bench/ppo_step_critic{suffix}", os.path.abspath(exp_dir), a.actor, a.critic,
-                                      a.timeout, actor_gpus=a.actor_gpus, critic_gpus=a.critic_gpus)
+            result = aligner_jobs.run(
+                w,
+                a.steps,
+                a.warmup,
+                f"bench/ppo_step_actor{suffix}",
+                f"bench/ppo_step_critic{suffix}",
+                os.path.abspath(exp_dir),
+                a.actor,
+                a.critic,
+                a.timeout,
+                actor_gpus=a.actor_gpus,
+                critic_gpus=a.critic_gpus,
+            )
         except (ConfigError, aligner_jobs.WorkloadMismatch, FileExistsError) as exc:
             print(f"bench_ppo_step: {exc}", file=sys.stderr)
             return 2

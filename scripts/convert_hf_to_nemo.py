@@ -27,13 +27,25 @@ def parse_args(argv=None):
     p.add_argument("--output", required=True, help="directory to create (written atomically)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to validate (and build, on N*M ranks)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to validate (and build, on N*M ranks)")
-    p.add_argument("--model-type", choices=("policy", "reward"), default=None,
-                   help="default: from the architecture (*ForSequenceClassification = reward)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="params_dtype of the result (auto: as stored in the HF files)")
+    p.add_argument(
+        "--model-type",
+        choices=("policy", "reward"),
+        default=None,
+        help="default: from the architecture (*ForSequenceClassification = reward)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="params_dtype of the result (auto: as stored in the HF files)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, when not in --input")
-    p.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="cap the sequence length (Llama family), e.g. to a sliding window")
+    p.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="cap the sequence length (Llama family), e.g. to a sliding window",
+    )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     return p.parse_args(argv)
@@ -42,11 +54,18 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        out = convert_hf_to_dist(args.input, args.output, model_type=args.model_type, tp=args.tp, pp=args.pp,
-                                 dtype=args.dtype, tokenizer=args.tokenizer,
-                                 max_position_embeddings=args.max_position_embeddings,
-                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                 overwrite=args.overwrite)
+        out = convert_hf_to_dist(
+            args.input,
+            args.output,
+            model_type=args.model_type,
+            tp=args.tp,
+            pp=args.pp,
+            dtype=args.dtype,
+            tokenizer=args.tokenizer,
+            max_position_embeddings=args.max_position_embeddings,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            overwrite=args.overwrite,
+        )
     except USER_ERRORS as exc:
         print(f"convert_hf_to_nemo: error: {exc}", file=sys.stderr)
         return 2

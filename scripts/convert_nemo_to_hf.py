@@ -26,14 +26,25 @@ def parse_args(argv=None):
     p.add_argument("--input", required=True, help="aligner checkpoint directory (holding model/ or metadata.json)")
     p.add_argument("--output", required=True, help="HF directory to create (written atomically)")
     p.add_argument("--model-config", default=None, help="model.yaml, or a directory holding one (default: --input)")
-    p.add_argument("--model-type", choices=("policy", "reward"), default=None,
-                   help="check the head (default: read off the checkpoint)")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="dtype of the HF weights (default: the model's params_dtype)")
+    p.add_argument(
+        "--model-type",
+        choices=("policy", "reward"),
+        default=None,
+        help="check the head (default: read off the checkpoint)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the HF weights (default: the model's params_dtype)",
+    )
     p.add_argument("--tokenizer", default=None, help="tokenizer to ship (default: model.yaml's tokenizer)")
     p.add_argument("--max-shard-size", default="5GB", help="size cap per safetensors file, e.g. 5GB, 500MB")
-    p.add_argument("--drop-score-bias", action="store_true",
-                   help="export a scalar head whose bias is not 0 (HF's score layer has no bias)")
+    p.add_argument(
+        "--drop-score-bias",
+        action="store_true",
+        help="export a scalar head whose bias is not 0 (HF's score layer has no bias)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     return p.parse_args(argv)
 
@@ -41,9 +52,17 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        out = convert_dist_to_hf(args.input, args.output, model_config=args.model_config, model_type=args.model_type,
-                                 dtype=args.dtype, max_shard_size=args.max_shard_size, tokenizer=args.tokenizer,
-                                 drop_score_bias=args.drop_score_bias, overwrite=args.overwrite)
+        out = convert_dist_to_hf(
+            args.input,
+            args.output,
+            model_config=args.model_config,
+            model_type=args.model_type,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            tokenizer=args.tokenizer,
+            drop_score_bias=args.drop_score_bias,
+            overwrite=args.overwrite,
+        )
     except USER_ERRORS as exc:
         print(f"convert_nemo_to_hf: error: {exc}", file=sys.stderr)
         return 2

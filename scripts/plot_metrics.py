@@ -59,7 +59,7 @@ def main(argv=None):
             ax.set_title(name, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
             ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(names):]:
+        for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
         fig.tight_layout()
         path = os.path.join(out, f"{group}.png")

@@ -36,9 +36,15 @@ def main(argv) -> int:
         except PortInUseError as exc:
             print(f"critic server failed: {exc}", file=sys.stderr)
             return 1
-    initialize(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size,
-               backend=cfg.parallel.backend, seed=cfg.seed, master_addr=cfg.parallel.master_addr,
-               master_port=cfg.parallel.master_port, timeout_minutes=cfg.parallel.timeout_minutes)
+    initialize(
+        cfg.parallel.tensor_model_parallel_size,
+        cfg.parallel.pipeline_model_parallel_size,
+        backend=cfg.parallel.backend,
+        seed=cfg.seed,
+        master_addr=cfg.parallel.master_addr,
+        master_port=cfg.parallel.master_port,
+        timeout_minutes=cfg.parallel.timeout_minutes,
+    )
     try:
         cfg.validate_world(info.world_size)
         from aligner.critic.service import CriticService

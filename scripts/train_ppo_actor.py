@@ -27,8 +27,15 @@ def main(argv) -> int:
     from aligner.ppo.trainer import PPOTrainer
 
     p = cfg.parallel
-    initialize(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.backend, cfg.seed, p.master_addr,
-               p.master_port, p.timeout_minutes)
+    initialize(
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.backend,
+        cfg.seed,
+        p.master_addr,
+        p.master_port,
+        p.timeout_minutes,
+    )
     try:
         metrics_path = PPOTrainer(cfg).fit()
         if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):  # a launcher prints it last itself

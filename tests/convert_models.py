@@ -29,19 +29,38 @@ def tiny_tokenizer(n_tokens: int = N_TOKENS):
 def hf_config(kind: str):
     import transformers as tf
 
-    llama = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0)
+    llama = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        pad_token_id=0,
+    )
     if kind == "llama":
         return tf.LlamaConfig(**llama, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
     if kind == "llama_reward":
         return tf.LlamaConfig(**llama, num_labels=1)
     if kind == "mistral":
-        return tf.MistralConfig(**llama, sliding_window=None, rope_parameters={"rope_type": "default",
-                                                                               "rope_theta": 10000.0})
+        return tf.MistralConfig(
+            **llama, sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+        )
     if kind == "qwen2":
         return tf.Qwen2Config(**llama, tie_word_embeddings=True)
-    gpt2 = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, pad_token_id=0,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    gpt2 = dict(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        pad_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     if kind == "gpt2":
         return tf.GPT2Config(**gpt2)
     if kind == "gpt2_reward":
@@ -52,13 +71,17 @@ def hf_config(kind: str):
 def hf_class(kind: str):
     import transformers as tf
 
-    return {"llama": tf.LlamaForCausalLM, "llama_reward": tf.LlamaForSequenceClassification,
-            "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "gpt2": tf.GPT2LMHeadModel,
-            "gpt2_reward": tf.GPT2ForSequenceClassification}[kind]
+    return {
+        "llama": tf.LlamaForCausalLM,
+        "llama_reward": tf.LlamaForSequenceClassification,
+        "mistral": tf.MistralForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "gpt2": tf.GPT2LMHeadModel,
+        "gpt2_reward": tf.GPT2ForSequenceClassification,
+    }[kind]
 
 
-def make_hf(kind: str, directory: str | None = None, seed: int = 0, dtype=torch.float32, overrides=None,
-            **save_kwargs):
+def make_hf(kind: str, directory: str | None = None, seed: int = 0, dtype=torch.float32, overrides=None, **save_kwargs):
     """A tiny random HF model of `kind` (eval mode, config fields changed by `overrides`); saved with the
     tokenizer when `directory` is given."""
     cfg = hf_config(kind)
@@ -71,8 +94,9 @@ def make_hf(kind: str, directory: str | None = None, seed: int = 0, dtype=torch.
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if ("norm" in name or "ln_" in name) and name.endswith("weight")
-                    else 0.15 * noise)
+            p.copy_(
+                1.0 + 0.1 * noise if ("norm" in name or "ln_" in name) and name.endswith("weight") else 0.15 * noise
+            )
     model = model.to(dtype)
     if directory is not None:
         model.save_pretrained(directory, **save_kwargs)
@@ -93,8 +117,9 @@ def hf_tensors(directory: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     index = os.path.join(directory, "model.safetensors.index.json")
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else \
-        ["model.safetensors"]
+    files = (
+        sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    )
     out = {}
     for f in files:
         out.update(load_file(os.path.join(directory, f)))
@@ -107,8 +132,10 @@ def write_bin(model, directory: str, shards: int = 2, prefix_strip: str = "") ->
     os.makedirs(directory, exist_ok=True)
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(directory)
-    state = {k[len(prefix_strip):] if prefix_strip and k.startswith(prefix_strip) else k: v.clone()
-             for k, v in model.state_dict().items()}
+    state = {
+        k[len(prefix_strip) :] if prefix_strip and k.startswith(prefix_strip) else k: v.clone()
+        for k, v in model.state_dict().items()
+    }
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     names = sorted(state)

@@ -24,8 +24,18 @@ SCRIPT = os.path.join(REPO, "scripts", "serve_ppo_critic.py")
 READY = "critic server ready at "
 
 # The CPU demo's shape (conf/ppo_critic_demo.yaml).
-TINY = dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-            vocab_size=48, make_vocab_size_divisible_by=16, max_position_embeddings=128, params_dtype="float32")
+TINY = dict(
+    arch="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=48,
+    make_vocab_size_divisible_by=16,
+    max_position_embeddings=128,
+    params_dtype="float32",
+)
 
 
 def tiny_model(**overrides) -> ModelConfig:
@@ -102,10 +112,14 @@ def sample_batch(batch: int, seq: int, seed: int = 0, vocab: int = 48, min_len: 
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], launcher: list[str] | None = None, ignore_sigint: bool = False,
-                 env: dict | None = None):
-        full_env = {k: v for k, v in os.environ.items()
-                    if k not in ("LD_LIBRARY_PATH", "MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    def __init__(
+        self, args: list[str], launcher: list[str] | None = None, ignore_sigint: bool = False, env: dict | None = None
+    ):
+        full_env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("LD_LIBRARY_PATH", "MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")
+        }
         full_env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         cmd = (launcher or [sys.executable]) + [SCRIPT, *args]
 
@@ -113,8 +127,16 @@ class ServerProcess:
             if ignore_sigint:  # what a shell does to a job started in the background
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True, preexec_fn=preexec)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
         self.lines: list[str] = []
         self.url = None
         self._ready = threading.Event()
@@ -125,7 +147,7 @@ class ServerProcess:
         for line in self.proc.stdout:
             self.lines.append(line)
             if line.startswith(READY):
-                self.url = line[len(READY):].split()[0]
+                self.url = line[len(READY) :].split()[0]
                 self._ready.set()
         self._ready.set()
 
@@ -137,8 +159,9 @@ class ServerProcess:
         self._ready.wait(timeout)
         if self.url is None:
             self.kill()
-            raise AssertionError(f"server not ready after {timeout} s (exit code {self.proc.poll()}):\n"
-                                 + self.output[-6000:])
+            raise AssertionError(
+                f"server not ready after {timeout} s (exit code {self.proc.poll()}):\n" + self.output[-6000:]
+            )
         return self.url
 
     def wait_exit(self, timeout: float = 90.0) -> int:

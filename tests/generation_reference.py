@@ -45,8 +45,9 @@ def reference_greedy(model, prompts_BT, lengths_B, max_new: int, vocab_size: int
 
 
 @torch.no_grad()
-def training_logprobs(model, prompts_BT, lengths_B, responses_BR, response_lengths_B, temperature: float,
-                      vocab_size: int) -> torch.Tensor:
+def training_logprobs(
+    model, prompts_BT, lengths_B, responses_BR, response_lengths_B, temperature: float, vocab_size: int
+) -> torch.Tensor:
     """Log-probs of the response tokens as training computes them (right-padded batch, one forward), [B, R]."""
     B, R = responses_BR.shape
     seqs = []

@@ -170,17 +170,23 @@ def _validate_hf_tensors(reader: HFReader, wmap) -> None:
     expected = wmap.all_hf_shapes()
     missing = sorted(set(expected) - have)
     if missing:
-        raise CheckpointMismatchError(f"the HF checkpoint lacks {len(missing)} tensor(s) its config implies, e.g. "
-                                      f"{missing[:4]}: the download is incomplete or config.json does not match")
+        raise CheckpointMismatchError(
+            f"the HF checkpoint lacks {len(missing)} tensor(s) its config implies, e.g. "
+            f"{missing[:4]}: the download is incomplete or config.json does not match"
+        )
     for name, shape in expected.items():
         if reader.shape(name) != tuple(shape):
-            raise CheckpointMismatchError(f"{name} has shape {reader.shape(name)} but config.json implies "
-                                          f"{tuple(shape)}: config.json does not describe these weights")
+            raise CheckpointMismatchError(
+                f"{name} has shape {reader.shape(name)} but config.json implies "
+                f"{tuple(shape)}: config.json does not describe these weights"
+            )
     tied_head = {"lm_head.weight"} if wmap.cfg.tie_embeddings else set()
     extra = sorted(n for n in have - set(expected) - tied_head if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
-        raise UnsupportedModelError(f"the HF checkpoint has {len(extra)} tensor(s) the megatron model has no place "
-                                    f"for, e.g. {extra[:4]}: converting would silently drop them")
+        raise UnsupportedModelError(
+            f"the HF checkpoint has {len(extra)} tensor(s) the megatron model has no place "
+            f"for, e.g. {extra[:4]}: converting would silently drop them"
+        )
 
 
 def _validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
@@ -188,8 +194,9 @@ def _validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
     if tp < 1 or pp < 1:
         raise ValueError("--tp and --pp must be >= 1")
     if cfg.num_attention_heads % tp or groups % tp:
-        raise ValueError(f"--tp {tp} must divide num_attention_heads={cfg.num_attention_heads} and the number of KV "
-                         f"heads={groups}")
+        raise ValueError(
+            f"--tp {tp} must divide num_attention_heads={cfg.num_attention_heads} and the number of KV heads={groups}"
+        )
     if cfg.num_layers % pp:
         raise ValueError(f"--pp {pp} must divide num_layers={cfg.num_layers}")
 
@@ -215,10 +222,14 @@ def load_hf_into(module: torch.nn.Module, cfg: ModelConfig, wmap, read) -> None:
         for part in parts:
             full = wmap.to_megatron(part, read)
             # The scalar head is replicated over TP and never vocabulary-padded: keep it out of the LM rules.
-            replicated = {k: full.pop(k) for k in ("output_layer.weight", "output_layer.bias")
-                          if wmap.model_type == "reward" and k in full}
-            local = shard_state_dict(full, cfg.num_layers, cfg.arch == "llama", tp_rank, tp, pp_rank, pp, tied_lm,
-                                     padded)
+            replicated = {
+                k: full.pop(k)
+                for k in ("output_layer.weight", "output_layer.bias")
+                if wmap.model_type == "reward" and k in full
+            }
+            local = shard_state_dict(
+                full, cfg.num_layers, cfg.arch == "llama", tp_rank, tp, pp_rank, pp, tied_lm, padded
+            )
             local.update(replicated)
             for name, src in local.items():
                 if name not in own:
@@ -226,8 +237,9 @@ def load_hf_into(module: torch.nn.Module, cfg: ModelConfig, wmap, read) -> None:
                         continue  # tied on a single stage: the embedding is the output layer
                     raise KeyError(f"mapped tensor {name} has no parameter in the megatron model")
                 if tuple(src.shape) != tuple(own[name].shape):
-                    raise CheckpointMismatchError(f"{name}: converted shape {tuple(src.shape)} != model shape "
-                                                  f"{tuple(own[name].shape)}")
+                    raise CheckpointMismatchError(
+                        f"{name}: converted shape {tuple(src.shape)} != model shape {tuple(own[name].shape)}"
+                    )
                 own[name].copy_(src)
                 filled.add(name)
             del full, local
@@ -244,9 +256,18 @@ def _build(cfg: ModelConfig, model_type: str):
     return build_gpt(dataclasses.replace(cfg, attention_backend="sdpa", checkpoint=None), head=HEADS[model_type])
 
 
-def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None, tp: int = 1, pp: int = 1,
-                       dtype: str = "auto", tokenizer: str | None = None, max_position_embeddings: int | None = None,
-                       make_vocab_size_divisible_by: int = 128, overwrite: bool = False) -> str:
+def convert_hf_to_dist(
+    hf_dir: str,
+    out_dir: str,
+    model_type: str | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "auto",
+    tokenizer: str | None = None,
+    max_position_embeddings: int | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
+) -> str:
     """Convert the HF checkpoint in `hf_dir` into a converted directory at `out_dir` (see module docstring).
 
     Collective when launched on several ranks (then exactly tp*pp of them). Returns the absolute output path.
@@ -262,12 +283,14 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None,
     if model_type is not None and model_type != native_type:
         raise UnsupportedModelError(
             f"--model-type {model_type} but {hf_dir} holds a {arch} ({native_type}): reward models come from "
-            "*ForSequenceClassification with one label, policies from *ForCausalLM / GPT2LMHeadModel")
+            "*ForSequenceClassification with one label, policies from *ForCausalLM / GPT2LMHeadModel"
+        )
     reader = HFReader(hf_dir)
     prefix = detect_prefix(family, reader.names())
     probe = prefix + ("embed_tokens.weight" if family == "llama" else "wte.weight")
-    cfg, _, model_type = model_config_from_hf(normalized_hf_config(raw), _resolve_dtype(dtype, reader, probe),
-                                              max_position_embeddings)
+    cfg, _, model_type = model_config_from_hf(
+        normalized_hf_config(raw), _resolve_dtype(dtype, reader, probe), max_position_embeddings
+    )
     cfg.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     wmap = weight_map(cfg, model_type, prefix)
     _validate_hf_tensors(reader, wmap)
@@ -277,7 +300,8 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None,
         raise CheckpointMismatchError(
             f"the tokenizer in {tokenizer_src} has {n_tokens} tokens but the embedding has {cfg.vocab_size} rows: ids "
             f">= {cfg.vocab_size} would index past it; use the model's own tokenizer or resize the embeddings in HF "
-            "first (model.resize_token_embeddings(len(tokenizer)))")
+            "first (model.resize_token_embeddings(len(tokenizer)))"
+        )
     _validate_layout(cfg, tp, pp)
     _check_output(out_dir, overwrite)
     world = _world_size()
@@ -286,8 +310,9 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None,
     elif world == tp * pp:
         build_tp, build_pp = tp, pp
     else:
-        raise ValueError(f"launched on {world} ranks: run the converter as one process or on exactly --tp x --pp = "
-                         f"{tp * pp} ranks")
+        raise ValueError(
+            f"launched on {world} ranks: run the converter as one process or on exactly --tp x --pp = {tp * pp} ranks"
+        )
     _initialize(build_tp, build_pp)
 
     tmp = _tmp_path(out_dir)
@@ -323,10 +348,20 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None,
                     f.write(f"# converted from {hf_dir} ({arch}, {model_type}) by scripts/convert_hf_to_nemo.py\n")
                     f.write(to_yaml(final_cfg))
                 with open(os.path.join(tmp, MARKER), "w") as f:
-                    json.dump({"model_type": model_type, "architecture": arch, "source": hf_dir,
-                               "tokenizer_size": n_tokens, "params_dtype": cfg.params_dtype,
-                               "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                               "converted_with_layout": [build_tp, build_pp]}, f, indent=1)
+                    json.dump(
+                        {
+                            "model_type": model_type,
+                            "architecture": arch,
+                            "source": hf_dir,
+                            "tokenizer_size": n_tokens,
+                            "params_dtype": cfg.params_dtype,
+                            "tensor_model_parallel_size": tp,
+                            "pipeline_model_parallel_size": pp,
+                            "converted_with_layout": [build_tp, build_pp],
+                        },
+                        f,
+                        indent=1,
+                    )
                 _commit(tmp, out_dir)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree below
                 error = exc
@@ -344,8 +379,10 @@ def convert_hf_to_dist(hf_dir: str, out_dir: str, model_type: str | None = None,
 def _model_dir(ckpt_dir: str) -> str:
     model_dir = os.path.join(ckpt_dir, "model") if os.path.isdir(os.path.join(ckpt_dir, "model")) else ckpt_dir
     if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
-        raise FileNotFoundError(f"{ckpt_dir} is not an aligner checkpoint: no megatron dist checkpoint (metadata.json) "
-                                "in it or in its model/ directory")
+        raise FileNotFoundError(
+            f"{ckpt_dir} is not an aligner checkpoint: no megatron dist checkpoint (metadata.json) "
+            "in it or in its model/ directory"
+        )
     return model_dir
 
 
@@ -357,8 +394,10 @@ def find_model_yaml(ckpt_dir: str, model_config: str | None = None) -> str:
         if os.path.isfile(path):
             return os.path.abspath(path)
     where = model_config or ckpt_dir
-    raise FileNotFoundError(f"no model.yaml at {where}: pass --model-config with the model.yaml of the converted "
-                            "directory the job started from (or any YAML of the model's ModelConfig section)")
+    raise FileNotFoundError(
+        f"no model.yaml at {where}: pass --model-config with the model.yaml of the converted "
+        "directory the job started from (or any YAML of the model's ModelConfig section)"
+    )
 
 
 def load_model_yaml(path: str) -> ModelConfig:
@@ -372,8 +411,11 @@ def load_model_yaml(path: str) -> ModelConfig:
 def _stored_shapes(model_dir: str) -> dict[str, tuple]:
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
-    return {k: tuple(v.global_shape) for k, v in load_tensors_metadata(model_dir).items()
-            if hasattr(v, "global_shape") and not k.endswith("_extra_state")}
+    return {
+        k: tuple(v.global_shape)
+        for k, v in load_tensors_metadata(model_dir).items()
+        if hasattr(v, "global_shape") and not k.endswith("_extra_state")
+    }
 
 
 def detect_model_type(model_dir: str) -> str:
@@ -397,7 +439,8 @@ def _check_against_checkpoint(module, cfg: ModelConfig, stored: dict[str, tuple]
     if missing or extra:
         raise CheckpointMismatchError(
             f"the checkpoint does not match {yaml_path}: missing {missing[:4]}, unexpected {extra[:4]} (wrong arch, "
-            "num_layers, tie_embeddings or head?)")
+            "num_layers, tie_embeddings or head?)"
+        )
     for key, ten in expected.items():
         if ten is None:
             continue
@@ -405,8 +448,9 @@ def _check_against_checkpoint(module, cfg: ModelConfig, stored: dict[str, tuple]
         if ten.allow_shape_mismatch and len(have) == len(want) and have[1:] == want[1:]:
             # Vocabulary rows are padded per layout; the stored rows must still cover the real vocabulary.
             if want[0] > 1 and have[0] < cfg.vocab_size:
-                raise CheckpointMismatchError(f"{key} stores {have[0]} rows but {yaml_path} has vocab_size="
-                                              f"{cfg.vocab_size}")
+                raise CheckpointMismatchError(
+                    f"{key} stores {have[0]} rows but {yaml_path} has vocab_size={cfg.vocab_size}"
+                )
             continue
         if have != want:
             raise CheckpointMismatchError(f"{key}: the checkpoint stores shape {have} but {yaml_path} implies {want}")
@@ -428,9 +472,17 @@ def _hf_tensors(module, cfg: ModelConfig, wmap):
         yield from wmap.to_hf(part, read).items()
 
 
-def convert_dist_to_hf(ckpt_dir: str, out_dir: str, model_config: str | None = None, model_type: str | None = None,
-                       dtype: str | None = None, max_shard_size: str | int = "5GB", tokenizer: str | None = None,
-                       drop_score_bias: bool = False, overwrite: bool = False) -> str:
+def convert_dist_to_hf(
+    ckpt_dir: str,
+    out_dir: str,
+    model_config: str | None = None,
+    model_type: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    tokenizer: str | None = None,
+    drop_score_bias: bool = False,
+    overwrite: bool = False,
+) -> str:
     """Export an aligner checkpoint (converted dir or a trained step dir) as an HF directory; one process."""
     from aligner.checkpoint.dist_ckpt import load_model_weights
 
@@ -445,8 +497,10 @@ def convert_dist_to_hf(ckpt_dir: str, out_dir: str, model_config: str | None = N
             source = json.load(f)
     detected = detect_model_type(model_dir)
     if model_type is not None and model_type != detected:
-        raise CheckpointMismatchError(f"--model-type {model_type} but {ckpt_dir} holds a {detected} model "
-                                      f"({'scalar' if detected == 'reward' else 'language-model'} head)")
+        raise CheckpointMismatchError(
+            f"--model-type {model_type} but {ckpt_dir} holds a {detected} model "
+            f"({'scalar' if detected == 'reward' else 'language-model'} head)"
+        )
     model_type = detected
     dtype = dtype or cfg.params_dtype
     if dtype not in DTYPE_NAMES.values():
@@ -455,16 +509,22 @@ def convert_dist_to_hf(ckpt_dir: str, out_dir: str, model_config: str | None = N
     tokenizer_src = tokenizer or cfg.tokenizer
     if tokenizer_src:
         if not os.path.exists(tokenizer_src):
-            raise FileNotFoundError(f"tokenizer {tokenizer_src} (from {'--tokenizer' if tokenizer else yaml_path}) "
-                                    "does not exist: pass --tokenizer DIR")
+            raise FileNotFoundError(
+                f"tokenizer {tokenizer_src} (from {'--tokenizer' if tokenizer else yaml_path}) "
+                "does not exist: pass --tokenizer DIR"
+            )
         n_tokens = tokenizer_size(tokenizer_src)
         if n_tokens > cfg.vocab_size:
-            raise CheckpointMismatchError(f"the tokenizer {tokenizer_src} has {n_tokens} tokens but the model's "
-                                          f"vocabulary has {cfg.vocab_size} rows: it is not this model's tokenizer")
+            raise CheckpointMismatchError(
+                f"the tokenizer {tokenizer_src} has {n_tokens} tokens but the model's "
+                f"vocabulary has {cfg.vocab_size} rows: it is not this model's tokenizer"
+            )
     _check_output(out_dir, overwrite)
     if _world_size() != 1:
-        raise ValueError("run the megatron -> HF converter as one process: the checkpoint is resharded to TP=1/PP=1 "
-                         "on load, whatever layout saved it")
+        raise ValueError(
+            "run the megatron -> HF converter as one process: the checkpoint is resharded to TP=1/PP=1 "
+            "on load, whatever layout saved it"
+        )
     _initialize(1, 1)
 
     module = _build(cfg, model_type)
@@ -475,7 +535,8 @@ def convert_dist_to_hf(ckpt_dir: str, out_dir: str, model_config: str | None = N
         if bias != 0.0 and not drop_score_bias:
             raise UnsupportedModelError(
                 f"the scalar head has bias {bias:g}, but HF's score layer has none: pass --drop-score-bias to export "
-                f"anyway (every HF score is then lower by {bias:g}; rankings are unchanged)")
+                f"anyway (every HF score is then lower by {bias:g}; rankings are unchanged)"
+            )
     wmap = weight_map(cfg, model_type)
     tmp = _tmp_path(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)

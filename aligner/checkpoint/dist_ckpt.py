@@ -143,8 +143,9 @@ def _optim_is_megatron(optimizer) -> bool:
     return optimizer is not None and hasattr(optimizer, "sharded_state_dict")
 
 
-def save(root: str, step: int, models, optimizer=None, state: dict | None = None, keep: int | None = None,
-         model_cfg=None) -> str:
+def save(
+    root: str, step: int, models, optimizer=None, state: dict | None = None, keep: int | None = None, model_cfg=None
+) -> str:
     """Write `<root>/step_<step>` atomically; returns its path. Collective.
 
     With `model_cfg` (a ModelConfig), `model.yaml` describes the model, so the checkpoint converts to HF
@@ -164,15 +165,26 @@ def save(root: str, step: int, models, optimizer=None, state: dict | None = None
     model_state = _model_sharded_state(models)
     dist_checkpointing.save(model_state, os.path.join(tmp, "model"))
     if _optim_is_megatron(optimizer):
-        dist_checkpointing.save(optimizer.sharded_state_dict(_model_sharded_state(models), metadata=OPTIM_SHARDING),
-                                os.path.join(tmp, "optim"))
+        dist_checkpointing.save(
+            optimizer.sharded_state_dict(_model_sharded_state(models), metadata=OPTIM_SHARDING),
+            os.path.join(tmp, "optim"),
+        )
     elif optimizer is not None:
-        name = (f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
-                f"_dp{ps.get_data_parallel_rank()}.pt")
-        torch.save({"optimizer": optimizer.state_dict(),
-                    "layout": [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                               ps.get_data_parallel_world_size()]},
-                   os.path.join(tmp, "optim", name))
+        name = (
+            f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+            f"_dp{ps.get_data_parallel_rank()}.pt"
+        )
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "layout": [
+                    ps.get_tensor_model_parallel_world_size(),
+                    ps.get_pipeline_model_parallel_world_size(),
+                    ps.get_data_parallel_world_size(),
+                ],
+            },
+            os.path.join(tmp, "optim", name),
+        )
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank()}.pt"))
     _barrier()
     if _rank() == 0:
@@ -229,12 +241,17 @@ def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
             init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
             if callable(init) and not opt.optimizer.state:
                 init()
-        optimizer.load_state_dict(dist_checkpointing.load(
-            optimizer.sharded_state_dict(_model_sharded_state(models), is_loading=True, metadata=OPTIM_SHARDING),
-            os.path.join(path, "optim")))
+        optimizer.load_state_dict(
+            dist_checkpointing.load(
+                optimizer.sharded_state_dict(_model_sharded_state(models), is_loading=True, metadata=OPTIM_SHARDING),
+                os.path.join(path, "optim"),
+            )
+        )
     elif optimizer is not None:
-        name = (f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
-                f"_dp{ps.get_data_parallel_rank()}.pt")
+        name = (
+            f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
+            f"_dp{ps.get_data_parallel_rank()}.pt"
+        )
         file = os.path.join(path, "optim", name)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"{file} missing: CPU optimizer state resumes only on the layout that saved it")

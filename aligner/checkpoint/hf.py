@@ -60,10 +60,12 @@ def architecture_of(hf_cfg) -> str:
     archs = _get(hf_cfg, "architectures") or []
     if len(archs) != 1:
         raise UnsupportedModelError(
-            f"config.json 'architectures' is {archs!r}: expected exactly one of {sorted(SUPPORTED)}")
+            f"config.json 'architectures' is {archs!r}: expected exactly one of {sorted(SUPPORTED)}"
+        )
     if archs[0] not in SUPPORTED:
         raise UnsupportedModelError(
-            f"architecture {archs[0]!r} (config.json 'architectures') is not supported; supported: {sorted(SUPPORTED)}")
+            f"architecture {archs[0]!r} (config.json 'architectures') is not supported; supported: {sorted(SUPPORTED)}"
+        )
     return archs[0]
 
 
@@ -76,8 +78,9 @@ def normalized_hf_config(raw: dict) -> dict:
     try:
         return AutoConfig.for_model(raw.get("model_type"), **kwargs).to_dict()
     except (ValueError, KeyError) as exc:
-        raise UnsupportedModelError(f"config.json 'model_type' = {raw.get('model_type')!r} is not understood by "
-                                    f"transformers: {exc}") from exc
+        raise UnsupportedModelError(
+            f"config.json 'model_type' = {raw.get('model_type')!r} is not understood by transformers: {exc}"
+        ) from exc
 
 
 def _rope(hf_cfg) -> tuple[float, str, dict]:
@@ -98,11 +101,13 @@ def _check_llama(hf_cfg, model_type_hf: str) -> None:
     hidden, heads = _get(hf_cfg, "hidden_size"), _get(hf_cfg, "num_attention_heads")
     head_dim = _get(hf_cfg, "head_dim")
     if head_dim is not None and head_dim != hidden // heads:
-        unsupported("head_dim", head_dim, f"only head_dim = hidden_size / num_attention_heads = {hidden // heads} "
-                    "is supported")
+        unsupported(
+            "head_dim", head_dim, f"only head_dim = hidden_size / num_attention_heads = {hidden // heads} is supported"
+        )
     if model_type_hf in ("llama", "mistral") and _get(hf_cfg, "attention_bias", False):
-        unsupported("attention_bias", True, "biases on q/k/v/o projections are not supported (Qwen2's q/k/v-only "
-                    "biases are)")
+        unsupported(
+            "attention_bias", True, "biases on q/k/v/o projections are not supported (Qwen2's q/k/v-only biases are)"
+        )
     if _get(hf_cfg, "mlp_bias", False):
         unsupported("mlp_bias", True, "MLP biases are not supported in the Llama family")
     _, rope_type, _ = _rope(hf_cfg)
@@ -112,25 +117,34 @@ def _check_llama(hf_cfg, model_type_hf: str) -> None:
     window = _get(hf_cfg, "sliding_window")
     uses_window = _get(hf_cfg, "use_sliding_window", model_type_hf == "mistral")
     if uses_window and window is not None and window < max_pos:
-        unsupported("sliding_window", window,
-                    f"sliding-window attention shorter than max_position_embeddings={max_pos} is not supported; "
-                    f"pass --max-position-embeddings {window} to convert for sequences within the window "
-                    "(where full causal attention is exact)")
+        unsupported(
+            "sliding_window",
+            window,
+            f"sliding-window attention shorter than max_position_embeddings={max_pos} is not supported; "
+            f"pass --max-position-embeddings {window} to convert for sequences within the window "
+            "(where full causal attention is exact)",
+        )
 
 
 def _check_gpt2(hf_cfg) -> None:
     act = _get(hf_cfg, "activation_function", "gelu_new")
     if act not in _GPT2_ACTS:
-        raise UnsupportedModelError(f"config.json 'activation_function' = {act!r}: GPT-2 is supported with the tanh "
-                                    f"GELU ({', '.join(_GPT2_ACTS)})")
-    for field, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                      ("add_cross_attention", False)):
+        raise UnsupportedModelError(
+            f"config.json 'activation_function' = {act!r}: GPT-2 is supported with the tanh "
+            f"GELU ({', '.join(_GPT2_ACTS)})"
+        )
+    for field, ok in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("add_cross_attention", False),
+    ):
         if bool(_get(hf_cfg, field, ok)) != ok:
             raise UnsupportedModelError(f"config.json '{field}' = {_get(hf_cfg, field)!r}: only {ok} is supported")
 
 
-def model_config_from_hf(hf_cfg, params_dtype: str = "float32",
-                         max_position_embeddings: int | None = None) -> tuple[ModelConfig, str, str]:
+def model_config_from_hf(
+    hf_cfg, params_dtype: str = "float32", max_position_embeddings: int | None = None
+) -> tuple[ModelConfig, str, str]:
     """ModelConfig for an HF config (a transformers config object or the config.json dict).
 
     Returns (model_cfg, family, model_type). `max_position_embeddings` may only lower the HF value (the cap that
@@ -141,46 +155,65 @@ def model_config_from_hf(hf_cfg, params_dtype: str = "float32",
     if model_type == "reward":
         labels = _get(hf_cfg, "num_labels", len(_get(hf_cfg, "id2label", None) or {0: 0}))
         if labels != 1:
-            raise UnsupportedModelError(f"{arch} with num_labels={labels}: a reward model has exactly one label "
-                                        "(one score per sequence)")
+            raise UnsupportedModelError(
+                f"{arch} with num_labels={labels}: a reward model has exactly one label (one score per sequence)"
+            )
     if family == "gpt2":
         _check_gpt2(hf_cfg)
         hidden = _get(hf_cfg, "n_embd")
         if max_position_embeddings not in (None, _get(hf_cfg, "n_positions")):
-            raise UnsupportedModelError("--max-position-embeddings cannot change GPT-2's learned positions "
-                                        f"(n_positions={_get(hf_cfg, 'n_positions')})")
+            raise UnsupportedModelError(
+                "--max-position-embeddings cannot change GPT-2's learned positions "
+                f"(n_positions={_get(hf_cfg, 'n_positions')})"
+            )
         cfg = ModelConfig(
-            arch="gpt2", num_layers=_get(hf_cfg, "n_layer"), hidden_size=hidden,
-            num_attention_heads=_get(hf_cfg, "n_head"), num_query_groups=None,
-            ffn_hidden_size=_get(hf_cfg, "n_inner") or 4 * hidden, vocab_size=_get(hf_cfg, "vocab_size"),
-            max_position_embeddings=_get(hf_cfg, "n_positions"), norm_epsilon=_get(hf_cfg, "layer_norm_epsilon"),
-            tie_embeddings=bool(_get(hf_cfg, "tie_word_embeddings", True)), add_qkv_bias=False,
-            init_method_std=_get(hf_cfg, "initializer_range", 0.02), params_dtype=params_dtype,
+            arch="gpt2",
+            num_layers=_get(hf_cfg, "n_layer"),
+            hidden_size=hidden,
+            num_attention_heads=_get(hf_cfg, "n_head"),
+            num_query_groups=None,
+            ffn_hidden_size=_get(hf_cfg, "n_inner") or 4 * hidden,
+            vocab_size=_get(hf_cfg, "vocab_size"),
+            max_position_embeddings=_get(hf_cfg, "n_positions"),
+            norm_epsilon=_get(hf_cfg, "layer_norm_epsilon"),
+            tie_embeddings=bool(_get(hf_cfg, "tie_word_embeddings", True)),
+            add_qkv_bias=False,
+            init_method_std=_get(hf_cfg, "initializer_range", 0.02),
+            params_dtype=params_dtype,
         )
         return cfg, family, model_type
     model_type_hf = _get(hf_cfg, "model_type")
     if model_type_hf not in _LLAMA_TYPES:
-        raise UnsupportedModelError(f"config.json 'model_type' = {model_type_hf!r} with architecture {arch}: "
-                                    f"expected one of {_LLAMA_TYPES}")
+        raise UnsupportedModelError(
+            f"config.json 'model_type' = {model_type_hf!r} with architecture {arch}: expected one of {_LLAMA_TYPES}"
+        )
     if max_position_embeddings is None:
         _check_llama(hf_cfg, model_type_hf)
     else:
         if max_position_embeddings > _get(hf_cfg, "max_position_embeddings"):
-            raise UnsupportedModelError(f"--max-position-embeddings {max_position_embeddings} exceeds the model's "
-                                        f"max_position_embeddings={_get(hf_cfg, 'max_position_embeddings')}")
+            raise UnsupportedModelError(
+                f"--max-position-embeddings {max_position_embeddings} exceeds the model's "
+                f"max_position_embeddings={_get(hf_cfg, 'max_position_embeddings')}"
+            )
         capped = dict(hf_cfg if isinstance(hf_cfg, dict) else hf_cfg.to_dict())
         capped["max_position_embeddings"] = max_position_embeddings
         _check_llama(capped, model_type_hf)
     heads = _get(hf_cfg, "num_attention_heads")
     theta, _, _ = _rope(hf_cfg)
     cfg = ModelConfig(
-        arch="llama", num_layers=_get(hf_cfg, "num_hidden_layers"), hidden_size=_get(hf_cfg, "hidden_size"),
-        num_attention_heads=heads, num_query_groups=_get(hf_cfg, "num_key_value_heads") or heads,
-        ffn_hidden_size=_get(hf_cfg, "intermediate_size"), vocab_size=_get(hf_cfg, "vocab_size"),
+        arch="llama",
+        num_layers=_get(hf_cfg, "num_hidden_layers"),
+        hidden_size=_get(hf_cfg, "hidden_size"),
+        num_attention_heads=heads,
+        num_query_groups=_get(hf_cfg, "num_key_value_heads") or heads,
+        ffn_hidden_size=_get(hf_cfg, "intermediate_size"),
+        vocab_size=_get(hf_cfg, "vocab_size"),
         max_position_embeddings=max_position_embeddings or _get(hf_cfg, "max_position_embeddings"),
-        rotary_base=theta, norm_epsilon=_get(hf_cfg, "rms_norm_eps"),
+        rotary_base=theta,
+        norm_epsilon=_get(hf_cfg, "rms_norm_eps"),
         tie_embeddings=bool(_get(hf_cfg, "tie_word_embeddings", False)),
-        add_qkv_bias=model_type_hf == "qwen2", init_method_std=_get(hf_cfg, "initializer_range", 0.02),
+        add_qkv_bias=model_type_hf == "qwen2",
+        init_method_std=_get(hf_cfg, "initializer_range", 0.02),
         params_dtype=params_dtype,
     )
     return cfg, family, model_type
@@ -223,14 +256,23 @@ def hf_config_for_export(cfg: ModelConfig, model_type: str, source: dict | None,
         out["torch_dtype"] = dtype
     out["dtype"] = dtype
     # A config built from the model must describe it; a kept source config must agree with it.
-    check, _, _ = model_config_from_hf(normalized_hf_config(out), cfg.params_dtype,
-                                       cfg.max_position_embeddings if cfg.arch == "llama" else None)
-    for field in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                  "tie_embeddings", "add_qkv_bias"):
+    check, _, _ = model_config_from_hf(
+        normalized_hf_config(out), cfg.params_dtype, cfg.max_position_embeddings if cfg.arch == "llama" else None
+    )
+    for field in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "vocab_size",
+        "tie_embeddings",
+        "add_qkv_bias",
+    ):
         if getattr(check, field) != getattr(cfg, field) and not (field == "tie_embeddings" and model_type == "reward"):
             raise CheckpointMismatchError(
                 f"hf_config.json describes {field}={getattr(check, field)} but model.yaml has {getattr(cfg, field)}: "
-                "point --model-config at the conversion directory this checkpoint came from")
+                "point --model-config at the conversion directory this checkpoint came from"
+            )
     if (check.num_query_groups or check.num_attention_heads) != (cfg.num_query_groups or cfg.num_attention_heads):
         raise CheckpointMismatchError("hf_config.json and model.yaml disagree on the number of KV heads")
     return out
@@ -240,21 +282,35 @@ def _config_from_model(cfg: ModelConfig) -> dict:
     if cfg.arch == "gpt2":
         from transformers import GPT2Config
 
-        hf = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings, n_embd=cfg.hidden_size,
-                        n_layer=cfg.num_layers, n_head=cfg.num_attention_heads,
-                        n_inner=cfg.ffn_hidden_size, layer_norm_epsilon=cfg.norm_epsilon,
-                        activation_function="gelu_new", tie_word_embeddings=cfg.tie_embeddings,
-                        initializer_range=cfg.init_method_std)
+        hf = GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.max_position_embeddings,
+            n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_attention_heads,
+            n_inner=cfg.ffn_hidden_size,
+            layer_norm_epsilon=cfg.norm_epsilon,
+            activation_function="gelu_new",
+            tie_word_embeddings=cfg.tie_embeddings,
+            initializer_range=cfg.init_method_std,
+        )
         hf.architectures = ["GPT2LMHeadModel"]
         return hf.to_dict()
     from transformers import LlamaConfig, Qwen2Config
 
-    kwargs = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-                  num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads,
-                  max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_epsilon,
-                  tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_method_std,
-                  rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)})
+    kwargs = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.norm_epsilon,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_method_std,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+    )
     hf = Qwen2Config(**kwargs) if cfg.add_qkv_bias else LlamaConfig(**kwargs)
     hf.architectures = ["Qwen2ForCausalLM" if cfg.add_qkv_bias else "LlamaForCausalLM"]
     out = hf.to_dict()
@@ -351,9 +407,13 @@ class _Llama(WeightMap):
             self._hf(part, "mlp.down_proj.weight"): (h, self.ffn),
         }
         if self.cfg.add_qkv_bias:
-            shapes.update({self._hf(part, "self_attn.q_proj.bias"): (nq * hd,),
-                           self._hf(part, "self_attn.k_proj.bias"): (ng * hd,),
-                           self._hf(part, "self_attn.v_proj.bias"): (ng * hd,)})
+            shapes.update(
+                {
+                    self._hf(part, "self_attn.q_proj.bias"): (nq * hd,),
+                    self._hf(part, "self_attn.k_proj.bias"): (ng * hd,),
+                    self._hf(part, "self_attn.v_proj.bias"): (ng * hd,),
+                }
+            )
         return shapes
 
     def _fuse_qkv(self, q, k, v):
@@ -374,31 +434,38 @@ class _Llama(WeightMap):
         if part == "pre":
             return {"embedding.word_embeddings.weight": read(f"{self.prefix}embed_tokens.weight")}
         if part == "post":
-            return {"decoder.final_layernorm.weight": read(f"{self.prefix}norm.weight"),
-                    **self._head_to_megatron("lm_head.weight", read)}
+            return {
+                "decoder.final_layernorm.weight": read(f"{self.prefix}norm.weight"),
+                **self._head_to_megatron("lm_head.weight", read),
+            }
         i = part
         attn = "self_attn."
         out = {
             _layer(i, "input_layernorm.weight"): read(self._hf(i, "input_layernorm.weight")),
             _layer(i, "self_attention.linear_qkv.weight"): self._fuse_qkv(
-                *(read(self._hf(i, f"{attn}{p}_proj.weight")) for p in "qkv")),
+                *(read(self._hf(i, f"{attn}{p}_proj.weight")) for p in "qkv")
+            ),
             _layer(i, "self_attention.linear_proj.weight"): read(self._hf(i, "self_attn.o_proj.weight")),
             _layer(i, "pre_mlp_layernorm.weight"): read(self._hf(i, "post_attention_layernorm.weight")),
-            _layer(i, "mlp.linear_fc1.weight"): torch.cat([read(self._hf(i, "mlp.gate_proj.weight")),
-                                                           read(self._hf(i, "mlp.up_proj.weight"))], dim=0),
+            _layer(i, "mlp.linear_fc1.weight"): torch.cat(
+                [read(self._hf(i, "mlp.gate_proj.weight")), read(self._hf(i, "mlp.up_proj.weight"))], dim=0
+            ),
             _layer(i, "mlp.linear_fc2.weight"): read(self._hf(i, "mlp.down_proj.weight")),
         }
         if self.cfg.add_qkv_bias:
             out[_layer(i, "self_attention.linear_qkv.bias")] = self._fuse_qkv(
-                *(read(self._hf(i, f"{attn}{p}_proj.bias")) for p in "qkv"))
+                *(read(self._hf(i, f"{attn}{p}_proj.bias")) for p in "qkv")
+            )
         return out
 
     def to_hf(self, part, read):
         if part == "pre":
             return {f"{self.prefix}embed_tokens.weight": read("embedding.word_embeddings.weight")}
         if part == "post":
-            return {f"{self.prefix}norm.weight": read("decoder.final_layernorm.weight"),
-                    **self._head_to_hf("lm_head.weight", read)}
+            return {
+                f"{self.prefix}norm.weight": read("decoder.final_layernorm.weight"),
+                **self._head_to_hf("lm_head.weight", read),
+            }
         i = part
         q, k, v = self._split_qkv(read(_layer(i, "self_attention.linear_qkv.weight")))
         gate, up = read(_layer(i, "mlp.linear_fc1.weight")).chunk(2, dim=0)
@@ -415,8 +482,13 @@ class _Llama(WeightMap):
         }
         if self.cfg.add_qkv_bias:
             qb, kb, vb = self._split_qkv(read(_layer(i, "self_attention.linear_qkv.bias")))
-            out.update({self._hf(i, "self_attn.q_proj.bias"): qb, self._hf(i, "self_attn.k_proj.bias"): kb,
-                        self._hf(i, "self_attn.v_proj.bias"): vb})
+            out.update(
+                {
+                    self._hf(i, "self_attn.q_proj.bias"): qb,
+                    self._hf(i, "self_attn.k_proj.bias"): kb,
+                    self._hf(i, "self_attn.v_proj.bias"): vb,
+                }
+            )
         return out
 
 
@@ -430,17 +502,30 @@ class _GPT2(WeightMap):
     def hf_shapes(self, part):
         h, f = self.cfg.hidden_size, self.ffn
         if part == "pre":
-            return {f"{self.prefix}wte.weight": (self.cfg.vocab_size, h),
-                    f"{self.prefix}wpe.weight": (self.cfg.max_position_embeddings, h)}
+            return {
+                f"{self.prefix}wte.weight": (self.cfg.vocab_size, h),
+                f"{self.prefix}wpe.weight": (self.cfg.max_position_embeddings, h),
+            }
         if part == "post":
-            return {f"{self.prefix}ln_f.weight": (h,), f"{self.prefix}ln_f.bias": (h,),
-                    **self._head_shapes("lm_head.weight")}
-        return {self._hf(part, "ln_1.weight"): (h,), self._hf(part, "ln_1.bias"): (h,),
-                self._hf(part, "attn.c_attn.weight"): (h, 3 * h), self._hf(part, "attn.c_attn.bias"): (3 * h,),
-                self._hf(part, "attn.c_proj.weight"): (h, h), self._hf(part, "attn.c_proj.bias"): (h,),
-                self._hf(part, "ln_2.weight"): (h,), self._hf(part, "ln_2.bias"): (h,),
-                self._hf(part, "mlp.c_fc.weight"): (h, f), self._hf(part, "mlp.c_fc.bias"): (f,),
-                self._hf(part, "mlp.c_proj.weight"): (f, h), self._hf(part, "mlp.c_proj.bias"): (h,)}
+            return {
+                f"{self.prefix}ln_f.weight": (h,),
+                f"{self.prefix}ln_f.bias": (h,),
+                **self._head_shapes("lm_head.weight"),
+            }
+        return {
+            self._hf(part, "ln_1.weight"): (h,),
+            self._hf(part, "ln_1.bias"): (h,),
+            self._hf(part, "attn.c_attn.weight"): (h, 3 * h),
+            self._hf(part, "attn.c_attn.bias"): (3 * h,),
+            self._hf(part, "attn.c_proj.weight"): (h, h),
+            self._hf(part, "attn.c_proj.bias"): (h,),
+            self._hf(part, "ln_2.weight"): (h,),
+            self._hf(part, "ln_2.bias"): (h,),
+            self._hf(part, "mlp.c_fc.weight"): (h, f),
+            self._hf(part, "mlp.c_fc.bias"): (f,),
+            self._hf(part, "mlp.c_proj.weight"): (f, h),
+            self._hf(part, "mlp.c_proj.bias"): (h,),
+        }
 
     def _qkv_to_megatron(self, qkv_3H):
         """[3*h, ...] as [q | k | v] -> per head [q_h; k_h; v_h] (megatron with one query group per head)."""
@@ -456,12 +541,16 @@ class _GPT2(WeightMap):
     def to_megatron(self, part, read):
         p = self.prefix
         if part == "pre":
-            return {"embedding.word_embeddings.weight": read(f"{p}wte.weight"),
-                    "embedding.position_embeddings.weight": read(f"{p}wpe.weight")}
+            return {
+                "embedding.word_embeddings.weight": read(f"{p}wte.weight"),
+                "embedding.position_embeddings.weight": read(f"{p}wpe.weight"),
+            }
         if part == "post":
-            return {"decoder.final_layernorm.weight": read(f"{p}ln_f.weight"),
-                    "decoder.final_layernorm.bias": read(f"{p}ln_f.bias"),
-                    **self._head_to_megatron("lm_head.weight", read)}
+            return {
+                "decoder.final_layernorm.weight": read(f"{p}ln_f.weight"),
+                "decoder.final_layernorm.bias": read(f"{p}ln_f.bias"),
+                **self._head_to_megatron("lm_head.weight", read),
+            }
         i = part
 
         def t(name):  # Conv1D [in, out] -> Linear [out, in]
@@ -485,12 +574,16 @@ class _GPT2(WeightMap):
     def to_hf(self, part, read):
         p = self.prefix
         if part == "pre":
-            return {f"{p}wte.weight": read("embedding.word_embeddings.weight"),
-                    f"{p}wpe.weight": read("embedding.position_embeddings.weight")}
+            return {
+                f"{p}wte.weight": read("embedding.word_embeddings.weight"),
+                f"{p}wpe.weight": read("embedding.position_embeddings.weight"),
+            }
         if part == "post":
-            return {f"{p}ln_f.weight": read("decoder.final_layernorm.weight"),
-                    f"{p}ln_f.bias": read("decoder.final_layernorm.bias"),
-                    **self._head_to_hf("lm_head.weight", read)}
+            return {
+                f"{p}ln_f.weight": read("decoder.final_layernorm.weight"),
+                f"{p}ln_f.bias": read("decoder.final_layernorm.bias"),
+                **self._head_to_hf("lm_head.weight", read),
+            }
         i = part
 
         def t(name):
@@ -500,7 +593,8 @@ class _GPT2(WeightMap):
             self._hf(i, "ln_1.weight"): read(_layer(i, "input_layernorm.weight")),
             self._hf(i, "ln_1.bias"): read(_layer(i, "input_layernorm.bias")),
             self._hf(i, "attn.c_attn.weight"): self._qkv_to_hf(read(_layer(i, "self_attention.linear_qkv.weight")))
-            .t().contiguous(),
+            .t()
+            .contiguous(),
             self._hf(i, "attn.c_attn.bias"): self._qkv_to_hf(read(_layer(i, "self_attention.linear_qkv.bias"))),
             self._hf(i, "attn.c_proj.weight"): t("self_attention.linear_proj.weight"),
             self._hf(i, "attn.c_proj.bias"): read(_layer(i, "self_attention.linear_proj.bias")),
@@ -534,4 +628,5 @@ def detect_prefix(family: str, names: Iterable[str]) -> str:
             return prefix
     raise CheckpointMismatchError(
         f"no embedding tensor ({DEFAULT_PREFIX[family]}{probe}) in the HF checkpoint: it is incomplete or not a "
-        f"{family}-family model (first names: {sorted(names)[:5]})")
+        f"{family}-family model (first names: {sorted(names)[:5]})"
+    )

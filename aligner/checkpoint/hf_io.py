@@ -20,14 +20,33 @@ import torch
 
 SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 EXTRA_FILES = ("generation_config.json",)  # copied along with the model in both directions
 
-_SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool}
+_SAFE_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -50,8 +69,10 @@ class HFReader:
                     raise FileNotFoundError(f"{path} has no 'weight_map': the index is damaged")
                 missing = sorted({s for s in weight_map.values() if not os.path.isfile(os.path.join(directory, s))})
                 if missing:
-                    raise FileNotFoundError(f"{path} lists shard(s) that are not in {directory}: {missing[:3]}"
-                                            f"{' ...' if len(missing) > 3 else ''} (incomplete download?)")
+                    raise FileNotFoundError(
+                        f"{path} lists shard(s) that are not in {directory}: {missing[:3]}"
+                        f"{' ...' if len(missing) > 3 else ''} (incomplete download?)"
+                    )
                 return fmt, dict(weight_map)
         if os.path.isfile(os.path.join(directory, SAFE_SINGLE)):
             from safetensors import safe_open
@@ -61,8 +82,10 @@ class HFReader:
         if os.path.isfile(os.path.join(directory, BIN_SINGLE)):
             state = _load_bin(os.path.join(directory, BIN_SINGLE))
             return "bin", {k: BIN_SINGLE for k in state}
-        raise FileNotFoundError(f"no weights in {directory}: expected one of {SAFE_INDEX}, {SAFE_SINGLE}, {BIN_INDEX}, "
-                                f"{BIN_SINGLE} (a directory written by save_pretrained)")
+        raise FileNotFoundError(
+            f"no weights in {directory}: expected one of {SAFE_INDEX}, {SAFE_SINGLE}, {BIN_INDEX}, "
+            f"{BIN_SINGLE} (a directory written by save_pretrained)"
+        )
 
     def names(self) -> list[str]:
         return sorted(self._file_of)
@@ -163,8 +186,11 @@ class SafetensorsWriter:
             weight_map.update({name: final for name in names})
             files.append(final)
         with open(os.path.join(self.directory, SAFE_INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
-                      f, indent=2)
+            json.dump(
+                {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+                f,
+                indent=2,
+            )
         return files + [SAFE_INDEX]
 
 
@@ -179,10 +205,13 @@ def copy_tokenizer(src: str, dst_dir: str) -> list[str]:
         PreTrainedTokenizerFast(tokenizer_file=src).save_pretrained(dst_dir)
         return sorted(os.listdir(dst_dir))
     copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(src, name))]
-    if not any(name in copied for name in ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json",
-                                           "vocab.txt")):
-        raise FileNotFoundError(f"no tokenizer in {src} (looked for tokenizer.json, tokenizer.model, vocab.json + "
-                                "merges.txt, vocab.txt): pass --tokenizer DIR with the model's tokenizer files")
+    if not any(
+        name in copied for name in ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+    ):
+        raise FileNotFoundError(
+            f"no tokenizer in {src} (looked for tokenizer.json, tokenizer.model, vocab.json + "
+            "merges.txt, vocab.txt): pass --tokenizer DIR with the model's tokenizer files"
+        )
     for name in copied:
         shutil.copyfile(os.path.join(src, name), os.path.join(dst_dir, name))
     return copied

@@ -11,5 +11,16 @@ from aligner.config.schema import (
     validate_model,
 )
 
-__all__ = ["ConfigError", "load_config", "load_from_argv", "parse_cli", "to_yaml", "ModelConfig", "OptimConfig",
-           "ParallelConfig", "validate_batch", "validate_layout", "validate_model"]
+__all__ = [
+    "ConfigError",
+    "load_config",
+    "load_from_argv",
+    "parse_cli",
+    "to_yaml",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "validate_batch",
+    "validate_layout",
+    "validate_model",
+]

@@ -124,14 +124,19 @@ class ActorJobConfig:
         validate_model(self.model)
         validate_generation(self.generation, self.model)
         p, s, k = self.ppo, self.sampling, self.ppo.kl
-        for key, value in (("ppo.num_steps", p.num_steps), ("ppo.rollout_batch_size", p.rollout_batch_size),
-                           ("ppo.num_mini_batches", p.num_mini_batches), ("ppo.micro_batch_size",
-                           p.micro_batch_size), ("ppo.epochs", p.epochs)):
+        for key, value in (
+            ("ppo.num_steps", p.num_steps),
+            ("ppo.rollout_batch_size", p.rollout_batch_size),
+            ("ppo.num_mini_batches", p.num_mini_batches),
+            ("ppo.micro_batch_size", p.micro_batch_size),
+            ("ppo.epochs", p.epochs),
+        ):
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
         if p.forward_micro_batch_size is not None and p.forward_micro_batch_size < 1:
-            raise ConfigError("ppo.forward_micro_batch_size",
-                              f"must be >= 1 (or null), got {p.forward_micro_batch_size}")
+            raise ConfigError(
+                "ppo.forward_micro_batch_size", f"must be >= 1 (or null), got {p.forward_micro_batch_size}"
+            )
         if not 0 < p.clip_eps < 1:
             raise ConfigError("ppo.clip_eps", f"must be in (0, 1), got {p.clip_eps}")
         if p.dual_clip is not None and not p.dual_clip > 1:
@@ -147,13 +152,17 @@ class ActorJobConfig:
         if not s.greedy and not s.temperature > 0:
             raise ConfigError("sampling.temperature", "must be > 0 (or set sampling.greedy=true)")
         if s.max_new_tokens is not None and not 1 <= s.max_new_tokens <= self.generation.max_response_length:
-            raise ConfigError("sampling.max_new_tokens",
-                              f"must be in 1..generation.max_response_length={self.generation.max_response_length}")
+            raise ConfigError(
+                "sampling.max_new_tokens",
+                f"must be in 1..generation.max_response_length={self.generation.max_response_length}",
+            )
         total = self.generation.max_prompt_length + self.generation.max_response_length
         if total > self.model.max_position_embeddings:
-            raise ConfigError("generation.max_response_length",
-                              f"max_prompt_length + max_response_length = {total} exceeds "
-                              f"model.max_position_embeddings={self.model.max_position_embeddings}")
+            raise ConfigError(
+                "generation.max_response_length",
+                f"max_prompt_length + max_response_length = {total} exceeds "
+                f"model.max_position_embeddings={self.model.max_position_embeddings}",
+            )
         if self.max_time is not None and self.max_time <= 0:
             raise ConfigError("max_time", "must be > 0 seconds (or null)")
 
@@ -162,16 +171,22 @@ class ActorJobConfig:
         dp = validate_layout(self.model, self.parallel, world_size)
         p = self.ppo
         if p.rollout_batch_size % dp:
-            raise ConfigError("ppo.rollout_batch_size",
-                              f"{p.rollout_batch_size} is not divisible by the data-parallel size {dp}")
+            raise ConfigError(
+                "ppo.rollout_batch_size", f"{p.rollout_batch_size} is not divisible by the data-parallel size {dp}"
+            )
         per_rank = p.rollout_batch_size // dp
         if per_rank % p.num_mini_batches:
-            raise ConfigError("ppo.num_mini_batches", f"{per_rank} rollouts per data-parallel rank are not divisible "
-                                                      f"by ppo.num_mini_batches={p.num_mini_batches}")
+            raise ConfigError(
+                "ppo.num_mini_batches",
+                f"{per_rank} rollouts per data-parallel rank are not divisible "
+                f"by ppo.num_mini_batches={p.num_mini_batches}",
+            )
         if (per_rank // p.num_mini_batches) % p.micro_batch_size:
-            raise ConfigError("ppo.micro_batch_size",
-                              f"a mini-batch of {per_rank // p.num_mini_batches} rollouts per data-parallel rank is "
-                              f"not divisible by ppo.micro_batch_size={p.micro_batch_size}")
+            raise ConfigError(
+                "ppo.micro_batch_size",
+                f"a mini-batch of {per_rank // p.num_mini_batches} rollouts per data-parallel rank is "
+                f"not divisible by ppo.micro_batch_size={p.micro_batch_size}",
+            )
         return dp
 
     @property
@@ -190,8 +205,11 @@ class ActorJobConfig:
         elif self.model.tokenizer is not None:
             self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
         else:
-            raise ConfigError("data.tokenizer", "set data.tokenizer or model.tokenizer (a tokenizer.json or an HF "
-                                                "tokenizer directory): prompts are tokenised and responses decoded")
+            raise ConfigError(
+                "data.tokenizer",
+                "set data.tokenizer or model.tokenizer (a tokenizer.json or an HF "
+                "tokenizer directory): prompts are tokenised and responses decoded",
+            )
         if self.model.checkpoint is not None:
             self.model.checkpoint = resolve_file(self.model.checkpoint, "model.checkpoint", config_dir)
 

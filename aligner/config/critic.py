@@ -57,9 +57,11 @@ class CriticServerConfig:
     log_file: Optional[str] = None  # tritonserver's log; None = <exp_dir>/tritonserver.log
 
     def resolved_ports(self) -> dict[str, int]:
-        return {"HTTP": self.port,
-                "gRPC": self.grpc_port if self.grpc_port is not None else self.port + 1,
-                "metrics": self.metrics_port if self.metrics_port is not None else self.port + 2}
+        return {
+            "HTTP": self.port,
+            "gRPC": self.grpc_port if self.grpc_port is not None else self.port + 1,
+            "metrics": self.metrics_port if self.metrics_port is not None else self.port + 2,
+        }
 
 
 @dataclass
@@ -90,27 +92,40 @@ class CriticJobConfig:
     def validate(self) -> None:
         validate_model(self.model, "model")
         if (self.reward_model is None) == (self.reward_fn is None):
-            raise ConfigError("reward_model", "set exactly one of reward_model (a scalar-head model) or reward_fn "
-                                              "(a .py file defining reward_fn); "
-                              + ("both are set" if self.reward_model is not None else "neither is set"))
+            raise ConfigError(
+                "reward_model",
+                "set exactly one of reward_model (a scalar-head model) or reward_fn "
+                "(a .py file defining reward_fn); "
+                + ("both are set" if self.reward_model is not None else "neither is set"),
+            )
         if self.reward_model is not None:
             validate_model(self.reward_model, "reward_model")
             if self.reward_model.vocab_size != self.model.vocab_size:
-                raise ConfigError("reward_model.vocab_size", f"{self.reward_model.vocab_size} != model.vocab_size="
-                                  f"{self.model.vocab_size}: both models read the same token ids")
+                raise ConfigError(
+                    "reward_model.vocab_size",
+                    f"{self.reward_model.vocab_size} != model.vocab_size="
+                    f"{self.model.vocab_size}: both models read the same token ids",
+                )
         if not self.reward_std > 0:
             raise ConfigError("reward_std", f"must be > 0, got {self.reward_std}")
         if self.reward_fn is not None:
             if not self.reward_fn.endswith(".py"):
                 raise ConfigError("reward_fn", f"must name a Python file (.py), got {self.reward_fn!r}")
             if self.tokenizer_path is None:
-                raise ConfigError("tokenizer", "reward_fn scores decoded text: set tokenizer (a tokenizer.json or an "
-                                               "HF tokenizer directory) or model.tokenizer")
+                raise ConfigError(
+                    "tokenizer",
+                    "reward_fn scores decoded text: set tokenizer (a tokenizer.json or an "
+                    "HF tokenizer directory) or model.tokenizer",
+                )
         t, s = self.train, self.server
-        for key, value in (("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size",
-                           t.micro_batch_size), ("train.epochs", t.epochs), ("infer.micro_batch_size",
-                           self.infer.micro_batch_size), ("server.max_batch_size", s.max_batch_size),
-                           ("server.max_train_batch_size", s.max_train_batch_size)):
+        for key, value in (
+            ("train.global_batch_size", t.global_batch_size),
+            ("train.micro_batch_size", t.micro_batch_size),
+            ("train.epochs", t.epochs),
+            ("infer.micro_batch_size", self.infer.micro_batch_size),
+            ("server.max_batch_size", s.max_batch_size),
+            ("server.max_train_batch_size", s.max_train_batch_size),
+        ):
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
         if t.value_clip_eps is not None and not t.value_clip_eps > 0:
@@ -121,8 +136,11 @@ class CriticJobConfig:
         if len(set(s.resolved_ports().values())) != 3:
             raise ConfigError("server.port", f"HTTP, gRPC and metrics ports must differ: {s.resolved_ports()}")
         if s.max_seq_len is not None and not 0 < s.max_seq_len <= self.model.max_position_embeddings:
-            raise ConfigError("server.max_seq_len", f"must be in 1..model.max_position_embeddings="
-                                                    f"{self.model.max_position_embeddings}, got {s.max_seq_len}")
+            raise ConfigError(
+                "server.max_seq_len",
+                f"must be in 1..model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}, got {s.max_seq_len}",
+            )
         if s.ready_timeout <= 0 or s.heartbeat_s <= 0:
             raise ConfigError("server.ready_timeout", "server.ready_timeout and server.heartbeat_s must be > 0")
         if self.checkpoint.keep is not None and self.checkpoint.keep < 1:
@@ -133,8 +151,13 @@ class CriticJobConfig:
         dp = validate_layout(self.model, self.parallel, world_size, "model", "parallel")
         if self.reward_model is not None:
             validate_layout(self.reward_model, self.parallel, world_size, "reward_model", "parallel")
-        validate_batch(self.train.global_batch_size, self.train.micro_batch_size, dp, "train.global_batch_size",
-                       "train.micro_batch_size")
+        validate_batch(
+            self.train.global_batch_size,
+            self.train.micro_batch_size,
+            dp,
+            "train.global_batch_size",
+            "train.micro_batch_size",
+        )
         return dp
 
     # -- derived values ----------------------------------------------------------------------------------
@@ -202,5 +225,13 @@ class CriticClientConfig:
         return f"http://{self.host}:{self.port}"
 
 
-__all__ = ["CriticJobConfig", "CriticTrainConfig", "CriticInferConfig", "CriticServerConfig",
-           "CriticCheckpointConfig", "CriticClientConfig", "load_critic_config", "resolve_file"]
+__all__ = [
+    "CriticJobConfig",
+    "CriticTrainConfig",
+    "CriticInferConfig",
+    "CriticServerConfig",
+    "CriticCheckpointConfig",
+    "CriticClientConfig",
+    "load_critic_config",
+    "resolve_file",
+]

@@ -80,8 +80,9 @@ def _load_yaml_with_defaults(path: str, seen: tuple = ()) -> DictConfig:
     for base in bases:
         if base == "_self_":
             continue
-        merged = OmegaConf.merge(merged, _load_yaml_with_defaults(_resolve_path(str(base), os.path.dirname(path)),
-                                                                  seen + (path,)))
+        merged = OmegaConf.merge(
+            merged, _load_yaml_with_defaults(_resolve_path(str(base), os.path.dirname(path)), seen + (path,))
+        )
     return OmegaConf.merge(merged, node)
 
 

@@ -76,43 +76,78 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
     _check(model.arch in ("llama", "gpt2"), f"{prefix}.arch", f"must be llama or gpt2, got {model.arch!r}")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
         _check(getattr(model, name) > 0, f"{prefix}.{name}", "must be positive")
-    _check(model.hidden_size % model.num_attention_heads == 0, f"{prefix}.hidden_size",
-           f"{model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads}")
+    _check(
+        model.hidden_size % model.num_attention_heads == 0,
+        f"{prefix}.hidden_size",
+        f"{model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads}",
+    )
     groups = model.num_query_groups or model.num_attention_heads
-    _check(model.num_attention_heads % groups == 0, f"{prefix}.num_query_groups",
-           f"num_attention_heads={model.num_attention_heads} is not divisible by num_query_groups={groups}")
+    _check(
+        model.num_attention_heads % groups == 0,
+        f"{prefix}.num_query_groups",
+        f"num_attention_heads={model.num_attention_heads} is not divisible by num_query_groups={groups}",
+    )
     _check(model.params_dtype in DTYPES, f"{prefix}.params_dtype", f"must be one of {DTYPES}")
-    _check(model.attention_backend in ("auto", "sdpa", "unfused", "te"), f"{prefix}.attention_backend",
-           "must be auto, sdpa, unfused or te")
+    _check(
+        model.attention_backend in ("auto", "sdpa", "unfused", "te"),
+        f"{prefix}.attention_backend",
+        "must be auto, sdpa, unfused or te",
+    )
     _check(model.make_vocab_size_divisible_by > 0, f"{prefix}.make_vocab_size_divisible_by", "must be positive")
 
 
-def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: Optional[int],
-                    model_prefix: str = "model", parallel_prefix: str = "parallel") -> int:
+def validate_layout(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    world_size: Optional[int],
+    model_prefix: str = "model",
+    parallel_prefix: str = "parallel",
+) -> int:
     """Check that the model can be split as asked on `world_size` ranks; returns the data-parallel size."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     _check(tp >= 1, f"{parallel_prefix}.tensor_model_parallel_size", "must be >= 1")
     _check(pp >= 1, f"{parallel_prefix}.pipeline_model_parallel_size", "must be >= 1")
     _check(parallel.backend in ("auto", "nccl", "gloo"), f"{parallel_prefix}.backend", "must be auto, nccl or gloo")
-    _check(model.num_attention_heads % tp == 0, f"{parallel_prefix}.tensor_model_parallel_size",
-           f"{model_prefix}.num_attention_heads={model.num_attention_heads} is not divisible by TP={tp}")
+    _check(
+        model.num_attention_heads % tp == 0,
+        f"{parallel_prefix}.tensor_model_parallel_size",
+        f"{model_prefix}.num_attention_heads={model.num_attention_heads} is not divisible by TP={tp}",
+    )
     groups = model.num_query_groups or model.num_attention_heads
-    _check(groups % tp == 0, f"{parallel_prefix}.tensor_model_parallel_size",
-           f"{model_prefix}.num_query_groups={groups} is not divisible by TP={tp}")
-    _check(model.num_layers % pp == 0, f"{parallel_prefix}.pipeline_model_parallel_size",
-           f"{model_prefix}.num_layers={model.num_layers} is not divisible by PP={pp}")
+    _check(
+        groups % tp == 0,
+        f"{parallel_prefix}.tensor_model_parallel_size",
+        f"{model_prefix}.num_query_groups={groups} is not divisible by TP={tp}",
+    )
+    _check(
+        model.num_layers % pp == 0,
+        f"{parallel_prefix}.pipeline_model_parallel_size",
+        f"{model_prefix}.num_layers={model.num_layers} is not divisible by PP={pp}",
+    )
     if world_size is None:
         return 1
-    _check(world_size % (tp * pp) == 0, f"{parallel_prefix}.tensor_model_parallel_size",
-           f"world size {world_size} is not divisible by TP*PP={tp}*{pp}: launch a multiple of {tp * pp} ranks")
+    _check(
+        world_size % (tp * pp) == 0,
+        f"{parallel_prefix}.tensor_model_parallel_size",
+        f"world size {world_size} is not divisible by TP*PP={tp}*{pp}: launch a multiple of {tp * pp} ranks",
+    )
     return world_size // (tp * pp)
 
 
 def validate_batch(global_batch: int, micro_batch: int, dp: int, global_key: str, micro_key: str) -> None:
     _check(micro_batch >= 1, micro_key, "must be >= 1")
-    _check(global_batch % (micro_batch * dp) == 0, global_key,
-           f"{global_batch} is not divisible by {micro_key}={micro_batch} x data-parallel size {dp}")
+    _check(
+        global_batch % (micro_batch * dp) == 0,
+        global_key,
+        f"{global_batch} is not divisible by {micro_key}={micro_batch} x data-parallel size {dp}",
+    )
 
 
-__all__ = ["ModelConfig", "ParallelConfig", "OptimConfig", "validate_model", "validate_layout", "validate_batch",
+__all__ = [
+    "ModelConfig",
+    "ParallelConfig",
+    "OptimConfig",
+    "validate_model",
+    "validate_layout",
+    "validate_batch",
 ]

@@ -11,5 +11,14 @@ Importing this package loads neither megatron nor PyTriton: the service and the 
 from aligner.critic.client import CriticClient, CriticUnreachableError, owns_dp_slice
 from aligner.critic.protocol import ENDPOINTS, INFER, SAVE, TRAIN, TRAIN_METRICS, CriticRequestError
 
-__all__ = ["CriticClient", "CriticUnreachableError", "CriticRequestError", "owns_dp_slice", "ENDPOINTS", "INFER",
-           "TRAIN", "SAVE", "TRAIN_METRICS"]
+__all__ = [
+    "CriticClient",
+    "CriticUnreachableError",
+    "CriticRequestError",
+    "owns_dp_slice",
+    "ENDPOINTS",
+    "INFER",
+    "TRAIN",
+    "SAVE",
+    "TRAIN_METRICS",
+]

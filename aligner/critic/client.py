@@ -33,8 +33,9 @@ from aligner.critic import protocol
 from aligner.critic.protocol import CriticRequestError, Limits
 
 # The server checks the real limits (batch, length, vocabulary); here only the structure of the request.
-_LOCAL_LIMITS = Limits(max_batch_size=sys.maxsize, max_seq_len=sys.maxsize, vocab_size=2**62,
-                       max_train_batch_size=sys.maxsize)
+_LOCAL_LIMITS = Limits(
+    max_batch_size=sys.maxsize, max_seq_len=sys.maxsize, vocab_size=2**62, max_train_batch_size=sys.maxsize
+)
 
 
 class CriticUnreachableError(ConnectionError):
@@ -61,8 +62,9 @@ def _server_reason(message: str) -> str:
 
 
 class CriticClient:
-    def __init__(self, url: str, connect_timeout: float = 120.0, infer_timeout: float = 600.0,
-                 train_timeout: float = 3600.0):
+    def __init__(
+        self, url: str, connect_timeout: float = 120.0, infer_timeout: float = 600.0, train_timeout: float = 3600.0
+    ):
         self.url = url if "://" in url else f"http://{url}"
         self.connect_timeout, self.infer_timeout, self.train_timeout = connect_timeout, infer_timeout, train_timeout
         # One worker: requests leave in submission order (see the module docstring).
@@ -80,8 +82,9 @@ class CriticClient:
         self._pool.submit(self._wait_ready, timeout).result()
 
     def infer_async(self, tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> Future:
-        tokens, lengths, prompt_lengths, labels = protocol.check_infer(tokens_BT, lengths_B, prompt_lengths_B,
-                                                                       labels, _LOCAL_LIMITS)
+        tokens, lengths, prompt_lengths, labels = protocol.check_infer(
+            tokens_BT, lengths_B, prompt_lengths_B, labels, _LOCAL_LIMITS
+        )
         inputs = {"tokens": tokens, "lengths": lengths.reshape(-1, 1)}
         if prompt_lengths is not None:
             inputs["prompt_lengths"] = prompt_lengths.reshape(-1, 1)
@@ -90,10 +93,16 @@ class CriticClient:
         return self._pool.submit(self._infer, inputs)
 
     def train_async(self, tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> Future:
-        tokens, lengths, returns, prev_values, mask = protocol.check_train(tokens_BT, lengths_B, returns_BT,
-                                                                           prev_values_BT, mask_BT, _LOCAL_LIMITS)
-        inputs = {"tokens": tokens, "lengths": lengths.reshape(-1, 1), "returns": returns,
-                  "prev_values": prev_values, "mask": mask}
+        tokens, lengths, returns, prev_values, mask = protocol.check_train(
+            tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT, _LOCAL_LIMITS
+        )
+        inputs = {
+            "tokens": tokens,
+            "lengths": lengths.reshape(-1, 1),
+            "returns": returns,
+            "prev_values": prev_values,
+            "mask": mask,
+        }
         return self._pool.submit(self._train, inputs)
 
     def save_async(self, step: int) -> Future:
@@ -120,7 +129,8 @@ class CriticClient:
             f"job (scripts/serve_ppo_critic.py) running, and did it print 'critic server ready at ...'? (2) are the "
             f"host and port right? The critic job listens on its server.host:server.port (default 127.0.0.1:5567, "
             f"which other machines cannot reach). (3) does the actor config's `critic` section (critic.host, "
-            f"critic.port) point there?")
+            f"critic.port) point there?"
+        )
 
     def _client(self, name: str):
         from pytriton.client import ModelClient
@@ -130,8 +140,9 @@ class CriticClient:
         warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning)
         if name not in self._clients:
             timeout = self.infer_timeout if name == protocol.INFER else self.train_timeout
-            self._clients[name] = ModelClient(self.url, name, init_timeout_s=self.connect_timeout,
-                                              inference_timeout_s=timeout)
+            self._clients[name] = ModelClient(
+                self.url, name, init_timeout_s=self.connect_timeout, inference_timeout_s=timeout
+            )
         return self._clients[name]
 
     def _wait_ready(self, timeout: float | None = None) -> None:
@@ -159,19 +170,26 @@ class CriticClient:
         except PyTritonClientInferenceServerError as exc:
             reason = _server_reason(str(exc))
             if "is not healthy" in reason:  # Triton's python backend: the endpoint's stub did not run for ~1 s
-                reason += (" (the critic job's Triton python stub for this endpoint stopped responding: a frozen or "
-                           "starved process on the critic's host; Triton does not recover from this: the "
-                           "endpoint's next request brings tritonserver down and the critic job exits 1; see its "
-                           "log and docs/CRITIC.md)")
+                reason += (
+                    " (the critic job's Triton python stub for this endpoint stopped responding: a frozen or "
+                    "starved process on the critic's host; Triton does not recover from this: the "
+                    "endpoint's next request brings tritonserver down and the critic job exits 1; see its "
+                    "log and docs/CRITIC.md)"
+                )
             raise CriticRequestError(f"{name} at {self.url} rejected the request: {reason}") from exc
         except PyTritonClientTimeoutError as exc:
             if "Connection refused" in str(exc):  # PyTriton reports a server that went away as a timeout
                 self._ready = False
                 raise self._unreachable(self.connect_timeout, f"{name}: connection refused") from exc
-            timeout, key = ((self.infer_timeout, "infer_timeout") if name == protocol.INFER
-                            else (self.train_timeout, "train_timeout"))
-            raise TimeoutError(f"{name} at {self.url} did not answer within {timeout:g} s (critic.{key}): the "
-                               f"server is up but busy or stuck; see the critic job's log") from exc
+            timeout, key = (
+                (self.infer_timeout, "infer_timeout")
+                if name == protocol.INFER
+                else (self.train_timeout, "train_timeout")
+            )
+            raise TimeoutError(
+                f"{name} at {self.url} did not answer within {timeout:g} s (critic.{key}): the "
+                f"server is up but busy or stuck; see the critic job's log"
+            ) from exc
         except (PyTritonClientError, OSError, http.client.HTTPException) as exc:  # the last: a dropped connection
             self._ready = False
             raise self._unreachable(self.connect_timeout, f"{name}: {exc!r}") from exc

@@ -74,22 +74,28 @@ def check_tokens(tokens, lengths, limits: Limits, max_rows: int, max_rows_key: s
     if batch == 0:
         raise CriticRequestError("empty batch: tokens has 0 rows; send at least one sequence")
     if batch > max_rows:
-        raise CriticRequestError(f"batch of {batch} rows exceeds {max_rows_key}={max_rows}: split the request "
-                                 f"or raise {max_rows_key} in the critic job's config")
+        raise CriticRequestError(
+            f"batch of {batch} rows exceeds {max_rows_key}={max_rows}: split the request "
+            f"or raise {max_rows_key} in the critic job's config"
+        )
     if seq == 0 or seq > limits.max_seq_len:
         raise CriticRequestError(f"tokens has {seq} columns; must be 1..{limits.max_seq_len} (server.max_seq_len)")
     lengths = _column("lengths", lengths, batch)
     bad = np.flatnonzero((lengths < 1) | (lengths > seq))
     if bad.size:
         i = int(bad[0])
-        raise CriticRequestError(f"lengths[{i}]={int(lengths[i])} is outside 1..T={seq}: each length counts the "
-                                 f"valid tokens of its row (prompt + response) and cannot exceed the padded width")
+        raise CriticRequestError(
+            f"lengths[{i}]={int(lengths[i])} is outside 1..T={seq}: each length counts the "
+            f"valid tokens of its row (prompt + response) and cannot exceed the padded width"
+        )
     valid = np.arange(seq)[None, :] < lengths[:, None]
     bad_tok = valid & ((tokens < 0) | (tokens >= limits.vocab_size))
     if bad_tok.any():
         i, j = (int(v) for v in np.argwhere(bad_tok)[0])
-        raise CriticRequestError(f"tokens[{i}, {j}]={int(tokens[i, j])} is outside the vocabulary 0..."
-                                 f"{limits.vocab_size - 1}: was the batch tokenized with the critic's tokenizer?")
+        raise CriticRequestError(
+            f"tokens[{i}, {j}]={int(tokens[i, j])} is outside the vocabulary 0..."
+            f"{limits.vocab_size - 1}: was the batch tokenized with the critic's tokenizer?"
+        )
     return tokens, lengths
 
 
@@ -103,8 +109,10 @@ def check_infer(tokens, lengths, prompt_lengths, labels, limits: Limits):
         bad = np.flatnonzero((prompt_lengths < 0) | (prompt_lengths > lengths))
         if bad.size:
             i = int(bad[0])
-            raise CriticRequestError(f"prompt_lengths[{i}]={int(prompt_lengths[i])} is outside 0..lengths[{i}]="
-                                     f"{int(lengths[i])}: the prompt is a prefix of the sequence")
+            raise CriticRequestError(
+                f"prompt_lengths[{i}]={int(prompt_lengths[i])} is outside 0..lengths[{i}]="
+                f"{int(lengths[i])}: the prompt is a prefix of the sequence"
+            )
     if labels is not None:
         labels = decode_labels(labels, batch)
     return tokens, lengths, prompt_lengths, labels
@@ -141,8 +149,9 @@ def check_train(tokens, lengths, returns, prev_values, mask, limits: Limits):
     for name, x in (("returns", returns), ("prev_values", prev_values), ("mask", mask)):
         arr = _as_array(name, x, np.float32)
         if arr.shape != shape:
-            raise CriticRequestError(f"{name} has shape {list(arr.shape)} but tokens has {list(shape)}: "
-                                     f"send one value per token position")
+            raise CriticRequestError(
+                f"{name} has shape {list(arr.shape)} but tokens has {list(shape)}: send one value per token position"
+            )
         floats[name] = arr
     mask = floats["mask"]
     if not np.isin(mask, (0.0, 1.0)).all():
@@ -150,14 +159,18 @@ def check_train(tokens, lengths, returns, prev_values, mask, limits: Limits):
     beyond = (mask != 0) & (np.arange(shape[1])[None, :] >= lengths[:, None])
     if beyond.any():
         i, j = (int(v) for v in np.argwhere(beyond)[0])
-        raise CriticRequestError(f"mask[{i}, {j}] is 1 but lengths[{i}]={int(lengths[i])}: the mask may cover only "
-                                 f"positions inside the sequence")
+        raise CriticRequestError(
+            f"mask[{i}, {j}] is 1 but lengths[{i}]={int(lengths[i])}: the mask may cover only "
+            f"positions inside the sequence"
+        )
     for name in ("returns", "prev_values"):
         bad = (mask != 0) & ~np.isfinite(floats[name])
         if bad.any():
             i, j = (int(v) for v in np.argwhere(bad)[0])
-            raise CriticRequestError(f"{name}[{i}, {j}] is {floats[name][i, j]} at a masked-in position: "
-                                     f"values under the mask must be finite")
+            raise CriticRequestError(
+                f"{name}[{i}, {j}] is {floats[name][i, j]} at a masked-in position: "
+                f"values under the mask must be finite"
+            )
     return tokens, lengths, floats["returns"], floats["prev_values"], mask
 
 

@@ -80,8 +80,13 @@ class RewardFunction:
             responses.append(self.decode(row[start:]))
         return prompts, responses
 
-    def __call__(self, tokens_BT: np.ndarray, lengths_B: np.ndarray, prompt_lengths_B: np.ndarray | None = None,
-                 labels: list | None = None) -> np.ndarray:
+    def __call__(
+        self,
+        tokens_BT: np.ndarray,
+        lengths_B: np.ndarray,
+        prompt_lengths_B: np.ndarray | None = None,
+        labels: list | None = None,
+    ) -> np.ndarray:
         """Rewards float32 [B] for the rows of `tokens_BT`."""
         prompts, responses = self.texts(tokens_BT, lengths_B, prompt_lengths_B)
         try:
@@ -94,13 +99,17 @@ class RewardFunction:
         try:
             scores = [float(s) for s in scores]
         except (TypeError, ValueError) as exc:
-            raise RewardFunctionError(f"reward_fn in {self.path} must return a list of floats, got "
-                                      f"{type(scores).__name__}: {exc}") from exc
+            raise RewardFunctionError(
+                f"reward_fn in {self.path} must return a list of floats, got {type(scores).__name__}: {exc}"
+            ) from exc
         if len(scores) != len(prompts):
-            raise RewardFunctionError(f"reward_fn in {self.path} returned {len(scores)} scores for "
-                                      f"{len(prompts)} samples: return one per sample")
+            raise RewardFunctionError(
+                f"reward_fn in {self.path} returned {len(scores)} scores for "
+                f"{len(prompts)} samples: return one per sample"
+            )
         bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
         if bad:
-            raise RewardFunctionError(f"reward_fn in {self.path} returned a non-finite score {scores[bad[0]]} "
-                                      f"for sample {bad[0]}")
+            raise RewardFunctionError(
+                f"reward_fn in {self.path} returned a non-finite score {scores[bad[0]]} for sample {bad[0]}"
+            )
         return np.asarray(scores, dtype=np.float32)

@@ -71,8 +71,9 @@ def bind_address(host: str) -> str:
     try:
         return socket.gethostbyname(host)
     except OSError as exc:
-        raise TritonStartError(f"server.host={host!r} cannot be resolved ({exc}): use an IP address or a host "
-                               f"name of this machine") from exc
+        raise TritonStartError(
+            f"server.host={host!r} cannot be resolved ({exc}): use an IP address or a host name of this machine"
+        ) from exc
 
 
 def public_url(server: CriticServerConfig) -> str:
@@ -94,7 +95,8 @@ def check_ports_free(server: CriticServerConfig) -> None:
                 raise PortInUseError(
                     f"port {port} ({name}) on {server.host} is already in use ({exc.strerror}): another critic "
                     f"server or program holds it. Stop it, or pick free ports with server.port=... (gRPC and "
-                    f"metrics default to port+1 and port+2; set {key}=... to move only this one)") from exc
+                    f"metrics default to port+1 and port+2; set {key}=... to move only this one)"
+                ) from exc
 
 
 def _python_stubs() -> list:
@@ -140,7 +142,8 @@ class CommandChannel:
 
 def _infer_tensors(tokens, lengths, prompt_lengths):
     return [torch.from_numpy(tokens), torch.from_numpy(lengths)] + (
-        [torch.from_numpy(prompt_lengths)] if prompt_lengths is not None else [])
+        [torch.from_numpy(prompt_lengths)] if prompt_lengths is not None else []
+    )
 
 
 def run_worker(service, channel: CommandChannel) -> int:
@@ -216,8 +219,9 @@ class CriticServer:
         out = []
         for r in requests:
             d = r.data
-            args = check_train(d.get("tokens"), d.get("lengths"), d.get("returns"), d.get("prev_values"),
-                               d.get("mask"), limits)
+            args = check_train(
+                d.get("tokens"), d.get("lengths"), d.get("returns"), d.get("prev_values"), d.get("mask"), limits
+            )
             out.append(self._submit(OP_TRAIN, args))
         return out
 
@@ -234,8 +238,13 @@ class CriticServer:
             return {"values": values.numpy(), "rewards": rewards.numpy()}
         if job.op == OP_TRAIN:
             tokens, lengths, returns, prev_values, mask = job.args
-            self.channel.send(OP_TRAIN, *tokens.shape, 0, 0,
-                              [torch.from_numpy(x) for x in (tokens, lengths, returns, prev_values, mask)])
+            self.channel.send(
+                OP_TRAIN,
+                *tokens.shape,
+                0,
+                0,
+                [torch.from_numpy(x) for x in (tokens, lengths, returns, prev_values, mask)],
+            )
             metrics = self.service.train(tokens, lengths, returns, prev_values, mask)
             return {k: np.array([metrics[k]], dtype=np.float32) for k in protocol.TRAIN_METRICS}
         (step,) = job.args
@@ -271,28 +280,55 @@ class CriticServer:
         address = bind_address(s.host)
         os.makedirs(os.path.dirname(os.path.abspath(self.cfg.triton_log_file)), exist_ok=True)
         ensure_libpython_on_library_path()
-        config = TritonConfig(http_address=address, http_port=ports["HTTP"], grpc_address=address,
-                              grpc_port=ports["gRPC"], metrics_address=address, metrics_port=ports["metrics"],
-                              allow_gpu_metrics=torch.cuda.is_available(), log_file=self.cfg.triton_log_file,
-                              # The endpoints are unloaded before stop() (see _unload_endpoints); what is left
-                              # for tritonserver's exit is waiting for clients' keep-alive connections.
-                              exit_timeout_secs=3)
+        config = TritonConfig(
+            http_address=address,
+            http_port=ports["HTTP"],
+            grpc_address=address,
+            grpc_port=ports["gRPC"],
+            metrics_address=address,
+            metrics_port=ports["metrics"],
+            allow_gpu_metrics=torch.cuda.is_available(),
+            log_file=self.cfg.triton_log_file,
+            # The endpoints are unloaded before stop() (see _unload_endpoints); what is left
+            # for tritonserver's exit is waiting for clients' keep-alive connections.
+            exit_timeout_secs=3,
+        )
         self._triton = Triton(config=config)
         i64, f32 = np.int64, np.float32
         no_batching = ModelConfig(batching=False)  # shapes include B; the server checks B itself, with clear errors
-        self._triton.bind(protocol.INFER, self._infer_endpoint, config=no_batching, inputs=[
-            Tensor(name="tokens", dtype=i64, shape=(-1, -1)), Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
-            Tensor(name="prompt_lengths", dtype=i64, shape=(-1, 1), optional=True),
-            Tensor(name="labels", dtype=bytes, shape=(-1, 1), optional=True)],
-            outputs=[Tensor(name="values", dtype=f32, shape=(-1, -1)),
-                     Tensor(name="rewards", dtype=f32, shape=(-1, 1))])
-        self._triton.bind(protocol.TRAIN, self._train_endpoint, config=no_batching, inputs=[
-            Tensor(name="tokens", dtype=i64, shape=(-1, -1)), Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
-            *(Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in ("returns", "prev_values", "mask"))],
-            outputs=[Tensor(name=n, dtype=f32, shape=(1,)) for n in protocol.TRAIN_METRICS])
-        self._triton.bind(protocol.SAVE, self._save_endpoint, config=no_batching,
-                          inputs=[Tensor(name="step", dtype=i64, shape=(1,))],
-                          outputs=[Tensor(name="path", dtype=bytes, shape=(1,))])
+        self._triton.bind(
+            protocol.INFER,
+            self._infer_endpoint,
+            config=no_batching,
+            inputs=[
+                Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
+                Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
+                Tensor(name="prompt_lengths", dtype=i64, shape=(-1, 1), optional=True),
+                Tensor(name="labels", dtype=bytes, shape=(-1, 1), optional=True),
+            ],
+            outputs=[
+                Tensor(name="values", dtype=f32, shape=(-1, -1)),
+                Tensor(name="rewards", dtype=f32, shape=(-1, 1)),
+            ],
+        )
+        self._triton.bind(
+            protocol.TRAIN,
+            self._train_endpoint,
+            config=no_batching,
+            inputs=[
+                Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
+                Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
+                *(Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in ("returns", "prev_values", "mask")),
+            ],
+            outputs=[Tensor(name=n, dtype=f32, shape=(1,)) for n in protocol.TRAIN_METRICS],
+        )
+        self._triton.bind(
+            protocol.SAVE,
+            self._save_endpoint,
+            config=no_batching,
+            inputs=[Tensor(name="step", dtype=i64, shape=(1,))],
+            outputs=[Tensor(name="path", dtype=bytes, shape=(1,))],
+        )
         try:
             self._triton.run()
         except Exception as exc:
@@ -314,8 +350,10 @@ class CriticServer:
                 with ModelClient(url, name, init_timeout_s=timeout) as client:
                     client.wait_for_model(timeout)
             except Exception as exc:
-                raise TritonStartError(f"endpoint {name} did not answer at {url} within server.ready_timeout="
-                                       f"{timeout} s ({exc!r}); see {self.cfg.triton_log_file}") from exc
+                raise TritonStartError(
+                    f"endpoint {name} did not answer at {url} within server.ready_timeout="
+                    f"{timeout} s ({exc!r}); see {self.cfg.triton_log_file}"
+                ) from exc
 
     def _unload_endpoints(self, log_level: int = logging.WARNING, timeout: float = 30.0) -> None:
         """Unload the endpoints while Triton still runs, so that their python stubs exit cleanly.
@@ -333,8 +371,9 @@ class CriticServer:
         host = "127.0.0.1" if self.cfg.server.host in ("0.0.0.0", "") else bind_address(self.cfg.server.host)
         try:
             headers = create_auth_headers(self._triton.get_access_token(), "http")
-            with contextlib.closing(httpclient.InferenceServerClient(f"{host}:{self.cfg.server.port}",
-                                                                     network_timeout=timeout)) as client:
+            with contextlib.closing(
+                httpclient.InferenceServerClient(f"{host}:{self.cfg.server.port}", network_timeout=timeout)
+            ) as client:
                 for name in protocol.ENDPOINTS:
                     client.unload_model(name, headers=headers)
             # The unload call returns before the stubs have gone: wait for those processes themselves.
@@ -350,8 +389,10 @@ class CriticServer:
             detail = f" with exit code {self._triton._triton_server._tritonserver_running_cmd.exit_code}"
         except Exception:  # noqa: BLE001
             pass
-        return (f"tritonserver (or an endpoint's python stub) exited unexpectedly{detail}; "
-                f"its log: {self.cfg.triton_log_file}")
+        return (
+            f"tritonserver (or an endpoint's python stub) exited unexpectedly{detail}; "
+            f"its log: {self.cfg.triton_log_file}"
+        )
 
     def _signalled(self, grace: float = 0.0) -> bool:
         """Whether SIGTERM/SIGINT arrived, waiting up to `grace` s for it: a launcher (srun, torchrun) signals
@@ -379,8 +420,10 @@ class CriticServer:
                     try:
                         self.channel.send(OP_NOOP)
                     except Exception as exc:
-                        raise RuntimeError(f"lost contact with the other ranks of the critic job ({exc}); "
-                                           f"did one of them die? See its log") from exc
+                        raise RuntimeError(
+                            f"lost contact with the other ranks of the critic job ({exc}); "
+                            f"did one of them die? See its log"
+                        ) from exc
                     last_command = time.monotonic()
                 continue
             self._execute(job)
@@ -413,9 +456,12 @@ class CriticServer:
             world = dist.get_world_size() if dist.is_initialized() else 1
             from megatron.core import parallel_state as ps
 
-            print(f"critic server ready at {self.url} (endpoints {', '.join(protocol.ENDPOINTS)}; {world} rank(s): "
-                  f"TP {ps.get_tensor_model_parallel_world_size()}, PP {ps.get_pipeline_model_parallel_world_size()},"
-                  f" DP {ps.get_data_parallel_world_size()})", flush=True)
+            print(
+                f"critic server ready at {self.url} (endpoints {', '.join(protocol.ENDPOINTS)}; {world} rank(s): "
+                f"TP {ps.get_tensor_model_parallel_world_size()}, PP {ps.get_pipeline_model_parallel_world_size()},"
+                f" DP {ps.get_data_parallel_world_size()})",
+                flush=True,
+            )
             code = self._loop()
         except Exception as exc:
             if self._signalled(2.0):

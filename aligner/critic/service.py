@@ -60,10 +60,12 @@ class CriticService:
         from aligner.models.training import TrainableModel
 
         self.cfg = cfg
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
-        vocab = cfg.model.vocab_size if cfg.reward_model is None else min(cfg.model.vocab_size,
-                                                                          cfg.reward_model.vocab_size)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        vocab = (
+            cfg.model.vocab_size if cfg.reward_model is None else min(cfg.model.vocab_size, cfg.reward_model.vocab_size)
+        )
         self.limits = Limits(cfg.server.max_batch_size, cfg.max_seq_len, vocab, cfg.server.max_train_batch_size)
         self.critic = TrainableModel(cfg.model, cfg.optim, head="scalar")
         if cfg.model.checkpoint:
@@ -107,8 +109,9 @@ class CriticService:
     @torch.no_grad()
     def infer(self, tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Values float32 [B, T] and rewards float32 [B, 1] (CPU tensors, identical on every rank)."""
-        tokens, lengths, prompt_lengths, labels = check_infer(tokens_BT, lengths_B, prompt_lengths_B, labels,
-                                                              self.limits)
+        tokens, lengths, prompt_lengths, labels = check_infer(
+            tokens_BT, lengths_B, prompt_lengths_B, labels, self.limits
+        )
         batch, seq = tokens.shape
         width = int(lengths.max())  # positions past every length cannot influence earlier ones (causal)
         valid_BT = np.arange(width)[None, :] < lengths[:, None]
@@ -117,7 +120,7 @@ class CriticService:
 
         # One flat buffer: [values B*width | rewards B], summed over the world in one collective.
         out = torch.zeros(batch * width + batch, dtype=torch.float32, device=self.device)
-        values_BT, rewards_B = out[: batch * width].view(batch, width), out[batch * width:]
+        values_BT, rewards_B = out[: batch * width].view(batch, width), out[batch * width :]
         start, stop = self._my_rows(batch)
         if stop > start:  # a DP rank with no rows skips the forward (no collective spans DP in a forward pass)
             local = self._forward_values(self.critic, tokens_dev[start:stop])
@@ -143,7 +146,7 @@ class CriticService:
         mbs = self.cfg.infer.micro_batch_size
         rows = tokens_bT.shape[0]
         padded = self._pad_rows(tokens_bT, mbs)  # equal micro-batch shapes, as the pipeline schedule requires
-        micro = [{"tokens": padded[i: i + mbs]} for i in range(0, padded.shape[0], mbs)]
+        micro = [{"tokens": padded[i : i + mbs]} for i in range(0, padded.shape[0], mbs)]
         outs = model.forward(micro, lambda batch, output: output.squeeze(-1).float())
         return torch.cat(outs)[:rows] if outs else None
 
@@ -167,8 +170,9 @@ class CriticService:
     # -- train -------------------------------------------------------------------------------------------
     def train(self, tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> dict[str, float]:
         """Train the critic on one batch of rollouts; returns metrics (see protocol.TRAIN_METRICS)."""
-        tokens, lengths, returns, prev_values, mask = check_train(tokens_BT, lengths_B, returns_BT, prev_values_BT,
-                                                                  mask_BT, self.limits)
+        tokens, lengths, returns, prev_values, mask = check_train(
+            tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT, self.limits
+        )
         batch = tokens.shape[0]
         width = int(lengths.max())
         valid_BT = np.arange(width)[None, :] < lengths[:, None]
@@ -188,13 +192,15 @@ class CriticService:
             for gb_start in range(0, batch, cfg.global_batch_size):
                 gb_size = min(cfg.global_batch_size, batch - gb_start)
                 lo, hi = (gb_start + r for r in self._my_rows(gb_size))
-                micro = self._train_micro_batches(tokens_dev[lo:hi], returns_dev[lo:hi], prev_dev[lo:hi],
-                                                  mask_dev[lo:hi], width)
+                micro = self._train_micro_batches(
+                    tokens_dev[lo:hi], returns_dev[lo:hi], prev_dev[lo:hi], mask_dev[lo:hi], width
+                )
                 num_tokens = global_token_count([m["mask"] for m in micro], group=ps.get_data_parallel_group())
                 metrics = self.critic.step(micro, partial(self._loss, num_tokens=num_tokens))
                 if self._contributes():
-                    sums += torch.tensor([metrics.get(k, 0.0) for k in sum_keys], dtype=torch.float64,
-                                         device=self.device)
+                    sums += torch.tensor(
+                        [metrics.get(k, 0.0) for k in sum_keys], dtype=torch.float64, device=self.device
+                    )
                 grad_norms.append(metrics["grad_norm"])
                 lr = metrics["lr"]
         self._sum_over_world(sums)
@@ -220,13 +226,21 @@ class CriticService:
             tokens = tokens.new_zeros((1, width))
             returns, prev_values, mask = (x.new_zeros((1, width)) for x in (returns, prev_values, mask))
         tensors = [self._pad_rows(x, mbs) for x in (tokens, returns, prev_values, mask)]
-        return [dict(zip(("tokens", "returns", "prev_values", "mask"), (x[i: i + mbs] for x in tensors)))
-                for i in range(0, tensors[0].shape[0], mbs)]
+        return [
+            dict(zip(("tokens", "returns", "prev_values", "mask"), (x[i : i + mbs] for x in tensors)))
+            for i in range(0, tensors[0].shape[0], mbs)
+        ]
 
     def _loss(self, batch: dict, output: torch.Tensor, num_tokens: int):
         values_BT = output.squeeze(-1).float()
-        loss, stats = value_loss(values_BT, batch["prev_values"], batch["returns"], batch["mask"], num_tokens,
-                                 clip_eps=self.cfg.train.value_clip_eps)
+        loss, stats = value_loss(
+            values_BT,
+            batch["prev_values"],
+            batch["returns"],
+            batch["mask"],
+            num_tokens,
+            clip_eps=self.cfg.train.value_clip_eps,
+        )
         # TrainableModel.step sums metrics over micro-batches: pass the additive ones only.
         return loss, {k: v for k, v in stats.items() if not k.endswith("_max")}
 
@@ -234,9 +248,15 @@ class CriticService:
     def save(self, step) -> str:
         """Write `<checkpoint.dir>/step_<step>` (critic weights, optimizer, RNG); returns its path. Collective."""
         step = check_step(step)
-        return dist_ckpt.save(self.cfg.checkpoint_dir, step, [self.critic.module], self.critic.optimizer,
-                              state={"optimizer_steps": self.critic.steps_taken, "job": "critic"},
-                              keep=self.cfg.checkpoint.keep, model_cfg=self.cfg.model)
+        return dist_ckpt.save(
+            self.cfg.checkpoint_dir,
+            step,
+            [self.critic.module],
+            self.critic.optimizer,
+            state={"optimizer_steps": self.critic.steps_taken, "job": "critic"},
+            keep=self.cfg.checkpoint.keep,
+            model_cfg=self.cfg.model,
+        )
 
     def _resume(self) -> str | None:
         path = dist_ckpt.latest_checkpoint(self.cfg.checkpoint_dir)

@@ -27,16 +27,24 @@ class Prompt:
 
 
 class PromptDataset:
-    def __init__(self, path: str, tokenizer: Tokenizer, max_length: int, prompt_key: str = "prompt",
-                 label_key: str = "label", add_bos: bool = True):
+    def __init__(
+        self,
+        path: str,
+        tokenizer: Tokenizer,
+        max_length: int,
+        prompt_key: str = "prompt",
+        label_key: str = "label",
+        add_bos: bool = True,
+    ):
         self.path = path
         self.items: list[Prompt] = []
         too_long, lines = [], 0
         try:
             f = open(path, encoding="utf-8")
         except OSError as exc:
-            raise FileNotFoundError(f"prompt file {path!r} cannot be read ({exc.strerror}): check data.train_file / "
-                                    "data.val_file") from exc
+            raise FileNotFoundError(
+                f"prompt file {path!r} cannot be read ({exc.strerror}): check data.train_file / data.val_file"
+            ) from exc
         with f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -45,8 +53,10 @@ class PromptDataset:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON "
-                                     f"object with a {prompt_key!r} field") from exc
+                    raise ValueError(
+                        f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON "
+                        f"object with a {prompt_key!r} field"
+                    ) from exc
                 if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
                     raise ValueError(f"{path}:{lineno}: needs a string field {prompt_key!r} (data.prompt_key)")
                 ids = tokenizer.encode(row[prompt_key])
@@ -60,12 +70,20 @@ class PromptDataset:
                 label = row.get(label_key)
                 self.items.append(Prompt(row[prompt_key], ids, None if label is None else str(label)))
         if too_long:
-            log.warning("%s: skipped %d of %d prompts longer than %d tokens (generation.max_prompt_length); "
-                        "first lines: %s", path, len(too_long), lines, max_length, too_long[:10])
+            log.warning(
+                "%s: skipped %d of %d prompts longer than %d tokens (generation.max_prompt_length); first lines: %s",
+                path,
+                len(too_long),
+                lines,
+                max_length,
+                too_long[:10],
+            )
         self.skipped = len(too_long)
         if not self.items:
-            raise ValueError(f"{path}: no usable prompts ({lines} lines, {len(too_long)} longer than {max_length} "
-                             "tokens): raise generation.max_prompt_length or check the file")
+            raise ValueError(
+                f"{path}: no usable prompts ({lines} lines, {len(too_long)} longer than {max_length} "
+                "tokens): raise generation.max_prompt_length or check the file"
+            )
 
     def __len__(self):
         return len(self.items)

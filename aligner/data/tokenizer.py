@@ -39,7 +39,11 @@ def load_tokenizer(path: str) -> Tokenizer:
         return Tokenizer(
             encode=lambda text: raw.encode(text, add_special_tokens=False).ids,
             decode=lambda ids: raw.decode(list(ids), skip_special_tokens=True),
-            vocab_size=raw.get_vocab_size(), bos_id=bos, eos_id=eos, pad_id=pad if pad is not None else (eos or 0))
+            vocab_size=raw.get_vocab_size(),
+            bos_id=bos,
+            eos_id=eos,
+            pad_id=pad if pad is not None else (eos or 0),
+        )
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -47,4 +51,8 @@ def load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer(
         encode=lambda text: hf.encode(text, add_special_tokens=False),
         decode=lambda ids: hf.decode(list(ids), skip_special_tokens=True),
-        vocab_size=len(hf), bos_id=hf.bos_token_id, eos_id=hf.eos_token_id, pad_id=pad)
+        vocab_size=len(hf),
+        bos_id=hf.bos_token_id,
+        eos_id=hf.eos_token_id,
+        pad_id=pad,
+    )

@@ -8,11 +8,18 @@ trtllm/ (TensorRT-LLM, imported lazily where installed).
 from aligner.generation.config import GenerationConfig, validate_generation
 from aligner.generation.factory import build_engine
 from aligner.generation.interfaces import (
-           GenerationEngine,
-           GenerationOutput,
-           ReleasableMemory,
-           SamplingParams,
+    GenerationEngine,
+    GenerationOutput,
+    ReleasableMemory,
+    SamplingParams,
 )
 
-__all__ = ["GenerationConfig", "GenerationEngine", "GenerationOutput", "ReleasableMemory", "SamplingParams",
-           "build_engine", "validate_generation"]
+__all__ = [
+    "GenerationConfig",
+    "GenerationEngine",
+    "GenerationOutput",
+    "ReleasableMemory",
+    "SamplingParams",
+    "build_engine",
+    "validate_generation",
+]

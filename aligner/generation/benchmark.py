@@ -25,11 +25,27 @@ import torch
 from aligner.config.schema import ModelConfig
 from aligner.generation import GenerationConfig, SamplingParams, build_engine
 
-BENCH_MODEL = ModelConfig(arch="llama", num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
-                          ffn_hidden_size=8192, vocab_size=32000, max_position_embeddings=4096,
-                          params_dtype="bfloat16")
-TINY_MODEL = ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                         ffn_hidden_size=128, vocab_size=256, init_method_std=0.2)
+BENCH_MODEL = ModelConfig(
+    arch="llama",
+    num_layers=16,
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_query_groups=8,
+    ffn_hidden_size=8192,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    params_dtype="bfloat16",
+)
+TINY_MODEL = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=256,
+    init_method_std=0.2,
+)
 
 
 @dataclass
@@ -115,7 +131,7 @@ def _logprob_gap(module, cfg, prompts, out, rows: int) -> dict[str, float]:
     seq = torch.cat([prompts[:n], out.response_tokens_BR[:n]], 1)
     with torch.no_grad():
         logits, targets = shift_for_next_token(forward(module, seq), seq)
-        ref = vocab_parallel_logprobs(logits, targets, vocab_size=cfg.vocab_size)[:, prompts.shape[1] - 1:]
+        ref = vocab_parallel_logprobs(logits, targets, vocab_size=cfg.vocab_size)[:, prompts.shape[1] - 1 :]
     gap = (ref - out.logprobs_BR[:n]).abs()
     return {"logp_abs_diff_mean": float(gap.mean()), "logp_abs_diff_max": float(gap.max())}
 
@@ -129,8 +145,9 @@ def run(args: BenchArgs) -> dict:
     cfg = TINY_MODEL if args.tiny else BENCH_MODEL
     policy = build_gpt(cfg).eval()
     device = next(policy.parameters()).device
-    gen = GenerationConfig(max_batch_size=max(args.batch_sizes), max_prompt_length=args.prompt_len,
-                           max_response_length=args.new_tokens)
+    gen = GenerationConfig(
+        max_batch_size=max(args.batch_sizes), max_prompt_length=args.prompt_len, max_response_length=args.new_tokens
+    )
     engine = build_engine(gen, cfg, policy)
     bw = copy_bandwidth(device)
     weight_bytes = engine.weights.nbytes()
@@ -143,12 +160,28 @@ def run(args: BenchArgs) -> dict:
         refit_ms.append(_timed(lambda: engine.refit(policy), device)[1] * 1e3)
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "model": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                                                "ffn_hidden_size", "vocab_size", "params_dtype")},
-        "engine_dtype": str(engine.weights.dtype), "cuda_graphs": engine.use_graphs,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
-        "refit_ms": min(refit_ms), "refit_floor_ms": 2 * weight_bytes / bw * 1e3, "rows": [],
+        "model": {
+            k: getattr(cfg, k)
+            for k in (
+                "num_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "num_query_groups",
+                "ffn_hidden_size",
+                "vocab_size",
+                "params_dtype",
+            )
+        },
+        "engine_dtype": str(engine.weights.dtype),
+        "cuda_graphs": engine.use_graphs,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "copy_bandwidth_GBps": bw / 1e9,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_token_bytes,
+        "refit_ms": min(refit_ms),
+        "refit_floor_ms": 2 * weight_bytes / bw * 1e3,
+        "rows": [],
     }
     hf = None
     if not args.skip_hf:
@@ -158,8 +191,10 @@ def run(args: BenchArgs) -> dict:
         prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=gen_rng).to(device)
         lengths = torch.full((B,), args.prompt_len, dtype=torch.long, device=device)
         row = {"batch": B}
-        for name, sp in (("native_greedy", SamplingParams(greedy=True, ignore_eos=True)),
-                         ("native_sample", SamplingParams(temperature=1.0, ignore_eos=True, seed=1))):
+        for name, sp in (
+            ("native_greedy", SamplingParams(greedy=True, ignore_eos=True)),
+            ("native_sample", SamplingParams(temperature=1.0, ignore_eos=True, seed=1)),
+        ):
             engine.generate(prompts, lengths, sp)  # warm-up (captures the graphs on first use)
             out, seconds = _timed(partial(engine.generate, prompts, lengths, sp), device)
             if int(out.response_lengths_B.min()) != args.new_tokens:
@@ -172,25 +207,27 @@ def run(args: BenchArgs) -> dict:
                 row.update(_logprob_gap(policy, cfg, prompts, out, rows=8))
                 greedy_tokens = out.response_tokens_BR
         steps = range(1, args.new_tokens)
-        row["decode_floor_ms_per_step"] = sum(
-            (weight_bytes + B * kv_token_bytes * (args.prompt_len + s)) / bw for s in steps) / len(steps) * 1e3
+        row["decode_floor_ms_per_step"] = (
+            sum((weight_bytes + B * kv_token_bytes * (args.prompt_len + s)) / bw for s in steps) / len(steps) * 1e3
+        )
         row["decode_vs_floor"] = row["native_greedy_decode_ms_per_step"] / row["decode_floor_ms_per_step"]
         if hf is not None:
             with torch.no_grad():
                 hf_logits = hf(prompts[:4]).logits.float()
                 from aligner.models.gpt import forward
 
-                mg_logits = forward(policy, prompts[:4])[..., :cfg.vocab_size].float()
+                mg_logits = forward(policy, prompts[:4])[..., : cfg.vocab_size].float()
             row["hf_vs_megatron_logit_maxdiff"] = float((hf_logits - mg_logits).abs().max())
             row["logit_std"] = float(mg_logits.std())
             for name, static in (("hf_dynamic", False), ("hf_static", True)):
                 with torch.no_grad():
                     _hf_generate(hf, prompts, args.new_tokens, static, args.hf_compile)  # warm-up
-                    hf_out, seconds = _timed(partial(_hf_generate, hf, prompts, args.new_tokens, static,
-                                                     args.hf_compile), device)
+                    hf_out, seconds = _timed(
+                        partial(_hf_generate, hf, prompts, args.new_tokens, static, args.hf_compile), device
+                    )
                 row[f"{name}_tok_s"] = B * args.new_tokens / seconds
                 # greedy agreement with the native engine: 1.0 in float32; bf16 rounding flips near-ties after a while
-                same = (hf_out[:, args.prompt_len:] == greedy_tokens).long()
+                same = (hf_out[:, args.prompt_len :] == greedy_tokens).long()
                 row[f"{name}_same_first_token"] = float(same[:, 0].float().mean())
                 row[f"{name}_common_prefix_frac"] = float(same.cumprod(1).sum(1).float().mean() / args.new_tokens)
             row["speedup_vs_hf_static"] = row["native_greedy_tok_s"] / row["hf_static_tok_s"]
@@ -204,17 +241,44 @@ def run(args: BenchArgs) -> dict:
 
 
 def format_table(report: dict) -> str:
-    lines = [(f"device {report['device']}, engine {report['engine_dtype']}, cuda_graphs={report['cuda_graphs']}, "
-              f"prompt {report['prompt_len']} + {report['new_tokens']} new tokens"),
-             (f"copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s (read+write); weights "
-              f"{report['weight_bytes'] / 1e9:.3f} GB; KV {report['kv_bytes_per_token'] / 1024:.1f} KiB/token"),
-             f"refit {report['refit_ms']:.2f} ms (floor {report['refit_floor_ms']:.2f} ms)", ""]
-    cols = [("batch", "{:d}"), ("native_greedy_tok_s", "{:,.0f}"), ("native_sample_tok_s", "{:,.0f}"),
-            ("hf_dynamic_tok_s", "{:,.0f}"), ("hf_static_tok_s", "{:,.0f}"), ("speedup_vs_hf_static", "{:.2f}x"),
-            ("native_greedy_decode_ms_per_step", "{:.3f}"), ("decode_floor_ms_per_step", "{:.3f}"),
-            ("decode_vs_floor", "{:.2f}x"), ("native_greedy_prefill_ms", "{:.1f}"), ("logp_abs_diff_max", "{:.2e}")]
-    heads = ["B", "native tok/s", "sample tok/s", "HF dyn tok/s", "HF static tok/s", "vs static", "decode ms/step",
-             "floor ms", "vs floor", "prefill ms", "max|dlogp|"]
+    lines = [
+        (
+            f"device {report['device']}, engine {report['engine_dtype']}, cuda_graphs={report['cuda_graphs']}, "
+            f"prompt {report['prompt_len']} + {report['new_tokens']} new tokens"
+        ),
+        (
+            f"copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s (read+write); weights "
+            f"{report['weight_bytes'] / 1e9:.3f} GB; KV {report['kv_bytes_per_token'] / 1024:.1f} KiB/token"
+        ),
+        f"refit {report['refit_ms']:.2f} ms (floor {report['refit_floor_ms']:.2f} ms)",
+        "",
+    ]
+    cols = [
+        ("batch", "{:d}"),
+        ("native_greedy_tok_s", "{:,.0f}"),
+        ("native_sample_tok_s", "{:,.0f}"),
+        ("hf_dynamic_tok_s", "{:,.0f}"),
+        ("hf_static_tok_s", "{:,.0f}"),
+        ("speedup_vs_hf_static", "{:.2f}x"),
+        ("native_greedy_decode_ms_per_step", "{:.3f}"),
+        ("decode_floor_ms_per_step", "{:.3f}"),
+        ("decode_vs_floor", "{:.2f}x"),
+        ("native_greedy_prefill_ms", "{:.1f}"),
+        ("logp_abs_diff_max", "{:.2e}"),
+    ]
+    heads = [
+        "B",
+        "native tok/s",
+        "sample tok/s",
+        "HF dyn tok/s",
+        "HF static tok/s",
+        "vs static",
+        "decode ms/step",
+        "floor ms",
+        "vs floor",
+        "prefill ms",
+        "max|dlogp|",
+    ]
     rows = [heads] + [[fmt.format(r[k]) if r.get(k) is not None else "-" for k, fmt in cols] for r in report["rows"]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

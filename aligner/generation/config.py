@@ -35,8 +35,14 @@ def validate_generation(gen: GenerationConfig, model=None, prefix: str = "genera
             raise ConfigError(f"{prefix}.{key}", msg)
 
     check(gen.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {gen.backend!r}")
-    for key in ("max_batch_size", "max_prompt_length", "max_response_length", "kv_block", "prefill_max_tokens",
-                "check_done_every"):
+    for key in (
+        "max_batch_size",
+        "max_prompt_length",
+        "max_response_length",
+        "kv_block",
+        "prefill_max_tokens",
+        "check_done_every",
+    ):
         check(getattr(gen, key) >= 1, key, "must be >= 1")
     dtypes = ("auto", "float32", "bfloat16", "float16")
     check(gen.dtype in dtypes, "dtype", f"must be one of {dtypes}")
@@ -45,6 +51,9 @@ def validate_generation(gen: GenerationConfig, model=None, prefix: str = "genera
     check(gen.compile_elementwise in ("auto", "on", "off"), "compile_elementwise", "must be auto, on or off")
     if model is not None and model.arch == "gpt2":
         total = gen.max_prompt_length + gen.max_response_length
-        check(total <= model.max_position_embeddings, "max_response_length",
-              f"max_prompt_length + max_response_length = {total} exceeds model.max_position_embeddings="
-              f"{model.max_position_embeddings} (learned positions): shorten them")
+        check(
+            total <= model.max_position_embeddings,
+            "max_response_length",
+            f"max_prompt_length + max_response_length = {total} exceeds model.max_position_embeddings="
+            f"{model.max_position_embeddings} (learned positions): shorten them",
+        )

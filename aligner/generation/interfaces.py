@@ -74,17 +74,22 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling.top_p={self.top_p}: must be in (0, 1] (1.0 disables top-p)")
         if self.max_new_tokens is not None and not 1 <= self.max_new_tokens <= max_response_length:
-            raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}: must be in [1, {max_response_length}] "
-                             "(the engine's max_response_length; rebuild the engine for longer responses)")
+            raise ValueError(
+                f"sampling.max_new_tokens={self.max_new_tokens}: must be in [1, {max_response_length}] "
+                "(the engine's max_response_length; rebuild the engine for longer responses)"
+            )
         if self.min_new_tokens < 0:
             raise ValueError(f"sampling.min_new_tokens={self.min_new_tokens}: must be >= 0")
         for tok in self.end_token_ids() + [self.pad_token_id]:
             if not 0 <= tok < vocab_size:
-                raise ValueError(f"sampling: token id {tok} (EOS, stop or pad) is outside the vocabulary "
-                                 f"[0, {vocab_size})")
+                raise ValueError(
+                    f"sampling: token id {tok} (EOS, stop or pad) is outside the vocabulary [0, {vocab_size})"
+                )
         if self.seeds is not None and len(self.seeds) != batch_size:
-            raise ValueError(f"sampling.seeds has {len(self.seeds)} entries for a batch of {batch_size}: give one per "
-                             "sample, or a base `seed`")
+            raise ValueError(
+                f"sampling.seeds has {len(self.seeds)} entries for a batch of {batch_size}: give one per "
+                "sample, or a base `seed`"
+            )
 
 
 @dataclass
@@ -104,8 +109,9 @@ class GenerationOutput:
 
 @runtime_checkable
 class GenerationEngine(Protocol):
-    def generate(self, prompt_tokens_BT: torch.Tensor, prompt_lengths_B: torch.Tensor,
-                 sampling: SamplingParams) -> GenerationOutput: ...
+    def generate(
+        self, prompt_tokens_BT: torch.Tensor, prompt_lengths_B: torch.Tensor, sampling: SamplingParams
+    ) -> GenerationOutput: ...
 
     def refit(self, policy: torch.nn.Module) -> None: ...
 

@@ -17,8 +17,17 @@ from megatron.core.utils import divide
 
 
 class SDPAttention(MegatronModule):
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism")
@@ -31,8 +40,9 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np*hn]."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPAttention: packed sequences and attention bias are not supported")
@@ -42,7 +52,9 @@ class SDPAttention(MegatronModule):
         k_bhsd = key.permute(1, 2, 0, 3)
         v_bhsd = value.permute(1, 2, 0, 3)
         out_bhsd = F.scaled_dot_product_attention(
-            q_bhsd, k_bhsd, v_bhsd,
+            q_bhsd,
+            k_bhsd,
+            v_bhsd,
             is_causal=query.shape[0] > 1,  # one query over a cache needs no mask
             dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.softmax_scale,

@@ -82,8 +82,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(logits_BTv, targets_BT, tp_group=None, temperature: float = 1.0,
-                            vocab_size: int | None = None, with_entropy: bool = False):
+def vocab_parallel_logprobs(
+    logits_BTv,
+    targets_BT,
+    tp_group=None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    with_entropy: bool = False,
+):
     """Log-prob of `targets_BT` under softmax(logits / temperature) over the full (unpadded) vocabulary.
 
     logits_BTv: this TP rank's vocabulary slice (any float dtype; computed in float32).

@@ -17,8 +17,14 @@ import re
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "linear_fc1.weight", "linear_fc1.bias")
+_COLUMN = (
+    "embedding.word_embeddings.weight",
+    "output_layer.weight",
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "linear_fc1.weight",
+    "linear_fc1.bias",
+)
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -66,8 +72,17 @@ def _pad_vocab(name: str, tensor: torch.Tensor, padded_vocab: int | None) -> tor
     return torch.cat([tensor, tensor.new_zeros(padded_vocab - tensor.shape[0], *tensor.shape[1:])], 0)
 
 
-def shard_state_dict(full: dict, num_layers: int, gated: bool, tp_rank: int, tp: int, pp_rank: int = 0, pp: int = 1,
-                     tied: bool = False, padded_vocab: int | None = None) -> dict:
+def shard_state_dict(
+    full: dict,
+    num_layers: int,
+    gated: bool,
+    tp_rank: int,
+    tp: int,
+    pp_rank: int = 0,
+    pp: int = 1,
+    tied: bool = False,
+    padded_vocab: int | None = None,
+) -> dict:
     """The slice of `full` that rank (tp_rank, pp_rank) holds, with local layer numbers.
 
     `full` holds the unpadded vocabulary; with `padded_vocab` the embedding and output rows are zero-padded to
@@ -104,9 +119,17 @@ def load_full_state_dict(module: torch.nn.Module, full: dict, model_cfg, strict:
 
     tp = ps.get_tensor_model_parallel_world_size()
     tied = model_cfg.tie_embeddings
-    local = shard_state_dict(full, model_cfg.num_layers, model_cfg.arch == "llama", ps.get_tensor_model_parallel_rank(),
-                             tp, ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-                             tied, padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp))
+    local = shard_state_dict(
+        full,
+        model_cfg.num_layers,
+        model_cfg.arch == "llama",
+        ps.get_tensor_model_parallel_rank(),
+        tp,
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        tied,
+        padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, tp),
+    )
     own = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
     if tied and "output_layer.weight" not in own:
         local.pop("output_layer.weight", None)
@@ -139,8 +162,10 @@ def full_state_dict(module: torch.nn.Module, model_cfg, grads: bool = False) -> 
     layers = local_layer_range(model_cfg.num_layers, ps.get_pipeline_model_parallel_rank(), pp)
     local = {}
     if grads:
-        items = [(n, p.main_grad if getattr(p, "main_grad", None) is not None else p.grad)
-                 for n, p in module.named_parameters()]
+        items = [
+            (n, p.main_grad if getattr(p, "main_grad", None) is not None else p.grad)
+            for n, p in module.named_parameters()
+        ]
         items = [(n, g) for n, g in items if g is not None]
     else:
         items = list(module.state_dict().items())

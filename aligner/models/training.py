@@ -72,17 +72,25 @@ class TrainableModel:
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
             ocfg = OptimizerConfig(
-                optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-                adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-                clip_grad=cfg.clip_grad, bf16=self.config.bf16, fp16=self.config.fp16,
+                optimizer="adam",
+                lr=cfg.lr,
+                min_lr=cfg.min_lr,
+                weight_decay=cfg.weight_decay,
+                adam_beta1=cfg.adam_beta1,
+                adam_beta2=cfg.adam_beta2,
+                adam_eps=cfg.adam_eps,
+                clip_grad=cfg.clip_grad,
+                bf16=self.config.bf16,
+                fp16=self.config.fp16,
                 params_dtype=self.config.params_dtype,
                 use_distributed_optimizer=cfg.use_distributed_optimizer,
             )
             # aligner makes no gloo groups on GPU (initialize: NCCL only), so the optimizer must not ask for them.
             return get_megatron_optimizer(ocfg, self.model, use_gloo_process_groups=False)
         params = [p for p in self.model[0].parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                 weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        )
 
     @property
     def module(self):
@@ -108,8 +116,10 @@ class TrainableModel:
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             for mb in micro_batches:
                 if mb["tokens"].shape != shape:
-                    raise ValueError(f"under PP all micro-batches need one shape; got {tuple(mb['tokens'].shape)} "
-                                     f"and {tuple(shape)}: pad them to a common length first")
+                    raise ValueError(
+                        f"under PP all micro-batches need one shape; got {tuple(mb['tokens'].shape)} "
+                        f"and {tuple(shape)}: pad them to a common length first"
+                    )
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)

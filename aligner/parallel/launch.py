@@ -121,9 +121,14 @@ def initialize(
     import torch.distributed as dist
 
     if dist.is_initialized():
-        info = RankInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 0)),
-                        "preinitialized")
+        info = RankInfo(
+            dist.get_rank(),
+            dist.get_world_size(),
+            int(os.environ.get("LOCAL_RANK", 0)),
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ.get("MASTER_PORT", 0)),
+            "preinitialized",
+        )
     else:
         info = discover(master_addr=master_addr, master_port=master_port)
         chosen = pick_backend(backend)
@@ -144,8 +149,10 @@ def initialize(
             f"{tensor_parallel * pipeline_parallel} processes"
         )
     if parallel_state.model_parallel_is_initialized():
-        have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
         if have != (tensor_parallel, pipeline_parallel):
             raise RuntimeError(f"model parallel groups already exist with TP,PP={have}; cannot remake them")
     else:

@@ -26,8 +26,10 @@ class ResidentReference:
 class SwapReference:
     def __init__(self, model_cfg, policy_module):
         pin = torch.cuda.is_available()
-        self.host = {n: p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
-                     for n, p in policy_module.named_parameters()}
+        self.host = {
+            n: p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
+            for n, p in policy_module.named_parameters()
+        }
         self.saved = {n: torch.empty_like(t) for n, t in self.host.items()}
 
     @torch.no_grad()

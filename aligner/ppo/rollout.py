@@ -40,9 +40,16 @@ def response_mask(prompt_lengths_B: torch.Tensor, response_lengths_B: torch.Tens
     return ((idx_S >= start_B1) & (idx_S < end_B1)).float()
 
 
-def assemble(prompt_tokens_BP: torch.Tensor, prompt_lengths_B: torch.Tensor, response_tokens_BR: torch.Tensor,
-             response_lengths_B: torch.Tensor, logprobs_BR: torch.Tensor, ended_B: torch.Tensor, pad_id: int,
-             total_length: int) -> Rollout:
+def assemble(
+    prompt_tokens_BP: torch.Tensor,
+    prompt_lengths_B: torch.Tensor,
+    response_tokens_BR: torch.Tensor,
+    response_lengths_B: torch.Tensor,
+    logprobs_BR: torch.Tensor,
+    ended_B: torch.Tensor,
+    pad_id: int,
+    total_length: int,
+) -> Rollout:
     """Lay prompts and responses out as sequences of `total_length` tokens (>= every p_b + r_b)."""
     B = prompt_tokens_BP.shape[0]
     device = prompt_tokens_BP.device
@@ -54,11 +61,18 @@ def assemble(prompt_tokens_BP: torch.Tensor, prompt_lengths_B: torch.Tensor, res
     for b in range(B):
         p, r = int(prompt_lengths_B[b]), int(response_lengths_B[b])
         tokens_BT[b, :p] = prompt_tokens_BP[b, :p]
-        tokens_BT[b, p:p + r] = response_tokens_BR[b, :r]
-        engine_logp_BS[b, p - 1:p - 1 + r] = logprobs_BR[b, :r].float()
+        tokens_BT[b, p : p + r] = response_tokens_BR[b, :r]
+        engine_logp_BS[b, p - 1 : p - 1 + r] = logprobs_BR[b, :r].float()
     mask_BS = response_mask(prompt_lengths_B, response_lengths_B, total_length - 1)
-    return Rollout(tokens_BT, lengths_B, prompt_lengths_B.clone(), response_lengths_B.clone(), ended_B.bool(),
-                   engine_logp_BS, mask_BS)
+    return Rollout(
+        tokens_BT,
+        lengths_B,
+        prompt_lengths_B.clone(),
+        response_lengths_B.clone(),
+        ended_B.bool(),
+        engine_logp_BS,
+        mask_BS,
+    )
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -111,7 +125,7 @@ def minibatch_positions(n: int, groups: int, dp: int, dp_rank: int, seed: int | 
     mine = []
     for m in range(groups):
         lo = m * per_group + dp_rank * share
-        mine.extend(order[lo:lo + share])
+        mine.extend(order[lo : lo + share])
     return mine
 
 

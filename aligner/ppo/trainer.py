@@ -57,13 +57,21 @@ class PPOTrainer:
 
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
-                             f"{cfg.model.vocab_size}: they must match the checkpoint the policy was built from")
+            raise ValueError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
+                f"{cfg.model.vocab_size}: they must match the checkpoint the policy was built from"
+            )
         max_prompt = cfg.generation.max_prompt_length
-        self.train_data = PromptDataset(cfg.data.train_file, self.tokenizer, max_prompt, cfg.data.prompt_key,
-                                        cfg.data.label_key, cfg.data.add_bos)
-        self.val_data = (PromptDataset(cfg.data.val_file, self.tokenizer, max_prompt, cfg.data.prompt_key,
-                                       cfg.data.label_key, cfg.data.add_bos) if cfg.data.val_file else None)
+        self.train_data = PromptDataset(
+            cfg.data.train_file, self.tokenizer, max_prompt, cfg.data.prompt_key, cfg.data.label_key, cfg.data.add_bos
+        )
+        self.val_data = (
+            PromptDataset(
+                cfg.data.val_file, self.tokenizer, max_prompt, cfg.data.prompt_key, cfg.data.label_key, cfg.data.add_bos
+            )
+            if cfg.data.val_file
+            else None
+        )
         self.sampler = PromptSampler(len(self.train_data), cfg.data.seed, cfg.data.shuffle)
 
         self.policy = TrainableModel(cfg.model, cfg.optim, head="lm")
@@ -71,8 +79,7 @@ class PPOTrainer:
             self.policy.load_weights(cfg.model.checkpoint)
         self.reference = build_reference(cfg.reference.mode, cfg.model, self.policy.module)
         self.engine = build_engine(cfg.generation, cfg.model, self.policy.module)
-        self.kl_ctl = rl.make_kl_controller(cfg.ppo.kl.coef, cfg.ppo.kl.adaptive, cfg.ppo.kl.target,
-                                            cfg.ppo.kl.horizon)
+        self.kl_ctl = rl.make_kl_controller(cfg.ppo.kl.coef, cfg.ppo.kl.adaptive, cfg.ppo.kl.target, cfg.ppo.kl.horizon)
         self.step = 0
         self.critic = None
         if self.rank == 0:
@@ -82,8 +89,9 @@ class PPOTrainer:
             self.critic.wait_ready()
         self._resume()
         dist_ckpt.start_writer()  # not inside the first checkpoint (the critic saves at the same time)
-        self.writer = MetricsWriter(cfg.logging.exp_dir, enabled=self.rank == 0,
-                                    tensorboard=cfg.logging.tensorboard, resume_step=self.step)
+        self.writer = MetricsWriter(
+            cfg.logging.exp_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard, resume_step=self.step
+        )
 
     # -- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> str | None:
@@ -112,8 +120,11 @@ class PPOTrainer:
                 out_of_time = cfg.max_time is not None and time.monotonic() - start > cfg.max_time
                 if self._agree(self.stop_requested or out_of_time):
                     if self.rank == 0:
-                        log.warning("stopping at step %d (%s): checkpointing", self.step,
-                                    "SIGTERM" if self.stop_requested else "max_time")
+                        log.warning(
+                            "stopping at step %d (%s): checkpointing",
+                            self.step,
+                            "SIGTERM" if self.stop_requested else "max_time",
+                        )
                     self.save()
                     last_saved = self.step
                     break
@@ -162,17 +173,28 @@ class PPOTrainer:
         chunk = self.cfg.generation.max_batch_size
         parts = []
         for lo in range(0, len(prompts), chunk):
-            sub = prompts[lo:lo + chunk]
+            sub = prompts[lo : lo + chunk]
             tokens_BP, lengths_B = pad_prompts(sub, self.tokenizer.pad_id)
-            sampling = SamplingParams(**sampling_kw, eos_token_id=self.tokenizer.eos_id,
-                                      pad_token_id=self.tokenizer.pad_id,
-                                      seeds=sample_seeds(self.cfg.seed, step_seed, positions[lo:lo + chunk]))
+            sampling = SamplingParams(
+                **sampling_kw,
+                eos_token_id=self.tokenizer.eos_id,
+                pad_token_id=self.tokenizer.pad_id,
+                seeds=sample_seeds(self.cfg.seed, step_seed, positions[lo : lo + chunk]),
+            )
             out = self.engine.generate(tokens_BP.to(self.device), lengths_B.to(self.device), sampling)
             total = int((lengths_B.to(self.device) + out.response_lengths_B).max())
-            part = assemble(tokens_BP.to(self.device), lengths_B.to(self.device), out.response_tokens_BR,
-                            out.response_lengths_B, out.logprobs_BR, out.ended_B, self.tokenizer.pad_id, total)
+            part = assemble(
+                tokens_BP.to(self.device),
+                lengths_B.to(self.device),
+                out.response_tokens_BR,
+                out.response_lengths_B,
+                out.logprobs_BR,
+                out.ended_B,
+                self.tokenizer.pad_id,
+                total,
+            )
             part.labels = [p.label for p in sub]
-            part.positions = list(positions[lo:lo + chunk])
+            part.positions = list(positions[lo : lo + chunk])
             parts.append(part)
         rollout = concat(parts, self.tokenizer.pad_id)
         # One sequence length across DP ranks: the critic gets one [B, T] batch and shapes stay static.
@@ -182,15 +204,22 @@ class PPOTrainer:
 
     def _sampling_kw(self, greedy: bool | None = None) -> dict:
         s = self.cfg.sampling
-        return dict(greedy=s.greedy if greedy is None else greedy, temperature=s.temperature, top_k=s.top_k,
-                    top_p=s.top_p, min_new_tokens=s.min_new_tokens, max_new_tokens=s.max_new_tokens,
-                    ignore_eos=s.ignore_eos)
+        return dict(
+            greedy=s.greedy if greedy is None else greedy,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            min_new_tokens=s.min_new_tokens,
+            max_new_tokens=s.max_new_tokens,
+            ignore_eos=s.ignore_eos,
+        )
 
     def generate_rollouts(self) -> Rollout:
         """Sample one response per prompt of this DP rank's share of the step's prompts (engine = last refit)."""
         global_indices = self.sampler.next_batch(self.cfg.ppo.rollout_batch_size)
-        positions = self._my_positions(len(global_indices), self.cfg.ppo.num_mini_batches,
-                                       self.cfg.seed * 7 + self.step)
+        positions = self._my_positions(
+            len(global_indices), self.cfg.ppo.num_mini_batches, self.cfg.seed * 7 + self.step
+        )
         prompts = [self.train_data.items[global_indices[p]] for p in positions]
         return self._generate(prompts, positions, self._sampling_kw(), self.step)
 
@@ -214,12 +243,17 @@ class PPOTrainer:
     def request_values(self, rollout: Rollout):
         """Send the whole batch to critic_infer from rank 0 (non-blocking); returns a future on rank 0."""
         tokens, lengths, prompt_lengths, labels = self._gather_dp(
-            rollout, rollout.tokens_BT.cpu().numpy(), rollout.lengths_B.cpu().numpy(),
-            rollout.prompt_lengths_B.cpu().numpy(), list(rollout.labels))
+            rollout,
+            rollout.tokens_BT.cpu().numpy(),
+            rollout.lengths_B.cpu().numpy(),
+            rollout.prompt_lengths_B.cpu().numpy(),
+            list(rollout.labels),
+        )
         if self.rank != 0:
             return None
-        return self.critic.infer_async(tokens, lengths, prompt_lengths,
-                                       labels=labels if any(x is not None for x in labels) else None)
+        return self.critic.infer_async(
+            tokens, lengths, prompt_lengths, labels=labels if any(x is not None for x in labels) else None
+        )
 
     def receive_values(self, future, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's values [B, T] and scores [B] from the critic's answer (broadcast from rank 0)."""
@@ -236,21 +270,27 @@ class PPOTrainer:
         mine = torch.tensor(rollout.positions, device=values.device)
         return values[mine], scores[mine]
 
-    def _micro_batches(self, rollout: Rollout, rows: list[int] | None = None, size: int | None = None,
-                       **per_token) -> list[dict]:
+    def _micro_batches(
+        self, rollout: Rollout, rows: list[int] | None = None, size: int | None = None, **per_token
+    ) -> list[dict]:
         rows = list(range(rollout.batch_size)) if rows is None else rows
         mbs = size or self.cfg.ppo.micro_batch_size
         out = []
         for lo in range(0, len(rows), mbs):
-            idx = torch.tensor(rows[lo:lo + mbs], device=rollout.tokens_BT.device)
+            idx = torch.tensor(rows[lo : lo + mbs], device=rollout.tokens_BT.device)
             mb = {"tokens": rollout.tokens_BT[idx], "mask": rollout.mask_BS[idx], "ended": rollout.ended_B[idx]}
             mb.update({k: v[idx] for k, v in per_token.items()})
             out.append(mb)
         return out
 
     def _logprobs_fn(self, batch, logits_BTV):
-        return vocab_parallel_logprobs(logits_BTV[:, :-1], batch["tokens"][:, 1:], self.tp_group,
-                                       temperature=self._temperature, vocab_size=self.cfg.model.vocab_size)
+        return vocab_parallel_logprobs(
+            logits_BTV[:, :-1],
+            batch["tokens"][:, 1:],
+            self.tp_group,
+            temperature=self._temperature,
+            vocab_size=self.cfg.model.vocab_size,
+        )
 
     @property
     def _temperature(self) -> float:
@@ -287,26 +327,47 @@ class PPOTrainer:
         k1_BS = logp_BS - ref_logp_BS
         diff_BS = (rollout.engine_logp_BS - logp_BS).abs()
         ratio_err_BS = (torch.exp(logp_BS - rollout.engine_logp_BS) - 1).abs()
-        sums = torch.stack([
-            (k1_BS * mask).sum(), (rl.kl_estimate(logp_BS, ref_logp_BS, "k3") * mask).sum(), mask.sum(),
-            scores_B.sum(), (scores_B ** 2).sum(), torch.tensor(float(len(scores_B)), device=mask.device),
-            rollout.response_lengths_B.float().sum(), rollout.ended_B.float().sum(), (diff_BS * mask).sum(),
-            (ratio_err_BS * mask).sum(), (rewards_BS * mask).sum(), (values_BS * mask).sum(),
-        ]).double()
+        sums = torch.stack(
+            [
+                (k1_BS * mask).sum(),
+                (rl.kl_estimate(logp_BS, ref_logp_BS, "k3") * mask).sum(),
+                mask.sum(),
+                scores_B.sum(),
+                (scores_B**2).sum(),
+                torch.tensor(float(len(scores_B)), device=mask.device),
+                rollout.response_lengths_B.float().sum(),
+                rollout.ended_B.float().sum(),
+                (diff_BS * mask).sum(),
+                (ratio_err_BS * mask).sum(),
+                (rewards_BS * mask).sum(),
+                (values_BS * mask).sum(),
+            ]
+        ).double()
         dist.all_reduce(sums, group=self.dp_group)
         (kl, kl3, tokens, s, s2, n, resp_len, ended, diff, ratio_err, rew, val) = sums.tolist()
         mismatch_max = (diff_BS * mask).amax().reshape(1)
         dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX, group=self.dp_group)
         metrics = {
-            "rollout/reward_mean": s / n, "rollout/reward_std": math.sqrt(max(0.0, s2 / n - (s / n) ** 2)),
-            "rollout/response_length_mean": resp_len / n, "rollout/ended_fraction": ended / n,
-            "rollout/tokens": tokens, "rollout/token_reward_mean": rew / tokens, "rollout/value_mean": val / tokens,
-            "ppo/kl": kl / tokens, "ppo/kl_k3": kl3 / tokens, "ppo/kl_coef": self.kl_ctl.value,
-            "ppo/logprob_mismatch": diff / tokens, "ppo/logprob_mismatch_max": float(mismatch_max),
+            "rollout/reward_mean": s / n,
+            "rollout/reward_std": math.sqrt(max(0.0, s2 / n - (s / n) ** 2)),
+            "rollout/response_length_mean": resp_len / n,
+            "rollout/ended_fraction": ended / n,
+            "rollout/tokens": tokens,
+            "rollout/token_reward_mean": rew / tokens,
+            "rollout/value_mean": val / tokens,
+            "ppo/kl": kl / tokens,
+            "ppo/kl_k3": kl3 / tokens,
+            "ppo/kl_coef": self.kl_ctl.value,
+            "ppo/logprob_mismatch": diff / tokens,
+            "ppo/logprob_mismatch_max": float(mismatch_max),
             "ppo/ratio_error": ratio_err / tokens,
         }
-        batch = {"old_logp": logp_BS.detach(), "advantages": advantages_BS.detach(), "returns": returns_BS.detach(),
-                 "values": values_BS.detach()}
+        batch = {
+            "old_logp": logp_BS.detach(),
+            "advantages": advantages_BS.detach(),
+            "returns": returns_BS.detach(),
+            "values": values_BS.detach(),
+        }
         return batch, metrics
 
     def request_critic_train(self, rollout: Rollout, batch: dict):
@@ -315,8 +376,14 @@ class PPOTrainer:
         def full_grid(x_BS):  # the critic's [B, T] grid: the shifted grid plus an empty last position
             return torch.nn.functional.pad(x_BS.float(), (0, 1)).cpu().numpy()
 
-        gathered = self._gather_dp(rollout, rollout.tokens_BT.cpu().numpy(), rollout.lengths_B.cpu().numpy(),
-                                   full_grid(batch["returns"]), full_grid(batch["values"]), full_grid(rollout.mask_BS))
+        gathered = self._gather_dp(
+            rollout,
+            rollout.tokens_BT.cpu().numpy(),
+            rollout.lengths_B.cpu().numpy(),
+            full_grid(batch["returns"]),
+            full_grid(batch["values"]),
+            full_grid(rollout.mask_BS),
+        )
         if self.rank != 0:
             return None
         return self.critic.train_async(*gathered)
@@ -330,8 +397,12 @@ class PPOTrainer:
         out = out.to(self.device)
         dist.broadcast(out, src=0)
         vals = out.tolist()
-        return {"critic/value_loss": vals[0], "critic/explained_var": vals[1], "critic/value_clipfrac": vals[2],
-                "critic/grad_norm": vals[3]}
+        return {
+            "critic/value_loss": vals[0],
+            "critic/explained_var": vals[1],
+            "critic/value_clipfrac": vals[2],
+            "critic/grad_norm": vals[3],
+        }
 
     def update_policy(self, rollout: Rollout, batch: dict) -> dict:
         """ppo.epochs passes of ppo.num_mini_batches optimizer steps over this step's rollouts."""
@@ -344,19 +415,34 @@ class PPOTrainer:
             # Epoch 0 keeps the global mini-batches laid out by _my_positions; later epochs reshuffle locally.
             order = list(range(B)) if epoch == 0 else torch.randperm(B, generator=g).tolist()
             for m in range(cfg.num_mini_batches):
-                rows = order[m * per_mini:(m + 1) * per_mini]
+                rows = order[m * per_mini : (m + 1) * per_mini]
                 micro = self._micro_batches(rollout, rows, **batch)
                 keep = [rl.policy_loss_mask(mb["mask"], mb["ended"], cfg.zero_unended) for mb in micro]
                 num_tokens = max(1, rl.global_token_count(keep, group=self.dp_group))
 
                 def loss_fn(mb, logits_BTV, num_tokens=num_tokens):
                     logp, entropy = vocab_parallel_logprobs(
-                        logits_BTV[:, :-1], mb["tokens"][:, 1:], self.tp_group, temperature=self._temperature,
-                        vocab_size=self.cfg.model.vocab_size, with_entropy=True)
+                        logits_BTV[:, :-1],
+                        mb["tokens"][:, 1:],
+                        self.tp_group,
+                        temperature=self._temperature,
+                        vocab_size=self.cfg.model.vocab_size,
+                        with_entropy=True,
+                    )
                     loss, st = rl.policy_loss(
-                        logp, mb["old_logp"], mb["advantages"], mb["mask"], num_tokens, clip_eps=cfg.clip_eps,
-                        clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, entropy_BT=entropy,
-                        entropy_coef=cfg.entropy_coef, ended_B=mb["ended"], zero_unended=cfg.zero_unended)
+                        logp,
+                        mb["old_logp"],
+                        mb["advantages"],
+                        mb["mask"],
+                        num_tokens,
+                        clip_eps=cfg.clip_eps,
+                        clip_eps_high=cfg.clip_eps_high,
+                        dual_clip=cfg.dual_clip,
+                        entropy_BT=entropy,
+                        entropy_coef=cfg.entropy_coef,
+                        ended_B=mb["ended"],
+                        zero_unended=cfg.zero_unended,
+                    )
                     stats.append(st)
                     return loss, {}
 
@@ -364,14 +450,21 @@ class PPOTrainer:
         keys = ("pg_loss", "clipfrac", "entropy", "approx_kl", "ratio", "ratio_max")
         reduced = rl.reduce_stats(stats, group=self.dp_group)  # loss statistics: last pipeline stage only
         if self.pp > 1:
-            vals = torch.tensor([reduced[k] if self.last_stage else 0.0 for k in keys], dtype=torch.float64,
-                                device=self.device)
+            vals = torch.tensor(
+                [reduced[k] if self.last_stage else 0.0 for k in keys], dtype=torch.float64, device=self.device
+            )
             self._from_last_stage(vals)
             reduced = dict(zip(keys, vals.tolist(), strict=True))
-        return {"ppo/policy_loss": reduced["pg_loss"], "ppo/clipfrac": reduced["clipfrac"],
-                "ppo/entropy": reduced["entropy"], "ppo/approx_kl": reduced["approx_kl"],
-                "ppo/ratio_mean": reduced["ratio"], "ppo/ratio_max": reduced["ratio_max"],
-                "ppo/grad_norm": float(np.mean(grad_norms)), "ppo/lr": self.policy.optimizer.param_groups[0]["lr"]}
+        return {
+            "ppo/policy_loss": reduced["pg_loss"],
+            "ppo/clipfrac": reduced["clipfrac"],
+            "ppo/entropy": reduced["entropy"],
+            "ppo/approx_kl": reduced["approx_kl"],
+            "ppo/ratio_mean": reduced["ratio"],
+            "ppo/ratio_max": reduced["ratio_max"],
+            "ppo/grad_norm": float(np.mean(grad_norms)),
+            "ppo/lr": self.policy.optimizer.param_groups[0]["lr"],
+        }
 
     def dump_samples(self, rollout: Rollout, scores_B: torch.Tensor) -> None:
         if self.rank != 0:
@@ -380,8 +473,14 @@ class PPOTrainer:
         for b in range(min(self.cfg.logging.num_samples, rollout.batch_size)):
             p, n = int(rollout.prompt_lengths_B[b]), int(rollout.lengths_B[b])
             ids = rollout.tokens_BT[b].tolist()
-            rows.append({"prompt": self.tokenizer.decode(ids[:p]), "response": self.tokenizer.decode(ids[p:n]),
-                         "reward": float(scores_B[b]), "ended": bool(rollout.ended_B[b])})
+            rows.append(
+                {
+                    "prompt": self.tokenizer.decode(ids[:p]),
+                    "response": self.tokenizer.decode(ids[p:n]),
+                    "reward": float(scores_B[b]),
+                    "ended": bool(rollout.ended_B[b]),
+                }
+            )
         self.writer.samples(self.step, rows)
 
     def validate(self) -> dict:
@@ -394,24 +493,40 @@ class PPOTrainer:
         sampling = self._sampling_kw(self.cfg.validation.greedy)
         rollout = self._generate([items[i] for i in positions], positions, sampling, 10_000_000 + self.step)
         _, scores = self.receive_values(self.request_values(rollout), rollout)
-        sums = torch.stack([scores.sum(), rollout.response_lengths_B.float().sum().to(scores.device),
-                            rollout.ended_B.float().sum().to(scores.device)]).double()
+        sums = torch.stack(
+            [
+                scores.sum(),
+                rollout.response_lengths_B.float().sum().to(scores.device),
+                rollout.ended_B.float().sum().to(scores.device),
+            ]
+        ).double()
         dist.all_reduce(sums, group=self.dp_group)
         s, length, ended = sums.tolist()
         return {"val/reward_mean": s / n, "val/response_length_mean": length / n, "val/ended_fraction": ended / n}
 
     # -- checkpoints and signals ----------------------------------------------------------------------------
     def trainer_state(self) -> dict:
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_controller": self.kl_ctl.state_dict(),
-                "optimizer_steps": self.policy.steps_taken}
+        return {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "kl_controller": self.kl_ctl.state_dict(),
+            "optimizer_steps": self.policy.steps_taken,
+        }
 
     def save(self) -> None:
         cfg = self.cfg.checkpoint
         critic_future = None
         if self.rank == 0 and cfg.save_critic:
             critic_future = self.critic.save_async(self.step)
-        path = dist_ckpt.save(self.cfg.checkpoint_dir, self.step, [self.policy.module], self.policy.optimizer,
-                              self.trainer_state(), keep=cfg.keep, model_cfg=self.cfg.model)
+        path = dist_ckpt.save(
+            self.cfg.checkpoint_dir,
+            self.step,
+            [self.policy.module],
+            self.policy.optimizer,
+            self.trainer_state(),
+            keep=cfg.keep,
+            model_cfg=self.cfg.model,
+        )
         if critic_future is not None:
             critic_future.result()
         if self.rank == 0:

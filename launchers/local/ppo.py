@@ -39,19 +39,34 @@ def mpiexec_path() -> str:
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     found = here if os.path.exists(here) else shutil.which("mpiexec")
     if found is None:
-        raise SystemExit("--launcher mpiexec: no mpiexec found; pip install -e '.[mpi]' (the mpich wheel) or load "
-                         "an MPI module")
+        raise SystemExit(
+            "--launcher mpiexec: no mpiexec found; pip install -e '.[mpi]' (the mpich wheel) or load an MPI module"
+        )
     return found
 
 
 def command(script: str, procs: int, config: str, overrides: list[str], launcher: str = "torchrun") -> list[str]:
     if procs > 1 and launcher == "mpiexec":
         # `env` gives this job its own rendezvous port without touching the other job's environment.
-        head = ["env", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={free_port_range(1)}", mpiexec_path(), "-n", str(procs),
-                sys.executable]
+        head = [
+            "env",
+            "MASTER_ADDR=127.0.0.1",
+            f"MASTER_PORT={free_port_range(1)}",
+            mpiexec_path(),
+            "-n",
+            str(procs),
+            sys.executable,
+        ]
     elif procs > 1:
-        head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
-                "--master-port", str(free_port_range(1))]
+        head = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(procs),
+            "--master-port",
+            str(free_port_range(1)),
+        ]
     else:
         head = [sys.executable]
     return head + [os.path.join(ROOT, "scripts", script), "--config-name", config] + overrides
@@ -112,8 +127,12 @@ def main(argv=None) -> int:
     p.add_argument("--critic-config", default="ppo_critic_demo")
     p.add_argument("--actor-procs", type=int, default=1)
     p.add_argument("--critic-procs", type=int, default=1)
-    p.add_argument("--launcher", choices=["torchrun", "mpiexec"], default="torchrun",
-                   help="how jobs of more than one process are started")
+    p.add_argument(
+        "--launcher",
+        choices=["torchrun", "mpiexec"],
+        default="torchrun",
+        help="how jobs of more than one process are started",
+    )
     p.add_argument("--actor-gpus", default=None, metavar="LIST", help="GPU indices for the actor job, e.g. 0,1")
     p.add_argument("--critic-gpus", default=None, metavar="LIST", help="GPU indices for the critic job, e.g. 2")
     p.add_argument("--exp-dir", default=os.path.join("results", "demo"))
@@ -128,7 +147,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     shared = set(actor_gpus.get("CUDA_VISIBLE_DEVICES", "").split(",")) & set(
-        critic_gpus.get("CUDA_VISIBLE_DEVICES", "").split(",")) - {""}
+        critic_gpus.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    ) - {""}
     if shared:
         print(f"[ppo] note: the actor and critic jobs share GPU(s) {sorted(shared)}", flush=True)
 
@@ -136,11 +156,26 @@ def main(argv=None) -> int:
     os.makedirs(exp, exist_ok=True)
     port = args.port or free_port_range(3)
     url = f"http://127.0.0.1:{port}"
-    critic_cmd = command("serve_ppo_critic.py", args.critic_procs, args.critic_config, [
-        f"server.port={port}", "server.host=127.0.0.1", f"exp_dir={exp}/critic", "checkpoint.resume=true",
-        *args.critic], args.launcher)
-    actor_cmd = command("train_ppo_actor.py", args.actor_procs, args.actor_config, [
-        f"critic.port={port}", "critic.host=127.0.0.1", f"logging.exp_dir={exp}/actor", *args.actor], args.launcher)
+    critic_cmd = command(
+        "serve_ppo_critic.py",
+        args.critic_procs,
+        args.critic_config,
+        [
+            f"server.port={port}",
+            "server.host=127.0.0.1",
+            f"exp_dir={exp}/critic",
+            "checkpoint.resume=true",
+            *args.critic,
+        ],
+        args.launcher,
+    )
+    actor_cmd = command(
+        "train_ppo_actor.py",
+        args.actor_procs,
+        args.actor_config,
+        [f"critic.port={port}", "critic.host=127.0.0.1", f"logging.exp_dir={exp}/actor", *args.actor],
+        args.launcher,
+    )
     critic_log = os.path.join(exp, "critic.log")
     critic = actor = None
     interrupted = []
@@ -156,8 +191,14 @@ def main(argv=None) -> int:
     try:
         print(f"[ppo] critic job: {' '.join(critic_cmd)}\n[ppo] critic log: {critic_log}", flush=True)
         with open(critic_log, "ab") as logf:
-            critic = subprocess.Popen(critic_cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                                      env={**env, **critic_gpus}, start_new_session=True)
+            critic = subprocess.Popen(
+                critic_cmd,
+                cwd=ROOT,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env={**env, **critic_gpus},
+                start_new_session=True,
+            )
         try:
             wait_ready(url, critic, args.ready_timeout)
         except RuntimeError as exc:
@@ -168,8 +209,11 @@ def main(argv=None) -> int:
         actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True)
         while actor.poll() is None:
             if critic.poll() is not None:
-                print(f"[ppo] the critic job died (status {critic.returncode}); stopping the actor\n"
-                      f"--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
+                print(
+                    f"[ppo] the critic job died (status {critic.returncode}); stopping the actor\n"
+                    f"--- last lines of {critic_log} ---\n{tail(critic_log)}",
+                    file=sys.stderr,
+                )
                 stop(actor)
                 return critic.returncode or 1
             time.sleep(0.5)

@@ -103,18 +103,29 @@ def main(argv=None) -> int:
         if url is not None and answers(url):
             break
         if args.pid is not None and not pid_alive(args.pid):
-            print(f"wait_critic: the critic job step ended before it answered at {url}\n{tail(args.log)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"wait_critic: the critic job step ended before it answered at {url}\n{tail(args.log)}",
+                file=sys.stderr,
+                flush=True,
+            )
             return DEAD
         if args.job_id is not None and not job_alive(args.job_id):
-            print(f"wait_critic: critic job {args.job_id} ended before it answered"
-                  f"{' at ' + url if url else ''}\n{tail(args.log)}", file=sys.stderr, flush=True)
+            print(
+                f"wait_critic: critic job {args.job_id} ended before it answered"
+                f"{' at ' + url if url else ''}\n{tail(args.log)}",
+                file=sys.stderr,
+                flush=True,
+            )
             return DEAD
         if time.monotonic() - start > args.timeout:
             what = url or f"the address in {args.address_file} (not written by the critic job yet)"
-            print(f"wait_critic: the critic did not answer at {what} within {args.timeout:.0f} s. It may still be "
-                  f"loading (raise the wait with CRITIC_READY_TIMEOUT=seconds) or be stuck: check its log.\n"
-                  f"{tail(args.log)}", file=sys.stderr, flush=True)
+            print(
+                f"wait_critic: the critic did not answer at {what} within {args.timeout:.0f} s. It may still be "
+                f"loading (raise the wait with CRITIC_READY_TIMEOUT=seconds) or be stuck: check its log.\n"
+                f"{tail(args.log)}",
+                file=sys.stderr,
+                flush=True,
+            )
             return TIMEOUT
         time.sleep(args.interval)
     if args.resolved:

@@ -87,8 +87,11 @@ def _tp2(rank, world_size, root):
         cfg_dir = f"{root}/tp2_{kind}"
         from aligner.checkpoint.convert import load_model_yaml
 
-        trained = TrainableModel(load_model_yaml(f"{cfg_dir}/model.yaml"), OptimConfig(lr=0.05, clip_grad=0.0),
-                                 head="scalar" if reward else "lm")
+        trained = TrainableModel(
+            load_model_yaml(f"{cfg_dir}/model.yaml"),
+            OptimConfig(lr=0.05, clip_grad=0.0),
+            head="scalar" if reward else "lm",
+        )
         dist_ckpt.load_model_weights(cfg_dir, [trained.module])
         before = _gathered_outputs(trained.module, reward)
         trained.step([{"tokens": TOKENS_BT}], loss)
@@ -111,8 +114,12 @@ def _export(rank, world_size, root):
     convert_dist_to_hf(f"{root}/run_llama/step_000001", f"{root}/back_trained_llama", model_config=f"{root}/tp2_llama")
     with pytest.raises(Exception, match="--drop-score-bias"):
         convert_dist_to_hf(f"{root}/run_llama_reward/step_000001", f"{root}/x", model_config=f"{root}/tp2_llama_reward")
-    convert_dist_to_hf(f"{root}/run_llama_reward/step_000001", f"{root}/back_trained_llama_reward",
-                       model_config=f"{root}/tp2_llama_reward", drop_score_bias=True)
+    convert_dist_to_hf(
+        f"{root}/run_llama_reward/step_000001",
+        f"{root}/back_trained_llama_reward",
+        model_config=f"{root}/tp2_llama_reward",
+        drop_score_bias=True,
+    )
 
 
 def test_convert_across_layouts_and_export_trained(tmp_path):
@@ -125,8 +132,13 @@ def test_convert_across_layouts_and_export_trained(tmp_path):
     results = run_ranks(_tp2, 2, root, timeout=600)[0]
     for kind in KINDS:
         for written in ("tp2", "pp2"):
-            torch.testing.assert_close(results[(written, kind)], expected[kind], rtol=0, atol=1e-4,
-                                       msg=f"{kind} written at {written}, loaded at TP=2")
+            torch.testing.assert_close(
+                results[(written, kind)],
+                expected[kind],
+                rtol=0,
+                atol=1e-4,
+                msg=f"{kind} written at {written}, loaded at TP=2",
+            )
     run_ranks(_export, 1, root)
     for kind in KINDS:
         original = hf_tensors(f"{root}/hf_{kind}")
@@ -139,8 +151,9 @@ def test_convert_across_layouts_and_export_trained(tmp_path):
     policy = AutoModelForCausalLM.from_pretrained(f"{root}/back_trained_llama", attn_implementation="eager").eval()
     torch.testing.assert_close(hf_outputs(policy), results[("trained", "llama")], rtol=0, atol=1e-4)
     assert (hf_outputs(policy) - expected["llama"]).abs().max() > 1e-3
-    reward = AutoModelForSequenceClassification.from_pretrained(f"{root}/back_trained_llama_reward",
-                                                                attn_implementation="eager").eval()
+    reward = AutoModelForSequenceClassification.from_pretrained(
+        f"{root}/back_trained_llama_reward", attn_implementation="eager"
+    ).eval()
     bias = results["trained_bias"]
     assert bias != 0.0
     # HF's score layer has no bias: with --drop-score-bias every HF score is ours minus the trained bias.

@@ -42,18 +42,31 @@ def test_tp2_job_matches_one_rank_and_stops_on_sigterm(tmp_path):
     (tmp_path / "critic_tp2.yaml").write_text(
         f"model:\n{model_yaml(checkpoint=critic_ckpt)}reward_model:\n{model_yaml(checkpoint=rm_ckpt)}"
         "optim:\n  lr: 1.0e-3\ntrain:\n  global_batch_size: 4\n  micro_batch_size: 2\n"
-        f"server:\n  port: {port}\n  heartbeat_s: 1.0\nexp_dir: {tmp_path / 'exp'}\n")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(free_ports(1))]
-    server = ServerProcess(["--config-path", str(tmp_path), "--config-name", "critic_tp2",
-                            "parallel.tensor_model_parallel_size=2"], launcher=launcher)
+        f"server:\n  port: {port}\n  heartbeat_s: 1.0\nexp_dir: {tmp_path / 'exp'}\n"
+    )
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_ports(1)),
+    ]
+    server = ServerProcess(
+        ["--config-path", str(tmp_path), "--config-name", "critic_tp2", "parallel.tensor_model_parallel_size=2"],
+        launcher=launcher,
+    )
     try:
         url = server.wait_ready(180)
         assert "2 rank(s): TP 2, PP 1, DP 1" in server.output
 
         # The one-rank reference: the same config at TP=1, in this process.
-        cfg = CriticJobConfig(model=tiny_model(checkpoint=critic_ckpt), reward_model=tiny_model(checkpoint=rm_ckpt),
-                              exp_dir=str(tmp_path / "ref"))
+        cfg = CriticJobConfig(
+            model=tiny_model(checkpoint=critic_ckpt),
+            reward_model=tiny_model(checkpoint=rm_ckpt),
+            exp_dir=str(tmp_path / "ref"),
+        )
         cfg.optim.lr, cfg.train.global_batch_size, cfg.train.micro_batch_size = 1e-3, 4, 2
         reference = CriticService(cfg)
 

@@ -15,8 +15,13 @@ from aligner.config.critic import CriticJobConfig
 
 
 def _config(critic_ckpt, rm_ckpt, exp_dir, tp=1, pp=1) -> CriticJobConfig:
-    cfg = CriticJobConfig(model=tiny_model(checkpoint=critic_ckpt), reward_model=tiny_model(checkpoint=rm_ckpt),
-                          reward_mean=0.25, reward_std=1.5, exp_dir=exp_dir)
+    cfg = CriticJobConfig(
+        model=tiny_model(checkpoint=critic_ckpt),
+        reward_model=tiny_model(checkpoint=rm_ckpt),
+        reward_mean=0.25,
+        reward_std=1.5,
+        exp_dir=exp_dir,
+    )
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.pipeline_model_parallel_size = pp
     cfg.optim.lr = 1e-3

@@ -12,12 +12,25 @@ from aligner.config.schema import ModelConfig, OptimConfig
 from aligner.generation import GenerationConfig, SamplingParams, build_engine
 
 V = 250
-LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                    ffn_hidden_size=96, vocab_size=V)
-GPT2 = ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=V,
-                   tie_embeddings=True, max_position_embeddings=64)
-GEN = GenerationConfig(max_batch_size=4, max_prompt_length=8, max_response_length=10, kv_block=4,
-                       check_done_every=4)
+LLAMA = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=V,
+)
+GPT2 = ModelConfig(
+    arch="gpt2",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=V,
+    tie_embeddings=True,
+    max_position_embeddings=64,
+)
+GEN = GenerationConfig(max_batch_size=4, max_prompt_length=8, max_response_length=10, kv_block=4, check_done_every=4)
 PROMPTS = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(7))
 LENGTHS = torch.tensor([2, 8, 5])
 
@@ -58,8 +71,7 @@ def _tp2_body(rank, world_size):
         torch.testing.assert_close(out.logprobs_BR, ref, rtol=0, atol=2e-5)
         sampled = engine.generate(PROMPTS, LENGTHS, SamplingParams(temperature=0.8, top_p=0.95, seeds=[1, 2, 3]))
         assert (sampled.response_tokens_BR < V).all()
-        ref = training_logprobs(model, PROMPTS, LENGTHS, sampled.response_tokens_BR, sampled.response_lengths_B,
-                                0.8, V)
+        ref = training_logprobs(model, PROMPTS, LENGTHS, sampled.response_tokens_BR, sampled.response_lengths_B, 0.8, V)
         torch.testing.assert_close(sampled.logprobs_BR, ref, rtol=0, atol=2e-5)
         unseeded = engine.generate(PROMPTS, LENGTHS, SamplingParams())  # base seed drawn, then shared by TP rank 0
         seen[name] = [_responses(out), _responses(sampled), _responses(unseeded)]
@@ -78,8 +90,9 @@ def _tp2_body(rank, world_size):
     assert engine.buffer_data_ptrs() == ptrs
     after = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
     assert _responses(after) == reference_greedy(trainable.module, PROMPTS, LENGTHS, 10, V)
-    ref = training_logprobs(trainable.module, PROMPTS, LENGTHS, after.response_tokens_BR, after.response_lengths_B,
-                            1.0, V)
+    ref = training_logprobs(
+        trainable.module, PROMPTS, LENGTHS, after.response_tokens_BR, after.response_lengths_B, 1.0, V
+    )
     torch.testing.assert_close(after.logprobs_BR, ref, rtol=0, atol=2e-5)
     assert (after.logprobs_BR - before.logprobs_BR).abs().max() > 1e-3, "the step must have changed the policy"
     seen["refit"] = _responses(after)
@@ -93,10 +106,24 @@ def test_tp2_greedy_logprobs_refit_and_rank_agreement():
 
 # -- PP=2: every rank of the pipeline group holds all layers (gathered at build and refit) and generates ----------
 
-LLAMA4 = ModelConfig(arch="llama", num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                     ffn_hidden_size=96, vocab_size=V)
-GPT2_4 = ModelConfig(arch="gpt2", num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=V,
-                     tie_embeddings=True, max_position_embeddings=64)
+LLAMA4 = ModelConfig(
+    arch="llama",
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=V,
+)
+GPT2_4 = ModelConfig(
+    arch="gpt2",
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=V,
+    tie_embeddings=True,
+    max_position_embeddings=64,
+)
 
 
 def _pp_body(rank, world_size, pp):
@@ -122,10 +149,14 @@ def _pp_body(rank, world_size, pp):
         trainable.module.eval()
         engine.refit(trainable.module)
         after = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
-        seen[name] = {"tokens": [_responses(o) for o in (greedy, sampled, after)], "unseeded": _responses(unseeded),
-                      "logp": [o.logprobs_BR for o in (greedy, sampled, after)],
-                      "same_ptrs": engine.buffer_data_ptrs() == ptrs, "layers": engine.weights.num_layers,
-                      "changed": float((after.logprobs_BR - greedy.logprobs_BR).abs().max())}
+        seen[name] = {
+            "tokens": [_responses(o) for o in (greedy, sampled, after)],
+            "unseeded": _responses(unseeded),
+            "logp": [o.logprobs_BR for o in (greedy, sampled, after)],
+            "same_ptrs": engine.buffer_data_ptrs() == ptrs,
+            "layers": engine.weights.num_layers,
+            "changed": float((after.logprobs_BR - greedy.logprobs_BR).abs().max()),
+        }
     seen["rank"] = dist.get_rank()
     return seen
 

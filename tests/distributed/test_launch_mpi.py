@@ -33,11 +33,14 @@ def _mpiexec():
 def test_mpiexec_two_ranks():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["MASTER_PORT"] = str(free_port())
-    proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", PROGRAM], env=env, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [_mpiexec(), "-n", "2", sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = sorted((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")),
-                  key=lambda r: r["rank"])
+    rows = sorted(
+        (json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")),
+        key=lambda r: r["rank"],
+    )
     assert [r["rank"] for r in rows] == [0, 1]
     for r in rows:
         assert (r["world"], r["source"], r["sum"], r["backend"]) == (2, "mpich", 3.0, "gloo")

@@ -4,8 +4,15 @@ import pytest
 import torch
 from dist import run_ranks
 
-CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=100,
-           ffn_hidden_size=96, make_vocab_size_divisible_by=16)
+CFG = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=100,
+    ffn_hidden_size=96,
+    make_vocab_size_divisible_by=16,
+)
 BATCH, SEQ = 4, 9
 
 
@@ -42,13 +49,14 @@ def _run(rank, world, tp, pp, arch, full):
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = BATCH // dp
-    mine = tokens[dp_rank * share:(dp_rank + 1) * share]
-    micro = [{"tokens": mine[i:i + 1]} for i in range(share)]
+    mine = tokens[dp_rank * share : (dp_rank + 1) * share]
+    micro = [{"tokens": mine[i : i + 1]} for i in range(share)]
     total_tokens = BATCH * (SEQ - 1)
 
     def logp(batch, logits):
-        return vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:], default_tp_group(),
-                                       vocab_size=cfg.vocab_size)
+        return vocab_parallel_logprobs(
+            logits[:, :-1], batch["tokens"][:, 1:], default_tp_group(), vocab_size=cfg.vocab_size
+        )
 
     def loss_fn(batch, logits):
         nll = -logp(batch, logits).sum()
@@ -57,8 +65,13 @@ def _run(rank, world, tp, pp, arch, full):
     logps = model.forward(micro, logp)
     metrics = model.step(micro, loss_fn)
     grads = full_state_dict(model.module, cfg, grads=True)
-    return {"logp": torch.cat(logps) if logps else None, "metrics": metrics, "grads": grads,
-            "last_stage": ps.is_pipeline_last_stage(), "dp_rank": dp_rank}
+    return {
+        "logp": torch.cat(logps) if logps else None,
+        "metrics": metrics,
+        "grads": grads,
+        "last_stage": ps.is_pipeline_last_stage(),
+        "dp_rank": dp_rank,
+    }
 
 
 def _compare(base, results, dp):

@@ -27,14 +27,39 @@ def _our_logits(rank, world, ckpt, tokens):
 
 
 def test_trained_actor_checkpoint_exports_to_hf(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "launchers", "local", "ppo.py"), "--exp-dir",
-                          str(tmp_path), "--actor", "ppo.num_steps=2", "validation.every=0",
-                          "logging.progress_bar=false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "launchers", "local", "ppo.py"),
+            "--exp-dir",
+            str(tmp_path),
+            "--actor",
+            "ppo.num_steps=2",
+            "validation.every=0",
+            "logging.progress_bar=false",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     ckpt = tmp_path / "actor" / "checkpoints" / "step_000002"
     out = tmp_path / "hf"
-    conv = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_nemo_to_hf.py"), "--input",
-                           str(ckpt), "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    conv = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "convert_nemo_to_hf.py"),
+            "--input",
+            str(ckpt),
+            "--output",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert conv.returncode == 0, conv.stderr[-3000:]
 
     from transformers import AutoModelForCausalLM

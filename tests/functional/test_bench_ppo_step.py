@@ -12,11 +12,25 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "bench_ppo_step.py")
-RESULT_KEYS = {"mode", "workload", "warmup_steps", "timed_steps", "phases_s", "step_s", "tokens_per_s",
-               "generated_tokens_per_s", "per_step_s", "memory", "device", "versions"}
+RESULT_KEYS = {
+    "mode",
+    "workload",
+    "warmup_steps",
+    "timed_steps",
+    "phases_s",
+    "step_s",
+    "tokens_per_s",
+    "generated_tokens_per_s",
+    "per_step_s",
+    "memory",
+    "device",
+    "versions",
+}
 # Any import of these raises ImportError in the HF run: the GPU image runs that mode without them.
-BLOCK_HEAVY = ("import runpy, sys; [sys.modules.__setitem__(m, None) for m in ('megatron', 'omegaconf', 'pytriton')]; "
-               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+BLOCK_HEAVY = (
+    "import runpy, sys; [sys.modules.__setitem__(m, None) for m in ('megatron', 'omegaconf', 'pytriton')]; "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def _env():
@@ -28,8 +42,7 @@ def _env():
 
 def bench(*args, block_heavy=False, timeout=300):
     head = [sys.executable, "-c", BLOCK_HEAVY] if block_heavy else [sys.executable]
-    return subprocess.run([*head, SCRIPT, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([*head, SCRIPT, *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +50,9 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     hf = bench("--mode", "hf", "--tiny", "--steps", "2", "--out", str(tmp / "hf.json"), block_heavy=True)
     assert hf.returncode == 0, hf.stdout[-2000:] + hf.stderr[-4000:]
-    al = bench("--mode", "aligner", "--tiny", "--steps", "2", "--exp-dir", str(tmp / "run"),
-               "--out", str(tmp / "aligner.json"))
+    al = bench(
+        "--mode", "aligner", "--tiny", "--steps", "2", "--exp-dir", str(tmp / "run"), "--out", str(tmp / "aligner.json")
+    )
     assert al.returncode == 0, al.stdout[-2000:] + al.stderr[-4000:]
     return tmp
 
@@ -100,12 +114,28 @@ def test_report_refuses_different_workloads(results, tmp_path):
 
 
 def test_aligner_config_must_match_workload(tmp_path):
-    proc = bench("--mode", "aligner", "--tiny", "--exp-dir", str(tmp_path / "run"), "--actor",
-                 "ppo.micro_batch_size=2", timeout=120)
+    proc = bench(
+        "--mode",
+        "aligner",
+        "--tiny",
+        "--exp-dir",
+        str(tmp_path / "run"),
+        "--actor",
+        "ppo.micro_batch_size=2",
+        timeout=120,
+    )
     assert proc.returncode == 2 and "ppo.micro_batch_size" in proc.stderr, proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "run" / "launcher.log"), "nothing is launched"
-    proc = bench("--mode", "aligner", "--tiny", "--exp-dir", str(tmp_path / "run2"), "--critic",
-                 "reward_model.num_layers=3", timeout=120)
+    proc = bench(
+        "--mode",
+        "aligner",
+        "--tiny",
+        "--exp-dir",
+        str(tmp_path / "run2"),
+        "--critic",
+        "reward_model.num_layers=3",
+        timeout=120,
+    )
     assert proc.returncode == 2 and "critic: reward_model.num_layers" in proc.stderr, proc.stderr[-2000:]
 
 

@@ -55,8 +55,9 @@ def test_demo_reward_function_end_to_end_and_sigint(tmp_path):
             torch.testing.assert_close(whole[:, 0], torch.tensor(reward_fn([""] * 2, full), dtype=torch.float32))
             pos = torch.arange(width)[None]
             mask = (pos >= prompt_lengths[:, None]) & (pos < lengths[:, None])
-            metrics = client.train_async(tokens, lengths, rewards.expand(-1, width) * mask, values,
-                                         mask.float()).result(60)
+            metrics = client.train_async(
+                tokens, lengths, rewards.expand(-1, width) * mask, values, mask.float()
+            ).result(60)
             assert metrics["tokens"] == mask.sum().item() and metrics["steps"] == 1
         procs = server.descendants()
         leftovers = triton_workspaces(procs) | stub_model_folders(procs)
@@ -88,8 +89,10 @@ def test_tritonserver_death_ends_the_job_with_the_reason(tmp_path):
             server.kill()
 
 
-@pytest.mark.parametrize("override, text", [("reward_fn=missing.py", "config error at 'reward_fn'"),
-                                            ("server.port=70000", "outside 1..65535")])
+@pytest.mark.parametrize(
+    "override, text",
+    [("reward_fn=missing.py", "config error at 'reward_fn'"), ("server.port=70000", "outside 1..65535")],
+)
 def test_bad_config_exits_2_with_the_key(tmp_path, override, text):
     server = ServerProcess(["--config-name", "ppo_critic_demo", override, f"exp_dir={tmp_path}"])
     assert server.wait_exit(60) == 2 and text in server.output, server.output[-2000:]

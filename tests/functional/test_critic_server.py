@@ -43,13 +43,13 @@ def job(tmp_path_factory):
         "reward_mean: 0.5\nreward_std: 2.0\noptim:\n  lr: 3.0e-3\n"
         "train:\n  global_batch_size: 8\n  micro_batch_size: 4\n  epochs: 2\ninfer:\n  micro_batch_size: 8\n"
         f"server:\n  port: {port}\n  max_batch_size: {MAX_BATCH}\n  max_train_batch_size: 256\n  max_seq_len: 128\n"
-        f"exp_dir: {tmp / 'exp'}\n")
+        f"exp_dir: {tmp / 'exp'}\n"
+    )
     server = ServerProcess(["--config-path", str(tmp), "--config-name", "critic_rm"])
     try:
         url = server.wait_ready()
         client = CriticClient(url, connect_timeout=30)
-        yield {"server": server, "url": url, "port": port, "critic": critic, "rm": rm, "client": client,
-               "tmp": tmp}
+        yield {"server": server, "url": url, "port": port, "critic": critic, "rm": rm, "client": client, "tmp": tmp}
         client.close()
     finally:
         if server.proc.poll() is None:
@@ -87,8 +87,11 @@ def test_malformed_requests_get_clear_errors_and_server_keeps_answering(job):
         ("wrong rank", dict(tokens=tok[:, :, None], lengths=lens), "unexpected shape for input 'tokens'"),
         ("batch mismatch", dict(tokens=tok, lengths=np.array([[5], [2], [1]])), "lengths has 3 rows but tokens has 2"),
         ("length > T", dict(tokens=tok, lengths=np.array([[6], [2]])), "lengths[0]=6 is outside 1..T=5"),
-        ("over max batch", dict(tokens=np.ones((MAX_BATCH + 1, 5), np.int64), lengths=np.ones((MAX_BATCH + 1, 1),
-                                np.int64)), f"batch of {MAX_BATCH + 1} rows exceeds server.max_batch_size={MAX_BATCH}"),
+        (
+            "over max batch",
+            dict(tokens=np.ones((MAX_BATCH + 1, 5), np.int64), lengths=np.ones((MAX_BATCH + 1, 1), np.int64)),
+            f"batch of {MAX_BATCH + 1} rows exceeds server.max_batch_size={MAX_BATCH}",
+        ),
         ("missing input", dict(tokens=tok), "missing required input(s) ['lengths']"),
         ("token id", dict(tokens=tok + 40, lengths=lens), "is outside the vocabulary 0...47"),
         # PyTriton's transport cannot carry a zero-size tensor: the reason is its own, the server survives it

@@ -16,9 +16,22 @@ def test_bench_generation_tiny(tmp_path):
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(free_port())}
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), "--tiny",
-                           "--batch-sizes", "3", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "bench_generation.py"),
+            "--tiny",
+            "--batch-sizes",
+            "3",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "native tok/s" in proc.stdout
     report = json.loads(out.read_text())

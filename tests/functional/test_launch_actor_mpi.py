@@ -22,17 +22,39 @@ def _mpiexec():
     return here if os.path.exists(here) else shutil.which("mpiexec")
 
 
-@pytest.mark.parametrize("launcher", [
-    pytest.param("mpiexec", marks=pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec: pip install -e '.[mpi]'")),
-    "torchrun",
-])
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        pytest.param(
+            "mpiexec", marks=pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec: pip install -e '.[mpi]'")
+        ),
+        "torchrun",
+    ],
+)
 def test_two_rank_actor(tmp_path, launcher):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.run(
-        [sys.executable, LAUNCHER, "--launcher", launcher, "--actor-procs", "2", "--exp-dir", str(tmp_path),
-         "--actor", "ppo.num_steps=2", "parallel.tensor_model_parallel_size=2", "validation.every=0",
-         "logging.progress_bar=false"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            LAUNCHER,
+            "--launcher",
+            launcher,
+            "--actor-procs",
+            "2",
+            "--exp-dir",
+            str(tmp_path),
+            "--actor",
+            "ppo.num_steps=2",
+            "parallel.tensor_model_parallel_size=2",
+            "validation.every=0",
+            "logging.progress_bar=false",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     head = "mpiexec -n 2 " if launcher == "mpiexec" else "torch.distributed.run --nproc-per-node 2 "
     assert head in proc.stdout and "train_ppo_actor.py --config-name ppo_actor_demo" in proc.stdout

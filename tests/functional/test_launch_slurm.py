@@ -42,8 +42,14 @@ def sbatch_wait(cluster, *args, timeout=300):
     """`sbatch --wait` (returns the job's exit status); the job's output lands in the returned file."""
     out = args[args.index("-o") + 1]
     try:
-        proc = subprocess.run(["timeout", str(timeout), "sbatch", "--wait", *args], cwd=ROOT, env=_env(cluster),
-                              capture_output=True, text=True, timeout=timeout + 30)
+        proc = subprocess.run(
+            ["timeout", str(timeout), "sbatch", "--wait", *args],
+            cwd=ROOT,
+            env=_env(cluster),
+            capture_output=True,
+            text=True,
+            timeout=timeout + 30,
+        )
     finally:
         cluster.run("scancel", "--user=root")  # nothing outlives a test that timed out
     with open(out) as f:
@@ -98,9 +104,22 @@ def leftovers(marker: str, grace: float = 15.0) -> list[str]:
 def test_het_job_runs_critic_and_two_rank_actor(cluster, tmp_path):
     exp = tmp_path / "exp"
     # Component 0 (critic): 1 node; component 1 (actor): 2 nodes, one rank each, TP=2 (needs both ranks to start).
-    proc, log = sbatch_wait(cluster, "-o", str(tmp_path / "job.out"), "-N1", ":", "-N2", PPO, *DEMO,
-                            "--exp-dir", str(exp), "--actor", "ppo.num_steps=3",
-                            "parallel.tensor_model_parallel_size=2", *QUICK)
+    proc, log = sbatch_wait(
+        cluster,
+        "-o",
+        str(tmp_path / "job.out"),
+        "-N1",
+        ":",
+        "-N2",
+        PPO,
+        *DEMO,
+        "--exp-dir",
+        str(exp),
+        "--actor",
+        "ppo.num_steps=3",
+        "parallel.tensor_model_parallel_size=2",
+        *QUICK,
+    )
     assert proc.returncode == 0, log[-4000:] + critic_logs(exp)
     assert "critic on n1 (1/node), actor on n[2-3] (1/node)" in log
     rows = metrics(exp)
@@ -120,8 +139,18 @@ def test_het_job_runs_critic_and_two_rank_actor(cluster, tmp_path):
 def test_failing_critic_fails_the_job_fast(cluster, tmp_path):
     exp = tmp_path / "exp"
     # A hang would run into the 120 s timeout (and its exit status 124) instead of the critic's status 2.
-    proc, log = sbatch_wait(cluster, "-o", str(tmp_path / "job.out"), PPO, *DEMO, "--exp-dir", str(exp),
-                            "--critic", "train.epochs=0", timeout=120)
+    proc, log = sbatch_wait(
+        cluster,
+        "-o",
+        str(tmp_path / "job.out"),
+        PPO,
+        *DEMO,
+        "--exp-dir",
+        str(exp),
+        "--critic",
+        "train.epochs=0",
+        timeout=120,
+    )
     assert proc.returncode == 2, log[-4000:]
     assert "config error at 'train.epochs'" in log, "the critic's own error is shown in the job's log"
     assert "the critic job did not come up" in log
@@ -158,12 +187,24 @@ def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
     assert [r["step"] for r in rows] == list(range(stopped)) and stopped < LONG_RUN
     assert os.listdir(exp / "actor" / "checkpoints") == [f"step_{stopped:06d}"]
     assert os.listdir(exp / "critic" / "checkpoints") == [f"step_{stopped:06d}"]
-    assert json.loads((exp / "actor" / "checkpoints" / f"step_{stopped:06d}" / "state.json").read_text())["step"] \
+    assert (
+        json.loads((exp / "actor" / "checkpoints" / f"step_{stopped:06d}" / "state.json").read_text())["step"]
         == stopped
+    )
     assert not leftovers(str(exp))
 
-    second = submit(cluster, "-o", str(tmp_path / "job2.out"), PPO, *DEMO, "--exp-dir", str(exp),
-                    "--actor", f"ppo.num_steps={stopped + 2}", *QUICK)
+    second = submit(
+        cluster,
+        "-o",
+        str(tmp_path / "job2.out"),
+        PPO,
+        *DEMO,
+        "--exp-dir",
+        str(exp),
+        "--actor",
+        f"ppo.num_steps={stopped + 2}",
+        *QUICK,
+    )
     wait_gone(cluster, second)
     log2 = (tmp_path / "job2.out").read_text()
     assert exit_code(cluster, second) == "0:0", log2[-4000:]
@@ -179,8 +220,9 @@ def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
 def test_scancel_sigterm_checkpoints_and_resumes(cluster, tmp_path):
     exp = tmp_path / "exp"
     out = tmp_path / "job.out"
-    job = submit(cluster, "-o", str(out), PPO, *DEMO, "--exp-dir", str(exp), "--actor", f"ppo.num_steps={LONG_RUN}",
-                 *QUICK)
+    job = submit(
+        cluster, "-o", str(out), PPO, *DEMO, "--exp-dir", str(exp), "--actor", f"ppo.num_steps={LONG_RUN}", *QUICK
+    )
     try:
         deadline = time.monotonic() + 180
         mfile = exp / "actor" / "metrics.jsonl"
@@ -201,8 +243,22 @@ def test_time_limit_signal_checkpoints_and_resumes(cluster, tmp_path):
     # check runs every 30 s, so 90-120 s after the allocation), which leaves the actor a minute to checkpoint. Two
     # minutes were too tight: on a loaded machine the batch script started 26 s after the allocation, and the signal
     # came before the actor had started (seen in CI).
-    job = submit(cluster, "-o", str(out), "--time=3", "--signal=B:TERM@90", ":", "--time=3", PPO, *DEMO,
-                 "--exp-dir", str(exp), "--actor", f"ppo.num_steps={LONG_RUN}", *QUICK)
+    job = submit(
+        cluster,
+        "-o",
+        str(out),
+        "--time=3",
+        "--signal=B:TERM@90",
+        ":",
+        "--time=3",
+        PPO,
+        *DEMO,
+        "--exp-dir",
+        str(exp),
+        "--actor",
+        f"ppo.num_steps={LONG_RUN}",
+        *QUICK,
+    )
     try:
         _stopped_run_resumes(cluster, tmp_path, exp, out, job)
     finally:
@@ -212,10 +268,29 @@ def test_time_limit_signal_checkpoints_and_resumes(cluster, tmp_path):
 def test_two_separate_jobs(cluster, tmp_path):
     exp = tmp_path / "exp"
     proc = subprocess.run(
-        ["timeout", "300", TWO_JOBS, "--wait", "--critic-sbatch", f"-o {tmp_path}/critic.out",
-         "--actor-sbatch", f"-o {tmp_path}/actor.out", "--", *DEMO, "--exp-dir", str(exp),
-         "--actor", "ppo.num_steps=2", *QUICK],
-        cwd=ROOT, env=_env(cluster), capture_output=True, text=True, timeout=330)
+        [
+            "timeout",
+            "300",
+            TWO_JOBS,
+            "--wait",
+            "--critic-sbatch",
+            f"-o {tmp_path}/critic.out",
+            "--actor-sbatch",
+            f"-o {tmp_path}/actor.out",
+            "--",
+            *DEMO,
+            "--exp-dir",
+            str(exp),
+            "--actor",
+            "ppo.num_steps=2",
+            *QUICK,
+        ],
+        cwd=ROOT,
+        env=_env(cluster),
+        capture_output=True,
+        text=True,
+        timeout=330,
+    )
     cluster.run("scancel", "--user=root")
     actor_log = (tmp_path / "actor.out").read_text()
     critic_log = (tmp_path / "critic.out").read_text()

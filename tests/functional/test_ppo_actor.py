@@ -12,15 +12,39 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER = os.path.join(ROOT, "launchers", "local", "ppo.py")
 ACTOR = os.path.join(ROOT, "scripts", "train_ppo_actor.py")
-REQUIRED = ["step", "rollout/reward_mean", "rollout/response_length_mean", "rollout/ended_fraction", "ppo/kl",
-            "ppo/kl_coef", "ppo/policy_loss", "ppo/clipfrac", "ppo/entropy", "ppo/grad_norm", "ppo/logprob_mismatch",
-            "critic/value_loss", "critic/explained_var", "timing/generate", "timing/logprobs", "timing/critic_wait",
-            "timing/train", "timing/refit", "timing/step"]
+REQUIRED = [
+    "step",
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "rollout/ended_fraction",
+    "ppo/kl",
+    "ppo/kl_coef",
+    "ppo/policy_loss",
+    "ppo/clipfrac",
+    "ppo/entropy",
+    "ppo/grad_norm",
+    "ppo/logprob_mismatch",
+    "critic/value_loss",
+    "critic/explained_var",
+    "timing/generate",
+    "timing/logprobs",
+    "timing/critic_wait",
+    "timing/train",
+    "timing/refit",
+    "timing/step",
+]
 
 
 def launch(exp_dir, *actor_overrides, timeout=900, critic=()):
-    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(exp_dir), "--actor", "logging.progress_bar=false",
-           *actor_overrides]
+    cmd = [
+        sys.executable,
+        LAUNCHER,
+        "--exp-dir",
+        str(exp_dir),
+        "--actor",
+        "logging.progress_bar=false",
+        *actor_overrides,
+    ]
     if critic:
         cmd += ["--critic", *critic]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -77,8 +101,17 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_sigterm_checkpoints_and_leaves_nothing(tmp_path):
-    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(tmp_path), "--actor", "logging.progress_bar=false",
-           "ppo.num_steps=200", "checkpoint.save_every=0", "validation.every=0"]
+    cmd = [
+        sys.executable,
+        LAUNCHER,
+        "--exp-dir",
+        str(tmp_path),
+        "--actor",
+        "logging.progress_bar=false",
+        "ppo.num_steps=200",
+        "checkpoint.save_every=0",
+        "validation.every=0",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "actor" / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -98,8 +131,13 @@ def test_sigterm_checkpoints_and_leaves_nothing(tmp_path):
 
 
 def _actor(*overrides, timeout=300):
-    return subprocess.run([sys.executable, ACTOR, "--config-name", "ppo_actor_demo", *overrides], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, ACTOR, "--config-name", "ppo_actor_demo", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_bad_config_names_the_key(tmp_path):
@@ -149,8 +187,18 @@ def test_two_actor_ranks_match_one_process(tmp_path, one_process_run, layout):
     first step matches up to the float rounding of TP reductions (later steps may part where a sample's draw sits on
     a CDF boundary)."""
     extra = ["parallel.tensor_model_parallel_size=2"] if layout == "tp2" else []
-    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(tmp_path), "--actor-procs", "2", "--actor",
-           "logging.progress_bar=false", *PARITY_ARGS, *extra]
+    cmd = [
+        sys.executable,
+        LAUNCHER,
+        "--exp-dir",
+        str(tmp_path),
+        "--actor-procs",
+        "2",
+        "--actor",
+        "logging.progress_bar=false",
+        *PARITY_ARGS,
+        *extra,
+    ]
     two = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = one_process_run, read_metrics(tmp_path)
@@ -168,8 +216,7 @@ def test_two_actor_ranks_match_one_process(tmp_path, one_process_run, layout):
 def test_critic_warmup_then_max_time(tmp_path):
     """During critic warm-up only the critic trains (the policy stays the reference: KL stays exactly 0);
     max_time stops the run cleanly with a checkpoint."""
-    proc = launch(tmp_path, "ppo.num_steps=50", "ppo.critic_warmup_steps=2", "max_time=0.001",
-                  "validation.every=0")
+    proc = launch(tmp_path, "ppo.num_steps=50", "ppo.critic_warmup_steps=2", "max_time=0.001", "validation.every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert len(rows) == 1, "max_time stops after the step in progress"
@@ -207,8 +254,17 @@ def test_pipeline_parallel_actor_matches_one_process(tmp_path):
     runs = {}
     for name, extra in (("pp1", []), ("pp2", ["--actor-procs", "2"])):
         exp = tmp_path / name
-        cmd = [sys.executable, LAUNCHER, "--exp-dir", str(exp), *extra, "--actor", "logging.progress_bar=false",
-               *PARITY_ARGS, f"model.checkpoint={ckpt}"]
+        cmd = [
+            sys.executable,
+            LAUNCHER,
+            "--exp-dir",
+            str(exp),
+            *extra,
+            "--actor",
+            "logging.progress_bar=false",
+            *PARITY_ARGS,
+            f"model.checkpoint={ckpt}",
+        ]
         if name == "pp2":
             cmd.append("parallel.pipeline_model_parallel_size=2")
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

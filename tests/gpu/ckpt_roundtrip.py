@@ -17,8 +17,15 @@ def main(root, distributed=True):
     from aligner.parallel import initialize
 
     initialize(seed=1)
-    cfg = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=100,
-                      ffn_hidden_size=256, params_dtype="bfloat16")
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=100,
+        ffn_hidden_size=256,
+        params_dtype="bfloat16",
+    )
     tokens = torch.randint(0, 100, (4, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     micro = [{"tokens": tokens}]
 
@@ -39,8 +46,14 @@ def main(root, distributed=True):
     same = diff == 0.0
     print("distributed optimizer" if distributed else "plain megatron optimizer", "max |weight diff|", diff)
     print("state", state)
-    print("PASS" if same and abs(next_a - next_b) < 1e-6 else "FAIL", "weights equal after the resumed step:", same,
-          "grad norms", next_a, next_b)
+    print(
+        "PASS" if same and abs(next_a - next_b) < 1e-6 else "FAIL",
+        "weights equal after the resumed step:",
+        same,
+        "grad norms",
+        next_a,
+        next_b,
+    )
 
 
 if __name__ == "__main__":

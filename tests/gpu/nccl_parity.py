@@ -39,10 +39,27 @@ def model_cfg():
     from aligner.config import ModelConfig
 
     if TINY:
-        return ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                           ffn_hidden_size=128, vocab_size=256, make_vocab_size_divisible_by=16)
-    return ModelConfig(arch="llama", num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
-                       ffn_hidden_size=8192, vocab_size=32000, max_position_embeddings=4096, params_dtype="bfloat16")
+        return ModelConfig(
+            arch="llama",
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=128,
+            vocab_size=256,
+            make_vocab_size_divisible_by=16,
+        )
+    return ModelConfig(
+        arch="llama",
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        params_dtype="bfloat16",
+    )
 
 
 def gen_cfg(max_batch=GEN_B, prompt=GEN_PROMPT, new=GEN_NEW):
@@ -76,13 +93,14 @@ def train_once(model, cfg, tokens):
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = BATCH // dp
-    mine = tokens[dp_rank * share:(dp_rank + 1) * share].cuda()
-    micro = [{"tokens": mine[i:i + 1]} for i in range(share)]
+    mine = tokens[dp_rank * share : (dp_rank + 1) * share].cuda()
+    micro = [{"tokens": mine[i : i + 1]} for i in range(share)]
     total = BATCH * (SEQ - 1)
 
     def logp(batch, logits):
-        return vocab_parallel_logprobs(logits[:, :-1], batch["tokens"][:, 1:], default_tp_group(),
-                                       vocab_size=cfg.vocab_size)
+        return vocab_parallel_logprobs(
+            logits[:, :-1], batch["tokens"][:, 1:], default_tp_group(), vocab_size=cfg.vocab_size
+        )
 
     def loss_fn(batch, logits):
         nll = -logp(batch, logits).sum()
@@ -111,8 +129,8 @@ def training_margins_and_logp(module, cfg, prompts, response):
         logits = forward(module, seq)
         shifted, targets = shift_for_next_token(logits, seq)
         logp = vocab_parallel_logprobs(shifted, targets, default_tp_group(), vocab_size=cfg.vocab_size)
-        logp = logp[:, prompts.shape[1] - 1:]
-        top2 = logits[:, prompts.shape[1] - 1:-1, :cfg.vocab_size].float().topk(2, dim=-1).values
+        logp = logp[:, prompts.shape[1] - 1 :]
+        top2 = logits[:, prompts.shape[1] - 1 : -1, : cfg.vocab_size].float().topk(2, dim=-1).values
     return (top2[..., 0] - top2[..., 1]).cpu(), logp.float().cpu()
 
 
@@ -137,13 +155,27 @@ def run_ref(out_dir):
     logp, metrics = train_once(model, cfg, tokens)
     grads = {k: v.float().cpu() for k, v in full_state_dict(model.module, cfg, grads=True).items()}
     floor = float((out.logprobs_BR.float().cpu() - train_logp).abs().mean())
-    torch.save({"engine_vs_training_logp_mean_abs": floor, "logp": logp, "nll_sum": float(metrics["nll_sum"]),
-                "grad_norm": float(metrics["grad_norm"]), "grads": grads, "gen_tokens": out.response_tokens_BR.cpu(),
-                "gen_logp": out.logprobs_BR.float().cpu(),
-                "gen_margins": margins, "gen_train_logp": train_logp}, os.path.join(out_dir, "ref.pt"))
-    report = {"mode": "ref", "grad_norm": float(metrics["grad_norm"]), "nll_sum": float(metrics["nll_sum"]),
-              "engine_vs_training_logp_mean_abs": floor,
-              "median_greedy_margin": float(margins.median())}
+    torch.save(
+        {
+            "engine_vs_training_logp_mean_abs": floor,
+            "logp": logp,
+            "nll_sum": float(metrics["nll_sum"]),
+            "grad_norm": float(metrics["grad_norm"]),
+            "grads": grads,
+            "gen_tokens": out.response_tokens_BR.cpu(),
+            "gen_logp": out.logprobs_BR.float().cpu(),
+            "gen_margins": margins,
+            "gen_train_logp": train_logp,
+        },
+        os.path.join(out_dir, "ref.pt"),
+    )
+    report = {
+        "mode": "ref",
+        "grad_norm": float(metrics["grad_norm"]),
+        "nll_sum": float(metrics["nll_sum"]),
+        "engine_vs_training_logp_mean_abs": floor,
+        "median_greedy_margin": float(margins.median()),
+    }
     return report
 
 
@@ -171,9 +203,11 @@ def compare_training(ref, logp, metrics, cfg, model):
     full_logp = torch.cat([g for g, f in zip(gathered, flags) if f.item() > 0]).cpu()
     d = (full_logp - ref["logp"]).abs()
     return {
-        "logp_mean_abs": float(d.mean()), "logp_max_abs": float(d.max()),
+        "logp_mean_abs": float(d.mean()),
+        "logp_max_abs": float(d.max()),
         "nll_rel": abs(float(nll) - ref["nll_sum"]) / abs(ref["nll_sum"]),
-        "grad_rel": (num / den) ** 0.5, "grad_rel_worst_param": max(per_param.values()),
+        "grad_rel": (num / den) ** 0.5,
+        "grad_rel_worst_param": max(per_param.values()),
         "worst_param": max(per_param, key=per_param.get),
         "grad_norm_rel": abs(float(metrics["grad_norm"]) - ref["grad_norm"]) / ref["grad_norm"],
     }
@@ -196,10 +230,13 @@ def engine_checks(ref, cfg, model, prompts):
         if n < tokens.shape[1]:
             parted.append({"sample": b, "at": n, "ref_margin": float(ref["gen_margins"][b, n])})
     d = torch.cat(diffs)
-    return engine, {"engine_logp_mean_abs": float(d.mean()) if d.numel() else 0.0,
-                    "engine_logp_max_abs": float(d.max()) if d.numel() else 0.0,
-                    "greedy_common_prefix_mean": float(common.float().mean()), "greedy_parted": parted,
-                    "median_ref_margin": float(ref["gen_margins"].median())}
+    return engine, {
+        "engine_logp_mean_abs": float(d.mean()) if d.numel() else 0.0,
+        "engine_logp_max_abs": float(d.max()) if d.numel() else 0.0,
+        "greedy_common_prefix_mean": float(common.float().mean()),
+        "greedy_parted": parted,
+        "median_ref_margin": float(ref["gen_margins"].median()),
+    }
 
 
 def refit_and_bench(engine, cfg, model, prompts):
@@ -210,9 +247,10 @@ def refit_and_bench(engine, cfg, model, prompts):
     engine.refit(model.module)  # the optimizer step has run: new weights
     out = greedy(engine, prompts)
     _, train_logp = training_margins_and_logp(model.module, cfg, prompts, out.response_tokens_BR)
-    report = {"refit_pointers_unchanged": engine.buffer_data_ptrs() == ptrs,
-              "refit_engine_vs_training_logp_mean_abs": float((out.logprobs_BR.float().cpu() - train_logp)
-                                                              .abs().mean())}
+    report = {
+        "refit_pointers_unchanged": engine.buffer_data_ptrs() == ptrs,
+        "refit_engine_vs_training_logp_mean_abs": float((out.logprobs_BR.float().cpu() - train_logp).abs().mean()),
+    }
     del engine
     torch.cuda.empty_cache()
     B, P, N = (4, 8, 8) if TINY else (64, 128, 256)
@@ -234,9 +272,17 @@ def refit_and_bench(engine, cfg, model, prompts):
         bench.refit(model.module)
         sync()
         refit.append((time.perf_counter() - t1) * 1e3)
-    report.update({"bench_B": B, "bench_prompt": P, "bench_new": N, "bench_tok_s": B * N / seconds,
-                   "bench_decode_ms_per_step": t["decode_ms"] / max(1, t["decode_steps"]),
-                   "bench_prefill_ms": t["prefill_ms"], "bench_refit_ms": min(refit)})
+    report.update(
+        {
+            "bench_B": B,
+            "bench_prompt": P,
+            "bench_new": N,
+            "bench_tok_s": B * N / seconds,
+            "bench_decode_ms_per_step": t["decode_ms"] / max(1, t["decode_steps"]),
+            "bench_prefill_ms": t["prefill_ms"],
+            "bench_refit_ms": min(refit),
+        }
+    )
     return report
 
 
@@ -258,8 +304,11 @@ def run_parallel(mode, out_dir):
     # shard of them, so that run uses the plain optimizer (DDP all-reduces the full gradients).
     model = TrainableModel(cfg, OptimConfig(lr=1e-5, clip_grad=0.0, use_distributed_optimizer=mode != "dp"))
     load_full_state_dict(model.module, full, cfg)
-    report = {"mode": mode, "world": dist.get_world_size(),
-              "noise_floor_logp_mean_abs": ref["engine_vs_training_logp_mean_abs"]}
+    report = {
+        "mode": mode,
+        "world": dist.get_world_size(),
+        "noise_floor_logp_mean_abs": ref["engine_vs_training_logp_mean_abs"],
+    }
     engine = None
     if mode == "tp":
         engine, gen = engine_checks(ref, cfg, model, prompts)

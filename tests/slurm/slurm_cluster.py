@@ -49,13 +49,16 @@ def ensure_installed() -> None:
     if not _missing():
         return
     if os.geteuid() != 0:
-        raise SlurmUnavailable(f"{', '.join(_missing())} not installed and not root: run "
-                               f"`apt-get install -y {' '.join(PACKAGES)}` as root")
+        raise SlurmUnavailable(
+            f"{', '.join(_missing())} not installed and not root: run `apt-get install -y {' '.join(PACKAGES)}` as root"
+        )
     if shutil.which("apt-get") is None:
         raise SlurmUnavailable(f"{', '.join(_missing())} not installed and there is no apt-get")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    ):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise SlurmUnavailable(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
@@ -139,10 +142,13 @@ class SlurmCluster:
             "MailProg=/bin/true",
         ]
         for i, port in enumerate(node_ports, start=1):
-            lines.append(f"NodeName=n{i} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} "
-                         f"RealMemory=2000 State=UNKNOWN")
-        lines.append(f"PartitionName=debug Nodes=n[1-{self.nodes}] Default=YES MaxTime=INFINITE State=UP "
-                     f"OverSubscribe=YES")
+            lines.append(
+                f"NodeName=n{i} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} "
+                f"RealMemory=2000 State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName=debug Nodes=n[1-{self.nodes}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES"
+        )
         open(os.path.join(d, "plugstack.conf"), "w").close()
         tmp = self.conf + ".tmp"
         with open(tmp, "w") as f:
@@ -161,8 +167,9 @@ class SlurmCluster:
     # -- lifecycle ----------------------------------------------------------------------------------------
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(os.path.join(self.root, "log", f"{name}.out"), "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=self.env(), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(), start_new_session=True
+        )
         log.close()
         self._procs.append(proc)
         return proc
@@ -172,26 +179,45 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             for p in self._procs:
                 if p.poll() is not None:
-                    raise SlurmUnavailable(f"{p.args[0]} exited with status {p.returncode} while waiting for "
-                                           f"{what}; logs: {self.root}/log\n{self.logs_tail()}")
+                    raise SlurmUnavailable(
+                        f"{p.args[0]} exited with status {p.returncode} while waiting for "
+                        f"{what}; logs: {self.root}/log\n{self.logs_tail()}"
+                    )
             if ok():
                 return
             time.sleep(0.2)
         raise SlurmUnavailable(f"{what} not reached within {timeout:.0f} s; logs: {self.root}/log\n{self.logs_tail()}")
 
-    def run(self, *cmd: str, timeout: float = 30, env: dict | None = None, cwd: str | None = None
-            ) -> subprocess.CompletedProcess:
+    def run(
+        self, *cmd: str, timeout: float = 30, env: dict | None = None, cwd: str | None = None
+    ) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster (wrapped in `timeout`: a client can block for long)."""
-        return subprocess.run(["timeout", str(int(timeout)), *cmd], env=env or self.env(), cwd=cwd,
-                              capture_output=True, text=True, timeout=timeout + 10)
+        return subprocess.run(
+            ["timeout", str(int(timeout)), *cmd],
+            env=env or self.env(),
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout + 10,
+        )
 
     def start(self, timeout: float = 60) -> "SlurmCluster":
         ensure_installed()
         self.write_config()
         m = os.path.join(self.root, "munge")
-        self._spawn("munged", [_sbin("munged"), "--foreground", "--force", f"--socket={self.socket}",
-                               f"--key-file={m}/munge.key", f"--pid-file={m}/munged.pid",
-                               f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"])
+        self._spawn(
+            "munged",
+            [
+                _sbin("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.socket}",
+                f"--key-file={m}/munge.key",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/munged.seed",
+            ],
+        )
         self._wait("munged's socket", lambda: os.path.exists(self.socket), timeout)
         self._spawn("slurmctld", [_sbin("slurmctld"), "-D", "-f", self.conf])
         self._wait("slurmctld answering", lambda: self.run("scontrol", "ping").stdout.count("UP") > 0, timeout)
@@ -263,8 +289,11 @@ def _main(argv=None) -> int:
     if not args.dir:
         p.error("down needs --dir")
     conf = os.path.join(args.dir, "slurm.conf")
-    subprocess.run(["timeout", "30", "scancel", "--full", "--user=root"], env={**os.environ, "SLURM_CONF": conf},
-                   capture_output=True)
+    subprocess.run(
+        ["timeout", "30", "scancel", "--full", "--user=root"],
+        env={**os.environ, "SLURM_CONF": conf},
+        capture_output=True,
+    )
     for pattern in ("slurmd-n*.pid", "slurmctld.pid", "munge/munged.pid"):  # daemons first, munged last
         for path in glob.glob(os.path.join(args.dir, pattern)):
             try:

@@ -15,8 +15,7 @@ SLURM = os.path.join(ROOT, "launchers", "slurm")
 WAIT = os.path.join(SLURM, "wait_critic.py")
 
 
-@pytest.mark.parametrize("name", ["ppo.sbatch", "critic.sbatch", "actor.sbatch", "common.sh", "env.sh",
-                                  "two_jobs.sh"])
+@pytest.mark.parametrize("name", ["ppo.sbatch", "critic.sbatch", "actor.sbatch", "common.sh", "env.sh", "two_jobs.sh"])
 def test_shell_syntax(name):
     proc = subprocess.run(["bash", "-n", os.path.join(SLURM, name)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -31,21 +30,39 @@ def test_signal_lines_in_the_sbatch_files():
     with open(os.path.join(SLURM, "ppo.sbatch")) as f:
         directives = [line.strip() for line in f if line.startswith("#SBATCH")]
     assert "#SBATCH hetjob" in directives
-    assert directives.index("#SBATCH hetjob") > [i for i, d in enumerate(directives) if "--signal" in d][0], \
+    assert directives.index("#SBATCH hetjob") > [i for i, d in enumerate(directives) if "--signal" in d][0], (
         "--signal belongs to component 0, whose batch script receives it"
+    )
 
 
 def _parse(*args, env=None):
-    script = (f'. "{SLURM}/common.sh"; aligner_parse_args "$@" || exit $?; '
-              'printf "A=%s\\n" "${ACTOR_ARGS[@]}"; printf "C=%s\\n" "${CRITIC_ARGS[@]}"; '
-              'echo "ACONF=$ACTOR_CONFIG CCONF=$CRITIC_CONFIG EXP=$EXP_DIR ADDR=$CRITIC_ADDRESS"')
-    return subprocess.run(["bash", "-c", script, "parse", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
+    script = (
+        f'. "{SLURM}/common.sh"; aligner_parse_args "$@" || exit $?; '
+        'printf "A=%s\\n" "${ACTOR_ARGS[@]}"; printf "C=%s\\n" "${CRITIC_ARGS[@]}"; '
+        'echo "ACONF=$ACTOR_CONFIG CCONF=$CRITIC_CONFIG EXP=$EXP_DIR ADDR=$CRITIC_ADDRESS"'
+    )
+    return subprocess.run(
+        ["bash", "-c", script, "parse", *args], capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
 
 
 def test_argument_parsing():
-    proc = _parse("--actor-config", "a", "--exp-dir", "/x y", "--actor", "k=1", "s.t=a b", "--critic", "c=2",
-                  "--critic-config", "cc", "--critic-address", "h:5", env={"ACTOR_OVERRIDES": "e=0 f=1"})
+    proc = _parse(
+        "--actor-config",
+        "a",
+        "--exp-dir",
+        "/x y",
+        "--actor",
+        "k=1",
+        "s.t=a b",
+        "--critic",
+        "c=2",
+        "--critic-config",
+        "cc",
+        "--critic-address",
+        "h:5",
+        env={"ACTOR_OVERRIDES": "e=0 f=1"},
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [x for x in lines if x.startswith("A=")] == ["A=e=0", "A=f=1", "A=k=1", "A=s.t=a b"]
@@ -53,25 +70,44 @@ def test_argument_parsing():
     assert lines[-1] == "ACONF=a CCONF=cc EXP=/x y ADDR=h:5"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["k=1"], "does not follow --actor or --critic"),
-    (["--bogus"], "unknown option --bogus"),
-    (["--actor", "notakeyvalue"], "unexpected argument notakeyvalue"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["k=1"], "does not follow --actor or --critic"),
+        (["--bogus"], "unknown option --bogus"),
+        (["--actor", "notakeyvalue"], "unexpected argument notakeyvalue"),
+    ],
+)
 def test_argument_errors(args, message):
     proc = _parse(*args)
     assert proc.returncode == 2 and message in proc.stderr
 
 
 def test_two_jobs_dry_run():
-    proc = subprocess.run([os.path.join(SLURM, "two_jobs.sh"), "--dry-run", "--critic-sbatch", "-N 1",
-                           "--actor-sbatch", "-N 2 --gpus-per-node=8", "--", "--exp-dir", "e", "--actor", "a=1"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            os.path.join(SLURM, "two_jobs.sh"),
+            "--dry-run",
+            "--critic-sbatch",
+            "-N 1",
+            "--actor-sbatch",
+            "-N 2 --gpus-per-node=8",
+            "--",
+            "--exp-dir",
+            "e",
+            "--actor",
+            "a=1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     critic, actor = proc.stdout.splitlines()
     assert critic == f"sbatch --parsable -N 1 {SLURM}/critic.sbatch --exp-dir e --actor a=1"
-    assert actor == (f"sbatch --parsable --dependency=after:CRITIC_JOB_ID --export=ALL,CRITIC_JOB_ID=CRITIC_JOB_ID "
-                     f"-N 2 --gpus-per-node=8 {SLURM}/actor.sbatch --exp-dir e --actor a=1")
+    assert actor == (
+        f"sbatch --parsable --dependency=after:CRITIC_JOB_ID --export=ALL,CRITIC_JOB_ID=CRITIC_JOB_ID "
+        f"-N 2 --gpus-per-node=8 {SLURM}/actor.sbatch --exp-dir e --actor a=1"
+    )
 
 
 # -- wait_critic.py ----------------------------------------------------------------------------------------
@@ -93,8 +129,9 @@ def health_server():
 
 
 def _wait(*args):
-    return subprocess.run([sys.executable, WAIT, "--interval", "0.1", *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, WAIT, "--interval", "0.1", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_wait_ready(health_server, tmp_path):
@@ -125,7 +162,6 @@ def test_wait_address_file_of_the_given_job_only(health_server, tmp_path):
     proc = _wait("--address-file", str(address), "--job-id", "42", "--timeout", "0.5")
     assert proc.returncode == 4 and "not written by the critic job yet" in proc.stderr
     address.write_text(f"127.0.0.1 {health_server} 42\n")
-    proc = _wait("--address-file", str(address), "--job-id", "42", "--timeout", "10", "--resolved",
-                 str(tmp_path / "r"))
+    proc = _wait("--address-file", str(address), "--job-id", "42", "--timeout", "10", "--resolved", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "r").read_text() == f"127.0.0.1 {health_server}\n"

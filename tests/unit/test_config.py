@@ -32,21 +32,28 @@ class JobConfig:
     def validate(self):
         validate_model(self.model)
         dp = validate_layout(self.model, self.parallel, self.world_size)
-        validate_batch(self.train.global_batch_size, self.train.micro_batch_size, dp, "train.global_batch_size",
-                       "train.micro_batch_size")
+        validate_batch(
+            self.train.global_batch_size,
+            self.train.micro_batch_size,
+            dp,
+            "train.global_batch_size",
+            "train.micro_batch_size",
+        )
 
 
 @pytest.fixture
 def conf_dir(tmp_path):
     (tmp_path / "base.yaml").write_text("model:\n  num_layers: 4\n  hidden_size: 128\n  num_attention_heads: 8\n")
     (tmp_path / "recipe.yaml").write_text(
-        "defaults: [base]\nmodel:\n  hidden_size: 256\ntrain:\n  micro_batch_size: 1\n")
+        "defaults: [base]\nmodel:\n  hidden_size: 256\ntrain:\n  micro_batch_size: 1\n"
+    )
     return tmp_path
 
 
 def test_yaml_defaults_and_overrides(conf_dir):
-    cfg = load_config(JobConfig, "recipe", ["model.num_layers=8", "parallel.tensor_model_parallel_size=2"],
-                      str(conf_dir))
+    cfg = load_config(
+        JobConfig, "recipe", ["model.num_layers=8", "parallel.tensor_model_parallel_size=2"], str(conf_dir)
+    )
     assert isinstance(cfg, JobConfig) and isinstance(cfg.model, ModelConfig)
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (8, 256, 8)
     assert cfg.train.micro_batch_size == 1 and cfg.parallel.tensor_model_parallel_size == 2
@@ -81,12 +88,21 @@ def test_missing_config_lists_available(conf_dir):
 @pytest.mark.parametrize(
     "overrides, key, words",
     [
-        (["world_size=3", "parallel.tensor_model_parallel_size=2"], "parallel.tensor_model_parallel_size",
-         "world size 3 is not divisible"),
-        (["parallel.tensor_model_parallel_size=3", "world_size=3"], "parallel.tensor_model_parallel_size",
-         "num_attention_heads=8 is not divisible by TP=3"),
-        (["parallel.pipeline_model_parallel_size=3", "world_size=3"], "parallel.pipeline_model_parallel_size",
-         "num_layers=4 is not divisible by PP=3"),
+        (
+            ["world_size=3", "parallel.tensor_model_parallel_size=2"],
+            "parallel.tensor_model_parallel_size",
+            "world size 3 is not divisible",
+        ),
+        (
+            ["parallel.tensor_model_parallel_size=3", "world_size=3"],
+            "parallel.tensor_model_parallel_size",
+            "num_attention_heads=8 is not divisible by TP=3",
+        ),
+        (
+            ["parallel.pipeline_model_parallel_size=3", "world_size=3"],
+            "parallel.pipeline_model_parallel_size",
+            "num_layers=4 is not divisible by PP=3",
+        ),
         (["train.global_batch_size=6"], "train.global_batch_size", "not divisible by train.micro_batch_size=2 x"),
         (["model.num_query_groups=3"], "model.num_query_groups", "not divisible by num_query_groups=3"),
         (["model.arch=bert"], "model.arch", "llama or gpt2"),

@@ -61,7 +61,7 @@ def pip_installs() -> list[tuple[str, Requirement]]:
             if "pip" not in words or "install" not in words:
                 continue
             tokens = shlex.split(expand(segment, args))
-            for token in tokens[tokens.index("install") + 1:]:
+            for token in tokens[tokens.index("install") + 1 :]:
                 if token.startswith("-") or token.startswith("/") or token.startswith("http") or token == ".":
                     continue
                 out.append((line, Requirement(token)))
@@ -98,8 +98,9 @@ def test_base_image_provides_torch_transformer_engine_and_apex():
     assert args["BASE_IMAGE"].startswith("nvcr.io/nvidia/pytorch:"), args["BASE_IMAGE"]
     assert "FROM ${BASE_IMAGE}" in docker_lines()
     names = set(installed())
-    assert not names & {"torch", "transformer-engine", "apex", "flash-attn"}, \
+    assert not names & {"torch", "transformer-engine", "apex", "flash-attn"}, (
         "the base image's CUDA builds are used as they are (PyPI's apex is not NVIDIA apex)"
+    )
     assert "ENV PIP_CONSTRAINT=/opt/torch-constraint.txt" in docker_lines(), "pip must not replace the image's torch"
 
 
@@ -123,10 +124,24 @@ def test_package_installed_where_the_launchers_look_for_it():
 
 def test_check_image_names_a_wrong_pin_and_nothing_else_here():
     """One run: the dev environment passes every check but the deliberately wrong megatron-core pin."""
-    pins = {n: [s.version for s in r.specifier][0] for n, r in setup_requires().items()
-            if n in ("megatron-core", "nvidia-pytriton")}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "containers", "check_image.py"), "--megatron-core",
-                           "0.0.1", "--pytriton", pins["nvidia-pytriton"]], capture_output=True, text=True, timeout=300)
+    pins = {
+        n: [s.version for s in r.specifier][0]
+        for n, r in setup_requires().items()
+        if n in ("megatron-core", "nvidia-pytriton")
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "containers", "check_image.py"),
+            "--megatron-core",
+            "0.0.1",
+            "--pytriton",
+            pins["nvidia-pytriton"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     problems = [line for line in proc.stderr.splitlines() if line.startswith("check_image: ")]
     assert proc.returncode == 1
     assert problems == [f"check_image: megatron-core is {pins['megatron-core']}, expected 0.0.1"], proc.stderr[-2000:]

@@ -54,8 +54,10 @@ def test_hf_to_ours_to_hf(kind, tmp_path):
     assert n_tokens in (N_TOKENS, N_TOKENS + 1)
     cfg = load_model_yaml(os.path.join(conv, "model.yaml"))
     assert cfg.checkpoint == conv and cfg.tokenizer == os.path.join(conv, "tokenizer") and cfg.vocab_size == VOCAB
-    assert sorted(os.listdir(conv)) == sorted(["model", "model.yaml", "tokenizer", "hf_config.json",
-                                               "conversion.json"] + (["generation_config.json"] if not reward else []))
+    assert sorted(os.listdir(conv)) == sorted(
+        ["model", "model.yaml", "tokenizer", "hf_config.json", "conversion.json"]
+        + (["generation_config.json"] if not reward else [])
+    )
     expected = hf_outputs(hf)
     torch.testing.assert_close(ours(conv), expected, rtol=0, atol=1e-4)
 
@@ -64,8 +66,9 @@ def test_hf_to_ours_to_hf(kind, tmp_path):
     assert sorted(exported) == sorted(original)
     for name, t in original.items():
         assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
-    assert json.load(open(os.path.join(back, "config.json"))) == {**json.load(open(os.path.join(hf_dir,
-                                                                                               "config.json")))}
+    assert json.load(open(os.path.join(back, "config.json"))) == {
+        **json.load(open(os.path.join(hf_dir, "config.json")))
+    }
     auto = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     reloaded = auto.from_pretrained(back, attn_implementation="eager").eval()
     assert torch.equal(hf_outputs(reloaded), expected)
@@ -141,8 +144,11 @@ def test_clear_errors_and_nothing_left_behind(tmp_path):
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     json.dump(dict(cfg, intermediate_size=64), open(os.path.join(hf_dir, "config.json"), "w"))
-    with pytest.raises(CheckpointMismatchError, match=r"gate_proj.weight has shape \(96, 64\) but config.json "
-                                                      r"implies \(64, 64\)"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"gate_proj.weight has shape \(96, 64\) but config.json "
+        r"implies \(64, 64\)",
+    ):
         convert_hf_to_dist(hf_dir, out)
     json.dump(dict(cfg, num_hidden_layers=3), open(os.path.join(hf_dir, "config.json"), "w"))
     with pytest.raises(CheckpointMismatchError, match="lacks 9 tensor"):

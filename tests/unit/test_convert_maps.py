@@ -18,10 +18,20 @@ from aligner.checkpoint.hf import (
 from aligner.checkpoint.hf_io import HFReader, SafetensorsWriter, parse_size
 from aligner.config.schema import ModelConfig
 
-LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=10, hidden_size=8,
-             intermediate_size=12, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
-             rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=12,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+)
 
 
 def _random_hf(wmap, seed=0):
@@ -41,8 +51,16 @@ def _round_trip(wmap, hf):
 
 def test_llama_fused_qkv_is_grouped_per_kv_head():
     # 4 query heads, 2 KV groups, head_dim 1 (hidden 4): megatron rows are [q0 q1 k0 v0 | q2 q3 k1 v1].
-    cfg = ModelConfig(arch="llama", num_layers=1, hidden_size=4, num_attention_heads=4, num_query_groups=2,
-                      ffn_hidden_size=2, vocab_size=3, add_qkv_bias=True)
+    cfg = ModelConfig(
+        arch="llama",
+        num_layers=1,
+        hidden_size=4,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=2,
+        vocab_size=3,
+        add_qkv_bias=True,
+    )
     wmap = weight_map(cfg, "policy")
     hf = {n: torch.zeros(s) for n, s in wmap.hf_shapes(0).items()}
     q = torch.tensor([10.0, 11, 12, 13])
@@ -61,8 +79,9 @@ def test_llama_fused_qkv_is_grouped_per_kv_head():
 
 def test_gpt2_conv1d_qkv_becomes_per_head_rows():
     # GPT-2 c_attn: Conv1D [in=h, out=3h], columns [q | k | v]; megatron rows per head [q_h; k_h; v_h].
-    cfg = ModelConfig(arch="gpt2", num_layers=1, hidden_size=4, num_attention_heads=2, vocab_size=3,
-                      max_position_embeddings=8)
+    cfg = ModelConfig(
+        arch="gpt2", num_layers=1, hidden_size=4, num_attention_heads=2, vocab_size=3, max_position_embeddings=8
+    )
     wmap = weight_map(cfg, "policy")
     hf = {n: torch.zeros(s) for n, s in wmap.hf_shapes(0).items()}
     cols = torch.arange(12.0)  # q = 0..3 (head0: 0,1; head1: 2,3), k = 4..7, v = 8..11
@@ -76,16 +95,27 @@ def test_gpt2_conv1d_qkv_becomes_per_head_rows():
     assert torch.equal(meg["decoder.layers.0.mlp.linear_fc1.weight"], torch.arange(16.0).reshape(4, 4).t())
 
 
-@pytest.mark.parametrize("arch,kw,model_type", [
-    ("llama", dict(num_query_groups=2, add_qkv_bias=True), "policy"),
-    ("llama", dict(num_query_groups=1, tie_embeddings=True), "policy"),
-    ("llama", dict(num_query_groups=4), "reward"),
-    ("gpt2", dict(), "policy"),
-    ("gpt2", dict(tie_embeddings=False), "reward"),
-])
+@pytest.mark.parametrize(
+    "arch,kw,model_type",
+    [
+        ("llama", dict(num_query_groups=2, add_qkv_bias=True), "policy"),
+        ("llama", dict(num_query_groups=1, tie_embeddings=True), "policy"),
+        ("llama", dict(num_query_groups=4), "reward"),
+        ("gpt2", dict(), "policy"),
+        ("gpt2", dict(tie_embeddings=False), "reward"),
+    ],
+)
 def test_maps_are_exact_inverses(arch, kw, model_type):
-    cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24,
-                      vocab_size=11, max_position_embeddings=8, **kw)
+    cfg = ModelConfig(
+        arch=arch,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        ffn_hidden_size=24,
+        vocab_size=11,
+        max_position_embeddings=8,
+        **kw,
+    )
     wmap = weight_map(cfg, model_type)
     hf = _random_hf(wmap)
     meg, back = _round_trip(wmap, hf)
@@ -100,9 +130,18 @@ def test_maps_are_exact_inverses(arch, kw, model_type):
 def test_model_config_from_llama_family():
     cfg, family, model_type = model_config_from_hf(normalized_hf_config(LLAMA), "bfloat16")
     assert (family, model_type) == ("llama", "policy")
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size,
-            cfg.vocab_size, cfg.rotary_base, cfg.norm_epsilon, cfg.params_dtype, cfg.add_qkv_bias) == \
-        (2, 8, 4, 2, 12, 10, 500000.0, 1e-6, "bfloat16", False)
+    assert (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_query_groups,
+        cfg.ffn_hidden_size,
+        cfg.vocab_size,
+        cfg.rotary_base,
+        cfg.norm_epsilon,
+        cfg.params_dtype,
+        cfg.add_qkv_bias,
+    ) == (2, 8, 4, 2, 12, 10, 500000.0, 1e-6, "bfloat16", False)
     qwen = dict(LLAMA, architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True)
     cfg, _, _ = model_config_from_hf(normalized_hf_config(qwen))
     assert cfg.add_qkv_bias and cfg.tie_embeddings
@@ -111,19 +150,36 @@ def test_model_config_from_llama_family():
     assert model_config_from_hf(normalized_hf_config(legacy))[0].rotary_base == 1234.0
 
 
-@pytest.mark.parametrize("change,field", [
-    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "architecture 'Qwen3ForCausalLM'"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), "rope_type"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0}), "rope_type"),
-    (dict(head_dim=4), "'head_dim'"),
-    (dict(attention_bias=True), "'attention_bias'"),
-    (dict(mlp_bias=True), "'mlp_bias'"),
-    (dict(hidden_act="gelu"), "'hidden_act'"),
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16), "--max-position-embeddings"),
-    (dict(architectures=["LlamaForSequenceClassification"], id2label={"0": "a", "1": "b"}), "num_labels=2"),
-    (dict(architectures=["LlamaForCausalLM", "LlamaModel"]), "exactly one"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "architecture 'Qwen3ForCausalLM'"),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 5e5,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            ),
+            "rope_type",
+        ),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0}), "rope_type"),
+        (dict(head_dim=4), "'head_dim'"),
+        (dict(attention_bias=True), "'attention_bias'"),
+        (dict(mlp_bias=True), "'mlp_bias'"),
+        (dict(hidden_act="gelu"), "'hidden_act'"),
+        (
+            dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16),
+            "--max-position-embeddings",
+        ),
+        (dict(architectures=["LlamaForSequenceClassification"], id2label={"0": "a", "1": "b"}), "num_labels=2"),
+        (dict(architectures=["LlamaForCausalLM", "LlamaModel"]), "exactly one"),
+    ],
+)
 def test_unsupported_llama_features_name_the_field(change, field):
     with pytest.raises(UnsupportedModelError, match=field):
         model_config_from_hf(normalized_hf_config(dict(LLAMA, **change)))
@@ -138,11 +194,20 @@ def test_sliding_window_can_be_capped_and_covers_long_windows():
 
 
 def test_unsupported_gpt2_features():
-    gpt2 = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=10, n_embd=8, n_layer=1, n_head=2,
-                n_positions=16)
+    gpt2 = dict(
+        architectures=["GPT2LMHeadModel"],
+        model_type="gpt2",
+        vocab_size=10,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        n_positions=16,
+    )
     assert model_config_from_hf(normalized_hf_config(gpt2))[0].tie_embeddings
-    for change, field in ((dict(activation_function="gelu"), "activation_function"),
-                          (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx")):
+    for change, field in (
+        (dict(activation_function="gelu"), "activation_function"),
+        (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    ):
         with pytest.raises(UnsupportedModelError, match=field):
             model_config_from_hf(normalized_hf_config(dict(gpt2, **change)))
 

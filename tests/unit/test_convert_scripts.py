@@ -20,13 +20,27 @@ def _run(*args):
 def test_scripts_round_trip_one_process_and_torchrun(tmp_path):
     hf_dir = str(tmp_path / "hf")
     make_hf("qwen2", hf_dir)
-    single = _run("scripts/convert_hf_to_nemo.py", "--input", hf_dir, "--output", str(tmp_path / "one"),
-                  "--tp", "2", "--pp", "2")
+    single = _run(
+        "scripts/convert_hf_to_nemo.py", "--input", hf_dir, "--output", str(tmp_path / "one"), "--tp", "2", "--pp", "2"
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     info = json.load(open(tmp_path / "one" / "conversion.json"))
     assert info["converted_with_layout"] == [1, 1] and info["tensor_model_parallel_size"] == 2
-    launched = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                    "scripts/convert_hf_to_nemo.py", "--input", hf_dir, "--output", str(tmp_path / "tp2"), "--tp", "2")
+    launched = _run(
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "scripts/convert_hf_to_nemo.py",
+        "--input",
+        hf_dir,
+        "--output",
+        str(tmp_path / "tp2"),
+        "--tp",
+        "2",
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert launched.stdout.count("wrote ") == 1  # rank 0 reports
     assert json.load(open(tmp_path / "tp2" / "conversion.json"))["converted_with_layout"] == [2, 1]

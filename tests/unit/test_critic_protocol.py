@@ -36,19 +36,22 @@ def test_check_infer_accepts_and_normalises():
     check_infer(np.array([[5, 6, 7, 99]]), [3], None, None, LIMITS)
 
 
-@pytest.mark.parametrize("tokens, lengths, prompt, expect", [
-    (TOK[0], LEN, None, "send [B, T]"),
-    (TOK.astype(np.float32), LEN, None, "dtype float32"),
-    (TOK, LEN[:1], None, "lengths has 1 rows but tokens has 2"),
-    (TOK, np.array([[5], [2]]), None, "lengths[0]=5 is outside 1..T=4"),
-    (TOK, np.array([[0], [2]]), None, "lengths[0]=0 is outside"),
-    (TOK[:0], LEN[:0], None, "empty batch"),
-    (np.zeros((5, 4), np.int64), np.ones((5, 1), np.int64), None, "exceeds server.max_batch_size=4"),
-    (np.zeros((1, 17), np.int64), [[1]], None, "must be 1..16 (server.max_seq_len)"),
-    (np.array([[5, 48, 0, 0]]), [[2]], None, "tokens[0, 1]=48 is outside the vocabulary"),
-    (TOK, LEN, np.array([[4], [0]]), "prompt_lengths[0]=4 is outside 0..lengths[0]=3"),
-    (TOK, LEN, np.array([1, 1, 1]), "prompt_lengths has 3 rows"),
-])
+@pytest.mark.parametrize(
+    "tokens, lengths, prompt, expect",
+    [
+        (TOK[0], LEN, None, "send [B, T]"),
+        (TOK.astype(np.float32), LEN, None, "dtype float32"),
+        (TOK, LEN[:1], None, "lengths has 1 rows but tokens has 2"),
+        (TOK, np.array([[5], [2]]), None, "lengths[0]=5 is outside 1..T=4"),
+        (TOK, np.array([[0], [2]]), None, "lengths[0]=0 is outside"),
+        (TOK[:0], LEN[:0], None, "empty batch"),
+        (np.zeros((5, 4), np.int64), np.ones((5, 1), np.int64), None, "exceeds server.max_batch_size=4"),
+        (np.zeros((1, 17), np.int64), [[1]], None, "must be 1..16 (server.max_seq_len)"),
+        (np.array([[5, 48, 0, 0]]), [[2]], None, "tokens[0, 1]=48 is outside the vocabulary"),
+        (TOK, LEN, np.array([[4], [0]]), "prompt_lengths[0]=4 is outside 0..lengths[0]=3"),
+        (TOK, LEN, np.array([1, 1, 1]), "prompt_lengths has 3 rows"),
+    ],
+)
 def test_check_infer_errors(tokens, lengths, prompt, expect):
     assert expect in _err(check_infer, tokens, lengths, prompt, None, LIMITS)
 
@@ -74,8 +77,9 @@ def test_check_train_errors():
     nan_outside[0, 3] = np.nan  # not under the mask: allowed
     check_train(TOK, LEN, nan_outside, f, mask, LIMITS)
     big = np.zeros((7, 4), np.int64)
-    assert "exceeds server.max_train_batch_size=6" in _err(check_train, big, np.ones(7), np.zeros((7, 4)),
-                                                           np.zeros((7, 4)), np.zeros((7, 4)), LIMITS)
+    assert "exceeds server.max_train_batch_size=6" in _err(
+        check_train, big, np.ones(7), np.zeros((7, 4)), np.zeros((7, 4)), np.zeros((7, 4)), LIMITS
+    )
     assert check_step(np.array([3])) == 3
     assert "non-negative" in _err(check_step, -1)
 
@@ -107,14 +111,17 @@ def _cfg(**kw) -> CriticJobConfig:
     return CriticJobConfig(**kw)
 
 
-@pytest.mark.parametrize("kw, key, text", [
-    (dict(), "reward_model", "neither is set"),
-    (dict(reward_model=tiny_model(), reward_fn="r.py", tokenizer="t.json"), "reward_model", "both are set"),
-    (dict(reward_fn="r.txt", tokenizer="t.json"), "reward_fn", ".py"),
-    (dict(reward_fn="r.py"), "tokenizer", "set tokenizer"),
-    (dict(reward_model=tiny_model(vocab_size=50)), "reward_model.vocab_size", "50 != model.vocab_size=48"),
-    (dict(reward_model=tiny_model(), reward_std=0.0), "reward_std", "> 0"),
-])
+@pytest.mark.parametrize(
+    "kw, key, text",
+    [
+        (dict(), "reward_model", "neither is set"),
+        (dict(reward_model=tiny_model(), reward_fn="r.py", tokenizer="t.json"), "reward_model", "both are set"),
+        (dict(reward_fn="r.txt", tokenizer="t.json"), "reward_fn", ".py"),
+        (dict(reward_fn="r.py"), "tokenizer", "set tokenizer"),
+        (dict(reward_model=tiny_model(vocab_size=50)), "reward_model.vocab_size", "50 != model.vocab_size=48"),
+        (dict(reward_model=tiny_model(), reward_std=0.0), "reward_std", "> 0"),
+    ],
+)
 def test_config_rules(kw, key, text):
     with pytest.raises(ConfigError) as info:
         _cfg(**kw).validate()
@@ -141,8 +148,9 @@ def test_config_server_and_world_rules():
 
 def test_relative_paths_resolve_against_repo_and_config_dir(tmp_path):
     (tmp_path / "my_reward.py").write_text("def reward_fn(prompts, responses):\n    return [1.0] * len(prompts)\n")
-    (tmp_path / "job.yaml").write_text("defaults: []\nreward_fn: my_reward.py\ntokenizer: conf/demo/tokenizer.json\n"
-                                       "model:\n  vocab_size: 48\n")
+    (tmp_path / "job.yaml").write_text(
+        "defaults: []\nreward_fn: my_reward.py\ntokenizer: conf/demo/tokenizer.json\nmodel:\n  vocab_size: 48\n"
+    )
     cfg = load_critic_config(["--config-path", str(tmp_path), "--config-name", "job"])
     assert cfg.reward_fn == str(tmp_path / "my_reward.py")  # next to the config file
     assert cfg.tokenizer == os.path.join(REPO, "conf", "demo", "tokenizer.json")  # under the repository root
@@ -165,7 +173,7 @@ def test_reward_function_decodes_prompt_and_response(tmp_path):
     fn = RewardFunction(os.path.join(REPO, "conf", "demo", "reward.py"), TOKENIZER)
     prompt, response = _encode("say a: cat:"), _encode("aab")
     row = prompt + response
-    tokens = np.array([row + [0, 0], row[:len(prompt) + 1] + [0] * 4])
+    tokens = np.array([row + [0, 0], row[: len(prompt) + 1] + [0] * 4])
     lengths = np.array([len(row), len(prompt) + 1])
     prompts, responses = fn.texts(tokens, lengths, np.array([len(prompt)] * 2))
     assert prompts == ["say a: cat:"] * 2 and responses == ["aab", "a"]
@@ -176,12 +184,15 @@ def test_reward_function_decodes_prompt_and_response(tmp_path):
     assert whole[0] == pytest.approx(text.count("a") / len(text))
 
 
-@pytest.mark.parametrize("body, text", [
-    ("def reward_fn(p, r):\n    return [1.0]\n", "returned 1 scores for 2 samples"),
-    ("def reward_fn(p, r):\n    return [1.0, float('nan')]\n", "non-finite score nan for sample 1"),
-    ("def reward_fn(p, r):\n    raise KeyError('boom')\n", "raised KeyError('boom')"),
-    ("def reward_fn(p, r):\n    return 3\n", "must return a list of floats"),
-])
+@pytest.mark.parametrize(
+    "body, text",
+    [
+        ("def reward_fn(p, r):\n    return [1.0]\n", "returned 1 scores for 2 samples"),
+        ("def reward_fn(p, r):\n    return [1.0, float('nan')]\n", "non-finite score nan for sample 1"),
+        ("def reward_fn(p, r):\n    raise KeyError('boom')\n", "raised KeyError('boom')"),
+        ("def reward_fn(p, r):\n    return 3\n", "must return a list of floats"),
+    ],
+)
 def test_reward_function_errors_name_the_file(tmp_path, body, text):
     path = tmp_path / "bad.py"
     path.write_text(body)
@@ -212,8 +223,13 @@ def test_client_unreachable_error_names_url_and_what_to_check():
         future.result(timeout=60)
     assert time.monotonic() - start < 30
     message = str(info.value)
-    for part in (f"http://127.0.0.1:{port}", "within 1.5 s", "critic server ready", "server.host:server.port",
-                 "`critic` section"):
+    for part in (
+        f"http://127.0.0.1:{port}",
+        "within 1.5 s",
+        "critic server ready",
+        "server.host:server.port",
+        "`critic` section",
+    ):
         assert part in message, message
     with pytest.raises(CriticRequestError, match="empty batch"):  # checked locally, before any network
         client.infer_async(TOK[:0], LEN[:0])

@@ -26,8 +26,12 @@ def weights(tmp_path_factory):
     init_single_process()
     root = tmp_path_factory.mktemp("critic_weights")
     critic, rm = seeded_scalar_model(tiny_model(), 1), seeded_scalar_model(tiny_model(), 2)
-    return {"critic": critic, "rm": rm, "critic_ckpt": save_weights(critic, str(root / "critic")),
-            "rm_ckpt": save_weights(rm, str(root / "rm"))}
+    return {
+        "critic": critic,
+        "rm": rm,
+        "critic_ckpt": save_weights(critic, str(root / "critic")),
+        "rm_ckpt": save_weights(rm, str(root / "rm")),
+    }
 
 
 def _service(weights, tmp_path, reward="model", **overrides):
@@ -124,8 +128,9 @@ def test_train_lowers_value_loss_and_reports_metrics(weights, tmp_path):
     ev = explained_variance(values, returns, mask).item()
     assert metrics["explained_variance"] == pytest.approx(ev, abs=1e-6)
     # Loss as the value loss of the service's first forward: 0.5 * (V - R)^2 over masked tokens (no clip yet).
-    fresh = _service(weights, tmp_path / "fresh", train__epochs=1, train__global_batch_size=6,
-                     train__micro_batch_size=3)
+    fresh = _service(
+        weights, tmp_path / "fresh", train__epochs=1, train__global_batch_size=6, train__micro_batch_size=3
+    )
     v0, _ = fresh.infer(tokens, lengths)
     first = fresh.train(tokens, lengths, returns, v0, mask)
     expect = (0.5 * (v0 - returns).square() * mask).sum() / mask.sum()

@@ -62,8 +62,14 @@ def test_start_writer_readies_megatron_helper_before_the_first_save(tmp_path):
     # Output to files, not pipes: a helper left behind would hold a pipe open and stall the call instead of failing.
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     with open(out, "w") as fo, open(err, "w") as fe:
-        code = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], stdout=fo, stderr=fe, env=env,
-                              timeout=240, start_new_session=True).returncode
+        code = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "ckpt")],
+            stdout=fo,
+            stderr=fe,
+            env=env,
+            timeout=240,
+            start_new_session=True,
+        ).returncode
     stdout = out.read_text()
     assert code == -9, err.read_text()[-3000:]
     assert "helper_has_torch True" in stdout, stdout

@@ -13,12 +13,28 @@ from aligner.generation import GenerationConfig, ReleasableMemory, SamplingParam
 from aligner.models.gpt import build_gpt
 
 V = 250
-LLAMA = ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                    ffn_hidden_size=96, vocab_size=V, init_method_std=0.2, add_qkv_bias=True)
-GPT2 = ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=V,
-                   init_method_std=0.2, tie_embeddings=True, max_position_embeddings=64)
-GEN = GenerationConfig(max_batch_size=5, max_prompt_length=10, max_response_length=12, kv_block=4,
-                       check_done_every=3)
+LLAMA = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=V,
+    init_method_std=0.2,
+    add_qkv_bias=True,
+)
+GPT2 = ModelConfig(
+    arch="gpt2",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=V,
+    init_method_std=0.2,
+    tie_embeddings=True,
+    max_position_embeddings=64,
+)
+GEN = GenerationConfig(max_batch_size=5, max_prompt_length=10, max_response_length=12, kv_block=4, check_done_every=3)
 PROMPTS = torch.randint(0, V, (4, 10), generator=torch.Generator().manual_seed(5))
 LENGTHS = torch.tensor([3, 10, 1, 6])
 
@@ -49,8 +65,9 @@ def _responses(out):
     return [out.response_tokens_BR[b, : int(n)].tolist() for b, n in enumerate(out.response_lengths_B)]
 
 
-@pytest.mark.parametrize("cfg,attention", [(LLAMA, "matmul"), (LLAMA, "sdpa"), (GPT2, "matmul")],
-                         ids=["llama-matmul", "llama-sdpa", "gpt2"])
+@pytest.mark.parametrize(
+    "cfg,attention", [(LLAMA, "matmul"), (LLAMA, "sdpa"), (GPT2, "matmul")], ids=["llama-matmul", "llama-sdpa", "gpt2"]
+)
 def test_greedy_equals_no_cache_reference(cfg, attention):
     model = _model(cfg)
     engine = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": attention}), cfg, model)
@@ -82,8 +99,9 @@ def test_sampled_logprobs_equal_training_logprobs_at_temperature():
     engine = build_engine(GEN, LLAMA, model)
     for sp in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=4)):
         out = engine.generate(PROMPTS, LENGTHS, sp)
-        ref = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B,
-                                sp.temperature, V)
+        ref = training_logprobs(
+            model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, sp.temperature, V
+        )
         torch.testing.assert_close(out.logprobs_BR, ref, rtol=0, atol=2e-5)
         assert (out.logprobs_BR < 0).all()
 
@@ -102,8 +120,9 @@ def test_eos_stop_tokens_min_new_and_length_limit():
         sp = SamplingParams(greedy=True, pad_token_id=V - 1, **case)
         out = engine.generate(PROMPTS, LENGTHS, sp)
         n = case.get("max_new_tokens", 12)
-        expected = reference_greedy(model, PROMPTS, LENGTHS, n, V, end_ids=sp.end_token_ids(),
-                                    min_new=case.get("min_new_tokens", 0))
+        expected = reference_greedy(
+            model, PROMPTS, LENGTHS, n, V, end_ids=sp.end_token_ids(), min_new=case.get("min_new_tokens", 0)
+        )
         assert _responses(out) == expected, case
         ended = [r[-1] in sp.end_token_ids() and len(r) > case.get("min_new_tokens", 0) for r in expected]
         assert out.ended_B.tolist() == ended
@@ -115,8 +134,8 @@ def test_eos_stop_tokens_min_new_and_length_limit():
             assert out.ended_B[:2].all(), "samples 0 and 1 were built to hit an ending token"
         assert out.response_tokens_BR.shape[1] == max(len(r) for r in expected)
         for b, r in enumerate(expected):
-            assert (out.response_tokens_BR[b, len(r):] == V - 1).all(), "after the end: pad tokens"
-            assert (out.logprobs_BR[b, len(r):] == 0).all(), "after the end: zero log-probs"
+            assert (out.response_tokens_BR[b, len(r) :] == V - 1).all(), "after the end: pad tokens"
+            assert (out.logprobs_BR[b, len(r) :] == 0).all(), "after the end: zero log-probs"
             if not ended[b]:
                 assert len(r) == n, "a sample that did not end is cut at max_new_tokens"
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True, eos_token_id=eos, ignore_eos=True))
@@ -179,10 +198,12 @@ def test_graph_mode_bookkeeping_matches_eager():
     eager = build_engine(GEN, LLAMA, model)
     graphed = build_engine(GEN, LLAMA, model)
     graphed.use_graphs, graphed._capturer = True, _EagerCapturer()
-    calls = [(PROMPTS, LENGTHS, SamplingParams(greedy=True)),
-             (PROMPTS, LENGTHS, SamplingParams(seed=5, top_k=30, top_p=0.9, eos_token_id=int(PROMPTS[0, 0]))),
-             (PROMPTS[:2], LENGTHS[:2], SamplingParams(greedy=True, max_new_tokens=5)),
-             (PROMPTS, LENGTHS, SamplingParams(greedy=True))]
+    calls = [
+        (PROMPTS, LENGTHS, SamplingParams(greedy=True)),
+        (PROMPTS, LENGTHS, SamplingParams(seed=5, top_k=30, top_p=0.9, eos_token_id=int(PROMPTS[0, 0]))),
+        (PROMPTS[:2], LENGTHS[:2], SamplingParams(greedy=True, max_new_tokens=5)),
+        (PROMPTS, LENGTHS, SamplingParams(greedy=True)),
+    ]
     for prompts, lengths, sp in calls:
         a, b = eager.generate(prompts, lengths, sp), graphed.generate(prompts, lengths, sp)
         assert torch.equal(a.response_tokens_BR, b.response_tokens_BR) and torch.equal(a.ended_B, b.ended_B)
@@ -209,8 +230,9 @@ def test_refit_copies_new_weights_into_the_same_buffers():
 
     trainable.step([{"tokens": tokens}], loss_fn)
     trainable.module.eval()
-    new_ref = training_logprobs(trainable.module, PROMPTS, LENGTHS, before.response_tokens_BR,
-                                before.response_lengths_B, 1.0, V)
+    new_ref = training_logprobs(
+        trainable.module, PROMPTS, LENGTHS, before.response_tokens_BR, before.response_lengths_B, 1.0, V
+    )
     assert (new_ref - before.logprobs_BR).abs().max() > 1e-3, "the step must change the policy for this test to bite"
     stale = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
     assert torch.equal(stale.logprobs_BR, before.logprobs_BR), "the engine holds a copy, not the live weights"
@@ -236,8 +258,9 @@ def test_release_acquire_and_input_errors():
     with pytest.raises(RuntimeError, match="acquire_memory"):
         engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
     engine.acquire_memory()
-    assert torch.equal(engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True)).response_tokens_BR,
-                       first.response_tokens_BR)
+    assert torch.equal(
+        engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True)).response_tokens_BR, first.response_tokens_BR
+    )
     too_many = torch.zeros(6, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="max_batch_size"):
         engine.generate(too_many, torch.ones(6, dtype=torch.long), SamplingParams(greedy=True))

@@ -64,8 +64,15 @@ def test_draws_stay_inside_the_mask_and_follow_its_distribution(top_k, top_p):
     banned = torch.zeros(V, dtype=torch.bool)
     banned[3] = True
     u = torch.rand(n)
-    tokens = sample_tokens(logits, u, greedy=False, temperature=temperature, top_k=top_k,
-                           top_p=None if top_p is None else torch.tensor(top_p), banned_BV=banned)
+    tokens = sample_tokens(
+        logits,
+        u,
+        greedy=False,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=None if top_p is None else torch.tensor(top_p),
+        banned_BV=banned,
+    )
     allowed = candidate_mask(logits[:1].masked_fill(banned, float("-inf")), temperature, top_k, top_p)[0] & ~banned
     counts = torch.bincount(tokens, minlength=V).double()
     assert counts[~allowed].sum() == 0, "a token outside top-k/top-p or a banned token was drawn"

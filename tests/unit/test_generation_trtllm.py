@@ -46,8 +46,15 @@ def test_trtllm_engine_matches_native_and_refits():
     from aligner.parallel import initialize
 
     initialize(1, 1, master_port=free_port())
-    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, vocab_size=512,
-                      params_dtype="bfloat16", init_method_std=0.2)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=512,
+        params_dtype="bfloat16",
+        init_method_std=0.2,
+    )
     model = build_gpt(cfg).eval()
     gen = GenerationConfig(max_batch_size=4, max_prompt_length=16, max_response_length=8)
     native = build_engine(gen, cfg, model)

@@ -6,8 +6,14 @@ from aligner.parallel.launch import discover, first_slurm_host, pick_backend
 
 
 def test_slurm_environment():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu-[003-004]",
-           "SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NODELIST": "gpu-[003-004]",
+        "SLURM_JOB_ID": "1234",
+        "SLURM_STEP_ID": "0",
+    }
     info = discover(env)
     assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.source) == (5, 8, 1, "gpu-003", "slurm")
     assert 20000 <= info.master_port < 40000
@@ -16,15 +22,23 @@ def test_slurm_environment():
     assert discover({**env, "MASTER_ADDR": "h", "MASTER_PORT": "1"})[3:5] == ("h", 1)
 
 
-@pytest.mark.parametrize("nodelist, first", [("n1", "n1"), ("node[7-9],x2", "node7"), ("a-[01,05]", "a-01"),
-                                             ("c[100-101]", "c100")])
+@pytest.mark.parametrize(
+    "nodelist, first", [("n1", "n1"), ("node[7-9],x2", "node7"), ("a-[01,05]", "a-01"), ("c[100-101]", "c100")]
+)
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
 
 
 def test_torchrun_wins_over_slurm():
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000",
-           "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "6000",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+    }
     assert discover(env)[:6] == (1, 2, 1, "10.0.0.1", 6000, "torchrun")
 
 

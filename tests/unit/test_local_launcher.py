@@ -25,17 +25,27 @@ def test_gpu_lists_become_each_jobs_visible_devices():
     assert gpu_env(" 4, 5,6 ", 1, "--critic-gpus") == {"CUDA_VISIBLE_DEVICES": "4,5,6"}
 
 
-@pytest.mark.parametrize("gpus, procs, text", [("0", 2, r"names 1 GPU\(s\) for 2 process\(es\)"),
-                                               ("0,0", 1, "distinct GPU indices"), ("a", 1, "distinct GPU indices"),
-                                               ("", 1, "distinct GPU indices")])
+@pytest.mark.parametrize(
+    "gpus, procs, text",
+    [
+        ("0", 2, r"names 1 GPU\(s\) for 2 process\(es\)"),
+        ("0,0", 1, "distinct GPU indices"),
+        ("a", 1, "distinct GPU indices"),
+        ("", 1, "distinct GPU indices"),
+    ],
+)
 def test_bad_gpu_lists_are_named(gpus, procs, text):
     with pytest.raises(ValueError, match=text):
         _launcher().gpu_env(gpus, procs, "--actor-gpus")
 
 
 def test_bad_gpu_list_stops_the_launcher_before_any_job(tmp_path):
-    proc = subprocess.run([sys.executable, PATH, "--exp-dir", str(tmp_path / "exp"), "--critic-gpus", "x"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, PATH, "--exp-dir", str(tmp_path / "exp"), "--critic-gpus", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "--critic-gpus 'x'" in proc.stderr
     assert not (tmp_path / "exp").exists(), "nothing started, nothing written"

@@ -11,8 +11,16 @@ def test_layout_and_shifted_grid():
     responses = torch.tensor([[10, 11, 2], [12, 0, 0]])
     response_lengths = torch.tensor([3, 1])
     logprobs = torch.tensor([[-0.1, -0.2, -0.3], [-0.4, 0.0, 0.0]])
-    r = assemble(prompts, prompt_lengths, responses, response_lengths, logprobs, torch.tensor([True, False]),
-                 pad_id=0, total_length=6)
+    r = assemble(
+        prompts,
+        prompt_lengths,
+        responses,
+        response_lengths,
+        logprobs,
+        torch.tensor([True, False]),
+        pad_id=0,
+        total_length=6,
+    )
     assert r.tokens_BT.tolist() == [[5, 6, 10, 11, 2, 0], [7, 8, 9, 12, 0, 0]]
     assert r.lengths_B.tolist() == [5, 4]
     # shifted index i is token i+1: sample 0's response tokens 2..4 sit at 1..3, sample 1's token 3 at 2
@@ -28,8 +36,16 @@ def test_response_mask_matches_assemble():
 
 def test_concat_and_pad_keep_rows_aligned():
     def one(tokens, p, resp):
-        return assemble(torch.tensor([tokens]), torch.tensor([p]), torch.tensor([resp]), torch.tensor([len(resp)]),
-                        torch.full((1, len(resp)), -1.0), torch.tensor([True]), 0, p + len(resp))
+        return assemble(
+            torch.tensor([tokens]),
+            torch.tensor([p]),
+            torch.tensor([resp]),
+            torch.tensor([len(resp)]),
+            torch.full((1, len(resp)), -1.0),
+            torch.tensor([True]),
+            0,
+            p + len(resp),
+        )
 
     a, b = one([1, 2], 2, [3]), one([4], 1, [5, 6, 7])
     a.positions, b.positions = [3], [0]
@@ -54,5 +70,5 @@ def test_minibatches_are_the_same_sets_for_any_dp():
     assert sorted(one) == list(range(n)) and one != list(range(n))
     two = [minibatch_positions(n, groups, 2, r, seed=3) for r in range(2)]
     for m in range(groups):  # global mini-batch m = union of the ranks' m-th local slices
-        assert set(two[0][m * 4:(m + 1) * 4]) | set(two[1][m * 4:(m + 1) * 4]) == set(one[m * 8:(m + 1) * 8])
+        assert set(two[0][m * 4 : (m + 1) * 4]) | set(two[1][m * 4 : (m + 1) * 4]) == set(one[m * 8 : (m + 1) * 8])
     assert minibatch_positions(4, 1, 2, 1, None) == [2, 3]

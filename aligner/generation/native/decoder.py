@@ -53,17 +53,30 @@ class Layout:
 
 
 class Decoder:
-    def __init__(self, layout: Layout, weights, tp_group, max_batch: int, max_seq: int, kv_dtype: torch.dtype,
-                 device: torch.device, decode_attention: str = "matmul", compile_elementwise: bool = False):
+    def __init__(
+        self,
+        layout: Layout,
+        weights,
+        tp_group,
+        max_batch: int,
+        max_seq: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        decode_attention: str = "matmul",
+        compile_elementwise: bool = False,
+    ):
         self.lo, self.w, self.group = layout, weights, tp_group
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
-        self.scale = layout.head_dim ** -0.5
+        self.scale = layout.head_dim**-0.5
         # Decode (one token per sample, fixed shapes per batch size) may use compiled kernels; prefill, whose shapes
         # change with every prompt width and whose time goes to GEMMs, always runs the plain ones.
         self.k_eager = make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", False)
-        self.k = make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", True) if compile_elementwise \
+        self.k = (
+            make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", True)
+            if compile_elementwise
             else self.k_eager
+        )
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)
@@ -82,8 +95,11 @@ class Decoder:
         lo = self.lo
         # Zeros, not empty: decode reads slots past a sample's position with weight exactly 0, and 0 * NaN (what
         # uninitialised memory may hold) would still be NaN. Slots are only ever overwritten with finite K/V after.
-        self.kv = torch.zeros((lo.num_layers, 2, self.max_batch, lo.groups, self.max_seq, lo.head_dim),
-                              dtype=self.kv_dtype, device=self.device)
+        self.kv = torch.zeros(
+            (lo.num_layers, 2, self.max_batch, lo.groups, self.max_seq, lo.head_dim),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
 
     def free_kv(self) -> None:
         self.kv = None
@@ -135,8 +151,13 @@ class Decoder:
             lw = self.w.layer(i)
             qkv = self._linear(h, lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"])
             a = self._all_reduce(self._linear(attend(i, qkv), lw["self_attention.linear_proj.weight"]))
-            x, h = k.add_norm(x, a, lw["self_attention.linear_proj.bias"], lw["pre_mlp_layernorm.weight"],
-                              lw["pre_mlp_layernorm.bias"])
+            x, h = k.add_norm(
+                x,
+                a,
+                lw["self_attention.linear_proj.bias"],
+                lw["pre_mlp_layernorm.weight"],
+                lw["pre_mlp_layernorm.bias"],
+            )
             m = k.act(self._linear(h, lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]))
             m = self._all_reduce(self._linear(m, lw["mlp.linear_fc2.weight"]))
             if i + 1 < lo.num_layers:
@@ -159,10 +180,11 @@ class Decoder:
         def attend(i, qkv):
             q, kv_new = self.k_eager.rope_split(self._qkv5(qkv), cos, sin)  # q [B,T,G,r,D], kv_new [2,B,T,G,D]
             kv_2BGTD = kv_new.transpose(2, 3)
-            kv[i, :, row0:row0 + B, :, :T] = kv_2BGTD
+            kv[i, :, row0 : row0 + B, :, :T] = kv_2BGTD
             q_BHTD = q.reshape(B, T, lo.heads, lo.head_dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q_BHTD, kv_2BGTD[0], kv_2BGTD[1], is_causal=True, scale=self.scale,
-                                                 enable_gqa=lo.heads != lo.groups)
+            out = F.scaled_dot_product_attention(
+                q_BHTD, kv_2BGTD[0], kv_2BGTD[1], is_causal=True, scale=self.scale, enable_gqa=lo.heads != lo.groups
+            )
             return out.transpose(1, 2).reshape(B, T, lo.heads * lo.head_dim)
 
         h = self._stack(x, attend, self.k_eager)
@@ -183,8 +205,12 @@ class Decoder:
         sin = None if self.cos is None else self.sin_signed[pos_B].view(B, 1, 1, D)
         if self.decode_attention == "matmul":
             # additive mask, built once per step for all layers: [B*G, 1, L], broadcast over the r query rows
-            mask_add = torch.zeros(B, 1, 1, kv_len, dtype=kv.dtype, device=kv.device).masked_fill_(
-                beyond_BL.view(B, 1, 1, kv_len), float("-inf")).expand(B, G, 1, kv_len).reshape(B * G, 1, kv_len)
+            mask_add = (
+                torch.zeros(B, 1, 1, kv_len, dtype=kv.dtype, device=kv.device)
+                .masked_fill_(beyond_BL.view(B, 1, 1, kv_len), float("-inf"))
+                .expand(B, G, 1, kv_len)
+                .reshape(B * G, 1, kv_len)
+            )
 
         def attend(i, qkv):
             q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin)  # q [B,G,r,D], kv_new [2,B,G,D]
@@ -192,14 +218,23 @@ class Decoder:
             cache.scatter_(3, slot, kv_new.unsqueeze(3).to(kv.dtype))
             keys, values = cache[0, :, :, :kv_len], cache[1, :, :, :kv_len]  # [B,G,L,D] strided views, no copies
             if self.decode_attention == "sdpa":
-                out = F.scaled_dot_product_attention(q.reshape(B, lo.heads, 1, D).to(kv.dtype), keys, values,
-                                                     attn_mask=~beyond_BL.view(B, 1, 1, kv_len), scale=self.scale,
-                                                     enable_gqa=lo.heads != G)
+                out = F.scaled_dot_product_attention(
+                    q.reshape(B, lo.heads, 1, D).to(kv.dtype),
+                    keys,
+                    values,
+                    attn_mask=~beyond_BL.view(B, 1, 1, kv_len),
+                    scale=self.scale,
+                    enable_gqa=lo.heads != G,
+                )
                 return out.reshape(B, lo.heads * D).to(qkv.dtype)
             # GQA without repeating K/V: each group's r query heads are the rows of one small GEMM; the scale and
             # the mask ride in baddbmm's epilogue.
-            scores = torch.baddbmm(mask_add, q.reshape(B * G, r, D).to(kv.dtype),
-                                   keys.reshape(B * G, kv_len, D).transpose(1, 2), alpha=self.scale)
+            scores = torch.baddbmm(
+                mask_add,
+                q.reshape(B * G, r, D).to(kv.dtype),
+                keys.reshape(B * G, kv_len, D).transpose(1, 2),
+                alpha=self.scale,
+            )
             probs = torch.softmax(scores, dim=-1)  # accumulates in float32 inside, also for bf16
             return torch.bmm(probs, values.reshape(B * G, kv_len, D)).view(B, lo.heads * D).to(qkv.dtype)
 
@@ -215,4 +250,4 @@ class Decoder:
             gathered = logits_local_BV.new_empty((lo.tp * B, lo.vocab_local))
             dist.all_gather_into_tensor(gathered, logits_local_BV.contiguous(), group=self.group)
             logits_local_BV = gathered.view(lo.tp, B, lo.vocab_local).transpose(0, 1).reshape(B, -1)
-        return logits_local_BV[:, :lo.vocab_size].float()
+        return logits_local_BV[:, : lo.vocab_size].float()

@@ -46,9 +46,13 @@ def _parallel_state():
     if not ps.model_parallel_is_initialized():
         return None, 1, 0, None, None
     pp = ps.get_pipeline_model_parallel_world_size()
-    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_group() if pp > 1 else None,
-            ps.get_model_parallel_group() if pp > 1 else None)
+    return (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+        ps.get_model_parallel_group() if pp > 1 else None,
+    )
 
 
 class NativeEngine:
@@ -60,8 +64,9 @@ class NativeEngine:
             raise ValueError("this policy is one pipeline stage but megatron's parallel state says PP=1")
         config = module.config
         if getattr(config, "rotary_interleaved", False) or getattr(config, "rotary_percent", 1.0) != 1.0:
-            raise NotImplementedError("the native engine implements megatron's default RoPE only (non-interleaved, "
-                                      "rotary_percent=1.0)")
+            raise NotImplementedError(
+                "the native engine implements megatron's default RoPE only (non-interleaved, rotary_percent=1.0)"
+            )
         self.cfg, self.model_cfg = gen_cfg, model_cfg
         param = next(module.parameters())
         self.device = param.device
@@ -74,20 +79,37 @@ class NativeEngine:
         self.weights = EngineWeights(module, dtype, self.device, pp_group)
         vocab_local = self.weights.get("embedding.word_embeddings.weight").shape[0]
         layout = Layout(
-            arch=model_cfg.arch, num_layers=self.weights.num_layers, hidden=config.hidden_size,
+            arch=model_cfg.arch,
+            num_layers=self.weights.num_layers,
+            hidden=config.hidden_size,
             heads=config.num_attention_heads // tp,
             groups=(config.num_query_groups or config.num_attention_heads) // tp,
-            head_dim=config.kv_channels, vocab_size=model_cfg.vocab_size, vocab_local=vocab_local, tp=tp,
-            tp_rank=tp_rank, norm_eps=config.layernorm_epsilon, rotary_base=float(model_cfg.rotary_base),
+            head_dim=config.kv_channels,
+            vocab_size=model_cfg.vocab_size,
+            vocab_local=vocab_local,
+            tp=tp,
+            tp_rank=tp_rank,
+            norm_eps=config.layernorm_epsilon,
+            rotary_base=float(model_cfg.rotary_base),
         )
         self.layout = layout
         self.max_batch = gen_cfg.max_batch_size
         self.max_seq = gen_cfg.max_prompt_length + gen_cfg.max_response_length
         self.max_new = gen_cfg.max_response_length
         compile_ = gen_cfg.compile_elementwise == "on" or (
-            gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available())
-        self.decoder = Decoder(layout, self.weights, group, self.max_batch, self.max_seq, kv_dtype, self.device,
-                               gen_cfg.decode_attention, compile_elementwise=compile_)
+            gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available()
+        )
+        self.decoder = Decoder(
+            layout,
+            self.weights,
+            group,
+            self.max_batch,
+            self.max_seq,
+            kv_dtype,
+            self.device,
+            gen_cfg.decode_attention,
+            compile_elementwise=compile_,
+        )
         self.tp_group, self.tp = group, tp
         # Ranks that must draw identical tokens: the TP group, and with PP > 1 the whole model-parallel group.
         self.seed_group = mp_group if mp_group is not None else (group if tp > 1 else None)
@@ -124,8 +146,15 @@ class NativeEngine:
         banned_V = self.end_mask_V & (self.step_t < self.min_new_t)  # ending tokens before min_new_tokens
         step_B1 = self.step_t.expand(B).unsqueeze(1)
         u_B = None if greedy else self.u_BR[:B].gather(1, step_B1).squeeze(1)
-        tok_B = sample_tokens(scaled_BV, u_B, greedy=greedy, temperature=1.0, top_k=top_k,
-                              top_p=self.top_p_t if use_top_p else None, banned_BV=banned_V)
+        tok_B = sample_tokens(
+            scaled_BV,
+            u_B,
+            greedy=greedy,
+            temperature=1.0,
+            top_k=top_k,
+            top_p=self.top_p_t if use_top_p else None,
+            banned_BV=banned_V,
+        )
         logp_B = token_logprobs(scaled_BV, tok_B, 1.0)
         active_B = ~self.ended_B[:B]
         tok_B = torch.where(active_B, tok_B, self.pad_t)
@@ -159,26 +188,32 @@ class NativeEngine:
 
     # -- public API ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_tokens_BT: torch.Tensor, prompt_lengths_B: torch.Tensor,
-                 sampling: SamplingParams) -> GenerationOutput:
+    def generate(
+        self, prompt_tokens_BT: torch.Tensor, prompt_lengths_B: torch.Tensor, sampling: SamplingParams
+    ) -> GenerationOutput:
         if self._released:
             raise RuntimeError("the KV cache was released (release_memory): call acquire_memory() before generate")
         B, T = prompt_tokens_BT.shape
         V = self.layout.vocab_size
         sampling.validate(B, V, self.max_new)
         if not 1 <= B <= self.max_batch:
-            raise ValueError(f"batch of {B} prompts: the engine was built for 1..{self.max_batch} "
-                             "(generation.max_batch_size); split the batch or rebuild the engine")
+            raise ValueError(
+                f"batch of {B} prompts: the engine was built for 1..{self.max_batch} "
+                "(generation.max_batch_size); split the batch or rebuild the engine"
+            )
         if tuple(prompt_lengths_B.shape) != (B,):
             raise ValueError(f"prompt_lengths_B has shape {tuple(prompt_lengths_B.shape)}, expected ({B},)")
         lengths_host = prompt_lengths_B.tolist()  # the one host sync of the setup
         prompt_max = max(lengths_host)
         if min(lengths_host) < 1 or prompt_max > T:
-            raise ValueError(f"prompt lengths must be in [1, {T}] (the padded width), got {min(lengths_host)}.."
-                             f"{prompt_max}")
+            raise ValueError(
+                f"prompt lengths must be in [1, {T}] (the padded width), got {min(lengths_host)}..{prompt_max}"
+            )
         if prompt_max > self.cfg.max_prompt_length:
-            raise ValueError(f"a prompt of {prompt_max} tokens exceeds generation.max_prompt_length="
-                             f"{self.cfg.max_prompt_length}: truncate prompts or rebuild the engine")
+            raise ValueError(
+                f"a prompt of {prompt_max} tokens exceeds generation.max_prompt_length="
+                f"{self.cfg.max_prompt_length}: truncate prompts or rebuild the engine"
+            )
         tokens = prompt_tokens_BT[:, :prompt_max].to(self.device, torch.long)
         lengths = prompt_lengths_B.to(self.device, torch.long)
         real = torch.arange(prompt_max, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
@@ -199,7 +234,7 @@ class NativeEngine:
 
         timer = _Timer(self.on_gpu)
         rows = max(1, self.cfg.prefill_max_tokens // prompt_max)
-        chunks = [self.decoder.prefill(tokens[r:r + rows], lengths[r:r + rows], row0=r) for r in range(0, B, rows)]
+        chunks = [self.decoder.prefill(tokens[r : r + rows], lengths[r : r + rows], row0=r) for r in range(0, B, rows)]
         self._sample_and_record(torch.cat(chunks) if len(chunks) > 1 else chunks[0], B, mode)
         timer.mark("prefill")
 

@@ -46,9 +46,16 @@ def candidate_mask(logits_BV: torch.Tensor, temperature, top_k: int, top_p: floa
     return allowed
 
 
-def sample_tokens(logits_BV: torch.Tensor, u_B: torch.Tensor | None, *, greedy: bool, temperature,
-                  top_k: int = 0, top_p: torch.Tensor | float | None = None,
-                  banned_BV: torch.Tensor | None = None) -> torch.Tensor:
+def sample_tokens(
+    logits_BV: torch.Tensor,
+    u_B: torch.Tensor | None,
+    *,
+    greedy: bool,
+    temperature,
+    top_k: int = 0,
+    top_p: torch.Tensor | float | None = None,
+    banned_BV: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One token per row, int64 [B]. `top_k`/`greedy` are Python values (they change the kernels); `temperature` and
     `top_p` may be 0-d tensors (CUDA-graph inputs). `top_p=None` skips the nucleus step entirely."""
     scaled = _scaled(logits_BV, temperature)

@@ -26,12 +26,27 @@ from __future__ import annotations
 
 import torch
 
-_SUFFIXES = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.weight",
-             "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-             "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-             "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
-_GLOBAL = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
-           "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+_SUFFIXES = (
+    "input_layernorm.weight",
+    "input_layernorm.bias",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
+    "pre_mlp_layernorm.weight",
+    "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight",
+    "mlp.linear_fc2.bias",
+)
+_GLOBAL = (
+    "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight",
+    "decoder.final_layernorm.weight",
+    "decoder.final_layernorm.bias",
+    "output_layer.weight",
+)
 
 
 def unwrap_policy(policy) -> torch.nn.Module:
@@ -66,8 +81,10 @@ def _policy_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             _, _, local, rest = name.split(".", 3)
             out[f"decoder.layers.{int(local) + offset}.{rest}"] = tensor
         else:
-            raise NotImplementedError(f"the native engine does not know the parameter {name!r} (e.g. QK layernorm, "
-                                      "MoE): extend aligner/generation/native/weights.py and decoder.py")
+            raise NotImplementedError(
+                f"the native engine does not know the parameter {name!r} (e.g. QK layernorm, "
+                "MoE): extend aligner/generation/native/weights.py and decoder.py"
+            )
     return out
 
 
@@ -98,8 +115,9 @@ class EngineWeights:
         }
         self._own = sorted(source)
         self.num_layers = 1 + max(int(n.split(".")[2]) for n in self.tensors if n.startswith("decoder.layers."))
-        self._layers = [{s: self.tensors.get(f"decoder.layers.{i}.{s}") for s in _SUFFIXES}
-                        for i in range(self.num_layers)]
+        self._layers = [
+            {s: self.tensors.get(f"decoder.layers.{i}.{s}") for s in _SUFFIXES} for i in range(self.num_layers)
+        ]
         self.refit(module)
 
     def refit(self, module: torch.nn.Module) -> None:
@@ -108,8 +126,10 @@ class EngineWeights:
         source = _policy_tensors(module)
         if sorted(source) != self._own:
             diff = sorted(set(source) ^ set(self._own))[:5]
-            raise ValueError(f"the policy's parameters differ from those the engine was built from ({diff}): "
-                             "refit needs the same model and parallel layout; rebuild the engine")
+            raise ValueError(
+                f"the policy's parameters differ from those the engine was built from ({diff}): "
+                "refit needs the same model and parallel layout; rebuild the engine"
+            )
         dst, src = [], []
         for name in self._own:
             s, target = source[name].detach(), self.tensors[name]

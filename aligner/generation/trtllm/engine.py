@@ -28,14 +28,16 @@ def _import_trtllm():
         import tensorrt as trt
         import tensorrt_llm
     except ImportError as err:
-        raise ImportError("generation.backend=trtllm needs the tensorrt_llm package (NVIDIA's TensorRT-LLM, e.g. in "
-                          "an NGC TensorRT-LLM container); it is not installed here: use generation.backend=native"
-                          ) from err
+        raise ImportError(
+            "generation.backend=trtllm needs the tensorrt_llm package (NVIDIA's TensorRT-LLM, e.g. in "
+            "an NGC TensorRT-LLM container); it is not installed here: use generation.backend=native"
+        ) from err
     return tensorrt_llm, trt
 
 
-def trtllm_llama_weights(local: dict[str, torch.Tensor], num_layers: int, heads: int, groups: int,
-                         head_dim: int) -> dict[str, torch.Tensor]:
+def trtllm_llama_weights(
+    local: dict[str, torch.Tensor], num_layers: int, heads: int, groups: int, head_dim: int
+) -> dict[str, torch.Tensor]:
     """This TP rank's megatron tensors -> TensorRT-LLM LLaMA names (same TP shard, no communication).
 
     megatron's linear_qkv rows are grouped per KV group ([q heads of g; k_g; v_g] for each g); TensorRT-LLM's
@@ -43,9 +45,11 @@ def trtllm_llama_weights(local: dict[str, torch.Tensor], num_layers: int, heads:
     `heads`/`groups` are this rank's counts.
     """
     r = heads // groups
-    out = {"transformer.vocab_embedding.weight": local["embedding.word_embeddings.weight"],
-           "transformer.ln_f.weight": local["decoder.final_layernorm.weight"],
-           "lm_head.weight": local.get("output_layer.weight", local["embedding.word_embeddings.weight"])}
+    out = {
+        "transformer.vocab_embedding.weight": local["embedding.word_embeddings.weight"],
+        "transformer.ln_f.weight": local["decoder.final_layernorm.weight"],
+        "lm_head.weight": local.get("output_layer.weight", local["embedding.word_embeddings.weight"]),
+    }
     for i in range(num_layers):
         src, dst = f"decoder.layers.{i}.", f"transformer.layers.{i}."
         qkv = local[src + "self_attention.linear_qkv.weight"]
@@ -77,26 +81,47 @@ class TrtllmEngine:
         self.tp, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         module = unwrap_policy(policy)
         c = module.config
-        self._shape = {"num_layers": c.num_layers, "heads": c.num_attention_heads // self.tp,
-                       "groups": (c.num_query_groups or c.num_attention_heads) // self.tp, "head_dim": c.kv_channels}
+        self._shape = {
+            "num_layers": c.num_layers,
+            "heads": c.num_attention_heads // self.tp,
+            "groups": (c.num_query_groups or c.num_attention_heads) // self.tp,
+            "head_dim": c.kv_channels,
+        }
         from tensorrt_llm import BuildConfig, Mapping, build
         from tensorrt_llm.models import LLaMAForCausalLM
         from tensorrt_llm.runtime import ModelRunner
 
         mapping = Mapping(world_size=self.tp, rank=self.tp_rank, tp_size=self.tp)
-        model = LLaMAForCausalLM.from_config(tensorrt_llm.models.PretrainedConfig.from_dict({
-            "architecture": "LlamaForCausalLM", "dtype": "bfloat16", "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_query_groups,
-            "hidden_size": c.hidden_size, "intermediate_size": c.ffn_hidden_size, "vocab_size":
-            module.embedding.word_embeddings.weight.shape[0] * self.tp, "position_embedding_type": "rope_gpt_neox",
-            "max_position_embeddings": gen_cfg.max_prompt_length + gen_cfg.max_response_length,
-            "hidden_act": "silu", "norm_epsilon": c.layernorm_epsilon, "rotary_base": model_cfg.rotary_base,
-            "mapping": {"world_size": self.tp, "tp_size": self.tp, "rank": self.tp_rank}}))
+        model = LLaMAForCausalLM.from_config(
+            tensorrt_llm.models.PretrainedConfig.from_dict(
+                {
+                    "architecture": "LlamaForCausalLM",
+                    "dtype": "bfloat16",
+                    "num_hidden_layers": c.num_layers,
+                    "num_attention_heads": c.num_attention_heads,
+                    "num_key_value_heads": c.num_query_groups,
+                    "hidden_size": c.hidden_size,
+                    "intermediate_size": c.ffn_hidden_size,
+                    "vocab_size": module.embedding.word_embeddings.weight.shape[0] * self.tp,
+                    "position_embedding_type": "rope_gpt_neox",
+                    "max_position_embeddings": gen_cfg.max_prompt_length + gen_cfg.max_response_length,
+                    "hidden_act": "silu",
+                    "norm_epsilon": c.layernorm_epsilon,
+                    "rotary_base": model_cfg.rotary_base,
+                    "mapping": {"world_size": self.tp, "tp_size": self.tp, "rank": self.tp_rank},
+                }
+            )
+        )
         model.load(self._weights(module))
-        engine = build(model, BuildConfig(max_batch_size=gen_cfg.max_batch_size,
-                                          max_input_len=gen_cfg.max_prompt_length,
-                                          max_seq_len=gen_cfg.max_prompt_length + gen_cfg.max_response_length,
-                                          use_refit=True))
+        engine = build(
+            model,
+            BuildConfig(
+                max_batch_size=gen_cfg.max_batch_size,
+                max_input_len=gen_cfg.max_prompt_length,
+                max_seq_len=gen_cfg.max_prompt_length + gen_cfg.max_response_length,
+                use_refit=True,
+            ),
+        )
         self.runner = ModelRunner.from_engine(engine, rank=mapping.rank)
         self._refitter = trt.Refitter(self.runner.session.runtime.engine, tensorrt_llm.logger.trt_logger)
 
@@ -113,8 +138,9 @@ class TrtllmEngine:
         for name, tensor in weights.items():
             tensor = tensor.cuda().contiguous()
             keep_alive.append(tensor)
-            self._refitter.set_named_weights(name, trt.Weights(trt.DataType.BF16, tensor.data_ptr(), tensor.numel()),
-                                             trt.TensorLocation.DEVICE)
+            self._refitter.set_named_weights(
+                name, trt.Weights(trt.DataType.BF16, tensor.data_ptr(), tensor.numel()), trt.TensorLocation.DEVICE
+            )
         if not self._refitter.refit_cuda_engine():
             raise RuntimeError(f"TensorRT refit failed; missing weights: {self._refitter.get_missing_weights()[:5]}")
         torch.cuda.synchronize()
@@ -128,18 +154,26 @@ class TrtllmEngine:
         prompts = [prompt_tokens_BT[b, : int(n)].int() for b, n in enumerate(prompt_lengths_B.tolist())]
         seeds = list(sampling.seeds) if sampling.seeds is not None else [(sampling.seed or 0) + b for b in range(B)]
         out = self.runner.generate(
-            prompts, max_new_tokens=max_new, end_id=ends[0] if ends else -1, pad_id=sampling.pad_token_id,
+            prompts,
+            max_new_tokens=max_new,
+            end_id=ends[0] if ends else -1,
+            pad_id=sampling.pad_token_id,
             stop_words_list=[[[t] for t in ends[1:]]] * B if len(ends) > 1 else None,
-            temperature=sampling.temperature, top_k=1 if sampling.greedy else sampling.top_k,
-            top_p=sampling.top_p if sampling.top_p < 1.0 else 0.0, min_length=sampling.min_new_tokens,
-            random_seed=seeds, output_log_probs=True, return_dict=True)
+            temperature=sampling.temperature,
+            top_k=1 if sampling.greedy else sampling.top_k,
+            top_p=sampling.top_p if sampling.top_p < 1.0 else 0.0,
+            min_length=sampling.min_new_tokens,
+            random_seed=seeds,
+            output_log_probs=True,
+            return_dict=True,
+        )
         lengths = out["sequence_lengths"][:, 0].long() - prompt_lengths_B.to(out["sequence_lengths"].device).long()
         R = int(lengths.max())
         tokens = torch.full((B, R), sampling.pad_token_id, dtype=torch.long, device=lengths.device)
         logps = torch.zeros(B, R, dtype=torch.float32, device=lengths.device)
         for b, n in enumerate(prompt_lengths_B.tolist()):
             L = int(lengths[b])
-            tokens[b, :L] = out["output_ids"][b, 0, n:n + L]
+            tokens[b, :L] = out["output_ids"][b, 0, n : n + L]
             logps[b, :L] = out["log_probs"][b, 0, :L].float()
         last = tokens.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
         ended = torch.isin(last, torch.tensor(ends, device=last.device)) if ends else torch.zeros_like(last, dtype=bool)

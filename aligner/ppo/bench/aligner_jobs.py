@@ -73,40 +73,64 @@ def check_configs(w: Workload, actor_argv: list[str], critic_argv: list[str]) ->
     actor, critic = load_actor_config(actor_argv), load_critic_config(critic_argv)
     want = {f"model.{k if k != 'dtype' else 'params_dtype'}": getattr(w, k) for k in MODEL_KEYS}
     got = dict(_model_shape(actor.model, "model"))
-    got.update({
-        "ppo.rollout_batch_size": actor.ppo.rollout_batch_size, "generation.max_prompt_length":
-        actor.generation.max_prompt_length, "generation.max_response_length": actor.generation.max_response_length,
-        "ppo.micro_batch_size": actor.ppo.micro_batch_size, "ppo.num_mini_batches": actor.ppo.num_mini_batches,
-        "ppo.epochs": actor.ppo.epochs, "sampling.ignore_eos": actor.sampling.ignore_eos,
-        "sampling.max_new_tokens": actor.sampling.max_new_tokens or actor.generation.max_response_length,
-        "reference.mode": actor.reference.mode,
-    })
-    want.update({
-        "ppo.rollout_batch_size": w.rollouts, "generation.max_prompt_length": w.prompt_len,
-        "generation.max_response_length": w.response_len, "ppo.micro_batch_size": w.micro_batch,
-        "ppo.num_mini_batches": w.num_mini_batches, "ppo.epochs": w.epochs, "sampling.ignore_eos": True,
-        "sampling.max_new_tokens": w.response_len, "reference.mode": "resident",
-    })
+    got.update(
+        {
+            "ppo.rollout_batch_size": actor.ppo.rollout_batch_size,
+            "generation.max_prompt_length": actor.generation.max_prompt_length,
+            "generation.max_response_length": actor.generation.max_response_length,
+            "ppo.micro_batch_size": actor.ppo.micro_batch_size,
+            "ppo.num_mini_batches": actor.ppo.num_mini_batches,
+            "ppo.epochs": actor.ppo.epochs,
+            "sampling.ignore_eos": actor.sampling.ignore_eos,
+            "sampling.max_new_tokens": actor.sampling.max_new_tokens or actor.generation.max_response_length,
+            "reference.mode": actor.reference.mode,
+        }
+    )
+    want.update(
+        {
+            "ppo.rollout_batch_size": w.rollouts,
+            "generation.max_prompt_length": w.prompt_len,
+            "generation.max_response_length": w.response_len,
+            "ppo.micro_batch_size": w.micro_batch,
+            "ppo.num_mini_batches": w.num_mini_batches,
+            "ppo.epochs": w.epochs,
+            "sampling.ignore_eos": True,
+            "sampling.max_new_tokens": w.response_len,
+            "reference.mode": "resident",
+        }
+    )
     if critic.reward_model is None:
-        raise WorkloadMismatch("critic: reward_model", "the benchmark needs a reward model (reward_model section), "
-                                                       "as the HF loop runs one; unset reward_fn")
+        raise WorkloadMismatch(
+            "critic: reward_model",
+            "the benchmark needs a reward model (reward_model section), as the HF loop runs one; unset reward_fn",
+        )
     for section in ("model", "reward_model"):
         got.update(_model_shape(getattr(critic, section), f"critic: {section}"))
-        want.update({f"critic: {section}.{k if k != 'dtype' else 'params_dtype'}": getattr(w, k)
-                     for k in MODEL_KEYS})
-    got.update({"critic: train.global_batch_size": critic.train.global_batch_size,
-                "critic: train.micro_batch_size": critic.train.micro_batch_size,
-                "critic: train.epochs": critic.train.epochs})
+        want.update({f"critic: {section}.{k if k != 'dtype' else 'params_dtype'}": getattr(w, k) for k in MODEL_KEYS})
+    got.update(
+        {
+            "critic: train.global_batch_size": critic.train.global_batch_size,
+            "critic: train.micro_batch_size": critic.train.micro_batch_size,
+            "critic: train.epochs": critic.train.epochs,
+        }
+    )
     # Forward-only micro-batch sizes (actor ppo.forward_micro_batch_size, critic infer.micro_batch_size) change how
     # the same work is cut, not the work: they may differ from the HF loop's.
-    want.update({"critic: train.global_batch_size": w.rollouts // w.num_mini_batches,
-                 "critic: train.micro_batch_size": w.micro_batch, "critic: train.epochs": w.epochs})
+    want.update(
+        {
+            "critic: train.global_batch_size": w.rollouts // w.num_mini_batches,
+            "critic: train.micro_batch_size": w.micro_batch,
+            "critic: train.epochs": w.epochs,
+        }
+    )
     for key, value in want.items():
         if got[key] != value:
             raise WorkloadMismatch(key, f"is {got[key]!r} but the benchmark workload (and the HF loop) uses {value!r}")
     if critic.server.max_batch_size < w.rollouts:
-        raise WorkloadMismatch("critic: server.max_batch_size", f"{critic.server.max_batch_size} < {w.rollouts}: "
-                                                                "the actor sends all rollouts in one request")
+        raise WorkloadMismatch(
+            "critic: server.max_batch_size",
+            f"{critic.server.max_batch_size} < {w.rollouts}: the actor sends all rollouts in one request",
+        )
     return w.with_(gen_batch=min(actor.generation.max_batch_size, w.rollouts))
 
 
@@ -140,9 +164,19 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(w: Workload, steps: int, warmup: int, actor_config: str, critic_config: str, exp_dir: str,
-        actor_overrides=(), critic_overrides=(), timeout_s: float = 480.0, actor_gpus: str | None = None,
-        critic_gpus: str | None = None) -> dict:
+def run(
+    w: Workload,
+    steps: int,
+    warmup: int,
+    actor_config: str,
+    critic_config: str,
+    exp_dir: str,
+    actor_overrides=(),
+    critic_overrides=(),
+    timeout_s: float = 480.0,
+    actor_gpus: str | None = None,
+    critic_gpus: str | None = None,
+) -> dict:
     """Run the two jobs for `steps` PPO steps in a fresh `exp_dir`; the result record (see workload.result).
     `actor_gpus` / `critic_gpus`: the launcher's --actor-gpus / --critic-gpus (None: both jobs see every GPU)."""
     if os.path.exists(exp_dir) and os.listdir(exp_dir):
@@ -151,13 +185,25 @@ def run(w: Workload, steps: int, warmup: int, actor_config: str, critic_config: 
     tokenizer, prompts = os.path.join(exp_dir, "tokenizer.json"), os.path.join(exp_dir, "prompts.jsonl")
     write_tokenizer(tokenizer, w.vocab_size)
     write_prompts(prompts, w.rollouts, w.prompt_len - 1, w.vocab_size)
-    actor_ovr = [f"ppo.num_steps={steps}", f"data.train_file={prompts}", f"model.tokenizer={tokenizer}",
-                 *actor_overrides]
+    actor_ovr = [
+        f"ppo.num_steps={steps}",
+        f"data.train_file={prompts}",
+        f"model.tokenizer={tokenizer}",
+        *actor_overrides,
+    ]
     critic_ovr = ["checkpoint.resume=false", *critic_overrides]
     w = check_configs(w, ["--config-name", actor_config, *actor_ovr], ["--config-name", critic_config, *critic_ovr])
 
-    cmd = [sys.executable, LAUNCHER, "--actor-config", actor_config, "--critic-config", critic_config,
-           "--exp-dir", exp_dir]
+    cmd = [
+        sys.executable,
+        LAUNCHER,
+        "--actor-config",
+        actor_config,
+        "--critic-config",
+        critic_config,
+        "--exp-dir",
+        exp_dir,
+    ]
     for flag, gpus in (("--actor-gpus", actor_gpus), ("--critic-gpus", critic_gpus)):
         if gpus is not None:
             cmd += [flag, gpus]
@@ -169,8 +215,9 @@ def run(w: Workload, steps: int, warmup: int, actor_config: str, critic_config: 
     t0 = time.perf_counter()
     try:
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -180,27 +227,48 @@ def run(w: Workload, steps: int, warmup: int, actor_config: str, critic_config: 
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-                raise RuntimeError(f"the aligner jobs did not finish {steps} steps in {timeout_s:.0f} s "
-                                   f"(--timeout); launcher log {log_path}:\n{_tail(log_path)}") from None
+                raise RuntimeError(
+                    f"the aligner jobs did not finish {steps} steps in {timeout_s:.0f} s "
+                    f"(--timeout); launcher log {log_path}:\n{_tail(log_path)}"
+                ) from None
     finally:
         poller.stop()
     wall_s = time.perf_counter() - t0
     if rc != 0:
-        raise RuntimeError(f"the aligner jobs failed (launcher exit {rc}); launcher log {log_path}:\n"
-                           f"{_tail(log_path)}\n--- critic log ---\n{_tail(os.path.join(exp_dir, 'critic.log'))}")
+        raise RuntimeError(
+            f"the aligner jobs failed (launcher exit {rc}); launcher log {log_path}:\n"
+            f"{_tail(log_path)}\n--- critic log ---\n{_tail(os.path.join(exp_dir, 'critic.log'))}"
+        )
     rows = read_metrics(os.path.join(exp_dir, "actor", "metrics.jsonl"))
     bad = [r["step"] for r in rows if r["rollout/response_length_mean"] != w.response_len]
     if bad:
-        raise RuntimeError(f"steps {bad}: responses shorter than {w.response_len} tokens: EOS was not ignored "
-                           "(sampling.ignore_eos)")
+        raise RuntimeError(
+            f"steps {bad}: responses shorter than {w.response_len} tokens: EOS was not ignored (sampling.ignore_eos)"
+        )
     timings = [{k.removeprefix("timing/"): v for k, v in r.items() if k.startswith("timing/")} for r in rows]
-    checks = {"kl_step0": rows[0]["ppo/kl"],
-              "logprob_mismatch_max": max(r["ppo/logprob_mismatch_max"] for r in rows),
-              "ended_fraction_max": max(r["rollout/ended_fraction"] for r in rows),
-              "response_length_mean": rows[-1]["rollout/response_length_mean"]}
-    return result("aligner", w, timings, warmup, wall_s=wall_s, memory={"gpu_mem_peak_gb": poller.peak_gb()},
-                  device=_device_name(), checks=checks, exp_dir=exp_dir,
-                  versions={k: _version(k) for k in ("torch", "megatron-core", "nvidia-pytriton")},
-                  settings={"actor_config": actor_config, "critic_config": critic_config,
-                            "actor_overrides": list(actor_overrides), "critic_overrides": list(critic_overrides),
-                            "actor_gpus": actor_gpus, "critic_gpus": critic_gpus})
+    checks = {
+        "kl_step0": rows[0]["ppo/kl"],
+        "logprob_mismatch_max": max(r["ppo/logprob_mismatch_max"] for r in rows),
+        "ended_fraction_max": max(r["rollout/ended_fraction"] for r in rows),
+        "response_length_mean": rows[-1]["rollout/response_length_mean"],
+    }
+    return result(
+        "aligner",
+        w,
+        timings,
+        warmup,
+        wall_s=wall_s,
+        memory={"gpu_mem_peak_gb": poller.peak_gb()},
+        device=_device_name(),
+        checks=checks,
+        exp_dir=exp_dir,
+        versions={k: _version(k) for k in ("torch", "megatron-core", "nvidia-pytriton")},
+        settings={
+            "actor_config": actor_config,
+            "critic_config": critic_config,
+            "actor_overrides": list(actor_overrides),
+            "critic_overrides": list(critic_overrides),
+            "actor_gpus": actor_gpus,
+            "critic_gpus": critic_gpus,
+        },
+    )

@@ -53,11 +53,21 @@ class ValueModel(torch.nn.Module):
 def llama_config(w: Workload):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=w.vocab_size, hidden_size=w.hidden_size, intermediate_size=w.ffn_hidden_size,
-                       num_hidden_layers=w.num_layers, num_attention_heads=w.num_attention_heads,
-                       num_key_value_heads=w.num_query_groups, max_position_embeddings=max(w.seq_len, 64),
-                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS,
-                       pad_token_id=PAD, attn_implementation="sdpa")
+    return LlamaConfig(
+        vocab_size=w.vocab_size,
+        hidden_size=w.hidden_size,
+        intermediate_size=w.ffn_hidden_size,
+        num_hidden_layers=w.num_layers,
+        num_attention_heads=w.num_attention_heads,
+        num_key_value_heads=w.num_query_groups,
+        max_position_embeddings=max(w.seq_len, 64),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        attn_implementation="sdpa",
+    )
 
 
 def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
@@ -87,7 +97,7 @@ class HFLoop:
         self.prompt_rng = torch.Generator().manual_seed(seed + 1)
         # Response tokens on the shifted grid: positions prompt_len-1 .. seq_len-2 (every sequence is full length).
         self.mask_BS = torch.zeros(w.rollouts, w.seq_len - 1, device=device)
-        self.mask_BS[:, w.prompt_len - 1:] = 1.0
+        self.mask_BS[:, w.prompt_len - 1 :] = 1.0
 
     # -- one step -------------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -119,17 +129,27 @@ class HFLoop:
         """Prompts + sampled responses [rollouts, seq_len], `gen_batch` rows per HF generate call."""
         w = self.w
         self.policy.eval()
-        kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=w.response_len,
-                      eos_token_id=None, pad_token_id=PAD, cache_implementation="static")
+        kwargs = dict(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=w.response_len,
+            eos_token_id=None,
+            pad_token_id=PAD,
+            cache_implementation="static",
+        )
         if not self.compile_generate:
             kwargs["disable_compile"] = True
         parts = []
         for lo in range(0, w.rollouts, w.gen_batch):
-            chunk = prompts_BP[lo:lo + w.gen_batch]
+            chunk = prompts_BP[lo : lo + w.gen_batch]
             out = self.policy.generate(chunk, attention_mask=torch.ones_like(chunk), **kwargs)
             if out.shape[1] != w.seq_len:
-                raise RuntimeError(f"HF generate returned {out.shape[1] - w.prompt_len} new tokens, expected "
-                                   f"{w.response_len}: EOS must be ignored")
+                raise RuntimeError(
+                    f"HF generate returned {out.shape[1] - w.prompt_len} new tokens, expected "
+                    f"{w.response_len}: EOS must be ignored"
+                )
             parts.append(out)
         return torch.cat(parts)
 
@@ -141,7 +161,7 @@ class HFLoop:
         self.policy.eval()
         logp, ref = [], []
         for lo in self._micro(tokens_BT.shape[0]):
-            mb = tokens_BT[lo:lo + self.w.micro_batch]
+            mb = tokens_BT[lo : lo + self.w.micro_batch]
             logp.append(token_logprobs(self.policy(input_ids=mb, use_cache=False).logits, mb))
             ref.append(token_logprobs(self.reference(input_ids=mb, use_cache=False).logits, mb))
         return torch.cat(logp), torch.cat(ref)
@@ -151,7 +171,7 @@ class HFLoop:
         self.critic.eval()
         values, scores = [], []
         for lo in self._micro(tokens_BT.shape[0]):
-            mb = tokens_BT[lo:lo + self.w.micro_batch]
+            mb = tokens_BT[lo : lo + self.w.micro_batch]
             values.append(self.critic(mb))
             scores.append(self.reward_model(mb)[:, -1])  # every sequence ends at the last position
         return torch.cat(values), torch.cat(scores)
@@ -162,8 +182,12 @@ class HFLoop:
         kl_BS = rl.kl_estimate(logp_BS, ref_logp_BS, "k1")
         rewards_BS = rl.per_token_rewards(scores_B, kl_BS, mask, KL_COEF)
         advantages_BS, returns_BS = rl.gae(values_BS, rewards_BS, mask, GAMMA, LAM)
-        return {"old_logp": logp_BS, "advantages": rl.masked_whiten(advantages_BS, mask), "returns": returns_BS,
-                "values": values_BS}
+        return {
+            "old_logp": logp_BS,
+            "advantages": rl.masked_whiten(advantages_BS, mask),
+            "returns": returns_BS,
+            "values": values_BS,
+        }
 
     def _minibatches(self, seed: int):
         """Row indices of each mini-batch, `epochs` shuffled passes."""
@@ -173,7 +197,7 @@ class HFLoop:
         for _ in range(w.epochs):
             order = torch.randperm(w.rollouts, generator=g).to(self.device)
             for m in range(w.num_mini_batches):
-                yield order[m * per:(m + 1) * per]
+                yield order[m * per : (m + 1) * per]
 
     def update_policy(self, tokens_BT, batch) -> None:
         self.policy.train()
@@ -181,14 +205,20 @@ class HFLoop:
             self.policy_opt.zero_grad(set_to_none=True)
             num_tokens = rl.global_token_count(self.mask_BS[rows])
             for lo in self._micro(len(rows)):
-                idx = rows[lo:lo + self.w.micro_batch]
+                idx = rows[lo : lo + self.w.micro_batch]
                 mb = tokens_BT[idx]
                 logits_BTV = self.policy(input_ids=mb, use_cache=False).logits
                 with torch.no_grad():  # a statistic, as in aligner's loss (entropy_coef = 0)
                     entropy_BS = rl.entropy_from_logits(logits_BTV[:, :-1])
-                loss, _ = rl.policy_loss(token_logprobs(logits_BTV, mb), batch["old_logp"][idx],
-                                         batch["advantages"][idx], self.mask_BS[idx], num_tokens, clip_eps=CLIP_EPS,
-                                         entropy_BT=entropy_BS)
+                loss, _ = rl.policy_loss(
+                    token_logprobs(logits_BTV, mb),
+                    batch["old_logp"][idx],
+                    batch["advantages"][idx],
+                    self.mask_BS[idx],
+                    num_tokens,
+                    clip_eps=CLIP_EPS,
+                    entropy_BT=entropy_BS,
+                )
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(self.policy.parameters(), CLIP_GRAD)
             self.policy_opt.step()
@@ -202,9 +232,15 @@ class HFLoop:
             self.critic_opt.zero_grad(set_to_none=True)
             num_tokens = rl.global_token_count(mask_BT[rows])
             for lo in self._micro(len(rows)):
-                idx = rows[lo:lo + self.w.micro_batch]
-                loss, _ = rl.value_loss(self.critic(tokens_BT[idx]), old_values_BT[idx], returns_BT[idx],
-                                        mask_BT[idx], num_tokens, clip_eps=VALUE_CLIP_EPS)
+                idx = rows[lo : lo + self.w.micro_batch]
+                loss, _ = rl.value_loss(
+                    self.critic(tokens_BT[idx]),
+                    old_values_BT[idx],
+                    returns_BT[idx],
+                    mask_BT[idx],
+                    num_tokens,
+                    clip_eps=VALUE_CLIP_EPS,
+                )
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(self.critic.parameters(), CLIP_GRAD)
             self.critic_opt.step()
@@ -225,19 +261,36 @@ def run(w: Workload, steps: int, warmup: int, device: str | None = None, compile
         for i in range(steps):
             timings.append(loop.step())
             kl.append(float(loop.last_kl))
-            log.warning("hf step %d/%d: %.2f s (%s)", i + 1, steps, timings[-1]["step"],
-                        ", ".join(f"{k} {v:.2f}" for k, v in timings[-1].items() if k != "step"))
+            log.warning(
+                "hf step %d/%d: %.2f s (%s)",
+                i + 1,
+                steps,
+                timings[-1]["step"],
+                ", ".join(f"{k} {v:.2f}" for k, v in timings[-1].items() if k != "step"),
+            )
     finally:
         if poller is not None:
             poller.stop()
     memory = {}
     if dev.type == "cuda":
-        memory = {"torch_peak_allocated_gb": torch.cuda.max_memory_allocated(dev) / 1e9,
-                  "torch_peak_reserved_gb": torch.cuda.max_memory_reserved(dev) / 1e9,
-                  "gpu_mem_peak_gb": poller.peak_gb()}
-    return result("hf", w, timings, warmup, setup_s=setup_s, memory=memory, checks={"kl_step0": kl[0]},
-                  device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                  versions={"torch": torch.__version__, "transformers": transformers.__version__},
-                  settings={"generate": "HF generate, static cache" + (", compiled" if compile_generate else ""),
-                            "attention": "sdpa", "optimizer": "torch AdamW" + (" (fused)" if dev.type == "cuda"
-                                                                               else "")})
+        memory = {
+            "torch_peak_allocated_gb": torch.cuda.max_memory_allocated(dev) / 1e9,
+            "torch_peak_reserved_gb": torch.cuda.max_memory_reserved(dev) / 1e9,
+            "gpu_mem_peak_gb": poller.peak_gb(),
+        }
+    return result(
+        "hf",
+        w,
+        timings,
+        warmup,
+        setup_s=setup_s,
+        memory=memory,
+        checks={"kl_step0": kl[0]},
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        versions={"torch": torch.__version__, "transformers": transformers.__version__},
+        settings={
+            "generate": "HF generate, static cache" + (", compiled" if compile_generate else ""),
+            "attention": "sdpa",
+            "optimizer": "torch AdamW" + (" (fused)" if dev.type == "cuda" else ""),
+        },
+    )

@@ -52,13 +52,18 @@ def compare(hf: dict, al: dict) -> tuple[list[list[str]], list[str]]:
     for phase in (*PHASES, "other"):
         if phase in hf["phases_s"] or phase in al["phases_s"]:
             rows.append([LABELS[phase], _cell(hf, phase), _cell(al, phase)])
-    rows += [["step", f"{hf['step_s']:.3f}", f"{al['step_s']:.3f}"],
-             ["rollout tokens/s (of step time)", f"{hf['tokens_per_s']:,.0f}", f"{al['tokens_per_s']:,.0f}"],
-             ["generated tokens/s (of generate)", f"{hf['generated_tokens_per_s']:,.0f}",
-              f"{al['generated_tokens_per_s']:,.0f}"],
-             ["generate batch", str(wh["gen_batch"]), str(wa["gen_batch"])],
-             ["peak GPU memory, all processes (GB)", _gb(hf, "gpu_mem_peak_gb"), _gb(al, "gpu_mem_peak_gb")],
-             ["peak allocated by torch (GB)", _gb(hf, "torch_peak_allocated_gb"), _gb(al, "torch_peak_allocated_gb")]]
+    rows += [
+        ["step", f"{hf['step_s']:.3f}", f"{al['step_s']:.3f}"],
+        ["rollout tokens/s (of step time)", f"{hf['tokens_per_s']:,.0f}", f"{al['tokens_per_s']:,.0f}"],
+        [
+            "generated tokens/s (of generate)",
+            f"{hf['generated_tokens_per_s']:,.0f}",
+            f"{al['generated_tokens_per_s']:,.0f}",
+        ],
+        ["generate batch", str(wh["gen_batch"]), str(wa["gen_batch"])],
+        ["peak GPU memory, all processes (GB)", _gb(hf, "gpu_mem_peak_gb"), _gb(al, "gpu_mem_peak_gb")],
+        ["peak allocated by torch (GB)", _gb(hf, "torch_peak_allocated_gb"), _gb(al, "torch_peak_allocated_gb")],
+    ]
     return rows, problems
 
 
@@ -68,12 +73,14 @@ def speedup(hf: dict, al: dict) -> float:
 
 def describe(record: dict) -> str:
     w = record["workload"]
-    return (f"{w['rollouts']} rollouts x ({w['prompt_len']} prompt + {w['response_len']} generated tokens), "
-            f"{w['num_layers']} layers, hidden {w['hidden_size']}, {w['num_attention_heads']} heads, "
-            f"{w['num_query_groups']} KV groups, FFN {w['ffn_hidden_size']}, vocab {w['vocab_size']}, {w['dtype']}; "
-            f"micro-batches of {w['micro_batch']}, {w['num_mini_batches']} mini-batch(es) x {w['epochs']} epoch(s); "
-            f"mean of {record['timed_steps']} timed steps after {record['warmup_steps']} warm-up; "
-            f"device {record.get('device', '?')}")
+    return (
+        f"{w['rollouts']} rollouts x ({w['prompt_len']} prompt + {w['response_len']} generated tokens), "
+        f"{w['num_layers']} layers, hidden {w['hidden_size']}, {w['num_attention_heads']} heads, "
+        f"{w['num_query_groups']} KV groups, FFN {w['ffn_hidden_size']}, vocab {w['vocab_size']}, {w['dtype']}; "
+        f"micro-batches of {w['micro_batch']}, {w['num_mini_batches']} mini-batch(es) x {w['epochs']} epoch(s); "
+        f"mean of {record['timed_steps']} timed steps after {record['warmup_steps']} warm-up; "
+        f"device {record.get('device', '?')}"
+    )
 
 
 def verdict(hf: dict, al: dict, problems: list[str]) -> str:
@@ -85,8 +92,9 @@ def verdict(hf: dict, al: dict, problems: list[str]) -> str:
 
 def text_table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
-                     for r in rows)
+    return "\n".join(
+        "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows
+    )
 
 
 def markdown_table(rows: list[list[str]]) -> str:
@@ -98,8 +106,22 @@ def markdown_table(rows: list[list[str]]) -> str:
 def render(hf: dict, al: dict) -> tuple[str, bool]:
     """The full report (text table, verdict, markdown block) and whether the two records are comparable."""
     rows, problems = compare(hf, al)
-    notes = ("aligner: the critic job computes values/rewards while the actor computes log-probs, and trains while "
-             "the actor trains, on the same GPU; the actor's 'critic wait' is the part not hidden.")
-    out = [describe(hf), "", text_table(rows), "", verdict(hf, al, problems), notes, "",
-           "markdown for docs/PERF.md:", "", markdown_table(rows), "", verdict(hf, al, problems)]
+    notes = (
+        "aligner: the critic job computes values/rewards while the actor computes log-probs, and trains while "
+        "the actor trains, on the same GPU; the actor's 'critic wait' is the part not hidden."
+    )
+    out = [
+        describe(hf),
+        "",
+        text_table(rows),
+        "",
+        verdict(hf, al, problems),
+        notes,
+        "",
+        "markdown for docs/PERF.md:",
+        "",
+        markdown_table(rows),
+        "",
+        verdict(hf, al, problems),
+    ]
     return "\n".join(out), not problems

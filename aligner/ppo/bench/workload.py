@@ -18,8 +18,15 @@ import subprocess
 import threading
 from dataclasses import asdict, dataclass, replace
 
-MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-              "vocab_size", "dtype")
+MODEL_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "dtype",
+)
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,10 @@ class Workload:
             raise ValueError(f"prompt_len={self.prompt_len}: needs BOS plus at least one word")
         mini = self.rollouts // self.num_mini_batches
         if self.rollouts % self.num_mini_batches or mini % self.micro_batch:
-            raise ValueError(f"rollouts={self.rollouts} must split into num_mini_batches={self.num_mini_batches} "
-                             f"mini-batches of whole micro-batches of {self.micro_batch}")
+            raise ValueError(
+                f"rollouts={self.rollouts} must split into num_mini_batches={self.num_mini_batches} "
+                f"mini-batches of whole micro-batches of {self.micro_batch}"
+            )
         if self.rollouts % self.gen_batch:
             raise ValueError(f"rollouts={self.rollouts} is not a multiple of gen_batch={self.gen_batch}")
 
@@ -66,13 +75,35 @@ class Workload:
 
 
 # The setting: ~1.1B Llama-style (DESIGN.md), 512 rollouts of 128 + 256 tokens, micro-batches of 16.
-FULL = Workload(num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8, ffn_hidden_size=8192,
-                vocab_size=32000, dtype="bfloat16", rollouts=512, prompt_len=128, response_len=256, micro_batch=16,
-                gen_batch=512)
+FULL = Workload(
+    num_layers=16,
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_query_groups=8,
+    ffn_hidden_size=8192,
+    vocab_size=32000,
+    dtype="bfloat16",
+    rollouts=512,
+    prompt_len=128,
+    response_len=256,
+    micro_batch=16,
+    gen_batch=512,
+)
 # CPU smoke size: same code paths, two micro-batches per pass so accumulation is exercised.
-TINY = Workload(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                vocab_size=256, dtype="float32", rollouts=8, prompt_len=8, response_len=8, micro_batch=4,
-                gen_batch=8)
+TINY = Workload(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=256,
+    dtype="float32",
+    rollouts=8,
+    prompt_len=8,
+    response_len=8,
+    micro_batch=4,
+    gen_batch=8,
+)
 
 # Phases in table order; each mode reports the subset it has (aligner's critic work runs in the critic job, where
 # the actor sees only the time it waits for it).
@@ -134,8 +165,12 @@ class DeviceMemoryPoller:
 
     def _read_mib(self) -> float | None:
         try:
-            out = subprocess.run([self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
-                                  self.gpu], capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                [self.smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", self.gpu],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             return float(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
         except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
             return None
