@@ -30,6 +30,11 @@ def main(argv) -> int:
     from aligner.parallel.launch import discover, initialize, shutdown
 
     info = discover(master_addr=cfg.parallel.master_addr, master_port=cfg.parallel.master_port)
+    try:
+        cfg.validate_world(info.world_size)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if info.rank == 0:
         try:
             check_ports_free(cfg.server)  # before the models are built: fail in a second, naming the port
@@ -45,17 +50,17 @@ def main(argv) -> int:
         master_port=cfg.parallel.master_port,
         timeout_minutes=cfg.parallel.timeout_minutes,
     )
+    code = 1  # an exception below: its traceback, then exit 1
     try:
-        cfg.validate_world(info.world_size)
         from aligner.critic.service import CriticService
 
-        service = CriticService(cfg)
-        return serve(service, cfg)
+        code = serve(CriticService(cfg), cfg)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        code = 2
     finally:
-        shutdown()
+        shutdown(exit_code_if_stuck=code)
+    return code
 
 
 if __name__ == "__main__":

@@ -3,10 +3,9 @@
     srun -n N python scripts/train_ppo_actor.py --config-name ppo_actor [key=value ...]
     torchrun --nproc-per-node N scripts/train_ppo_actor.py ...   |   mpiexec -n N python scripts/train_ppo_actor.py ...
 
-Prints `metrics: <path of metrics.jsonl>` last (rank 0).
+Prints `metrics: <path of metrics.jsonl>` last (rank 0). A config error is one line on stderr and exit code 2.
 """
 
-import logging
 import os
 import sys
 
@@ -17,16 +16,21 @@ from aligner.config.actor import load_actor_config  # noqa: E402
 
 
 def main(argv) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from aligner.utils.logs import setup_logging
+
+    setup_logging()
     try:
         cfg = load_actor_config(argv)
+        from aligner.parallel import discover
+
+        p = cfg.parallel
+        cfg.validate_world(discover(master_addr=p.master_addr, master_port=p.master_port).world_size)
     except ConfigError as exc:
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
         return 2
     from aligner.parallel import initialize, shutdown
     from aligner.ppo.trainer import PPOTrainer
 
-    p = cfg.parallel
     initialize(
         p.tensor_model_parallel_size,
         p.pipeline_model_parallel_size,
@@ -36,16 +40,22 @@ def main(argv) -> int:
         p.master_port,
         p.timeout_minutes,
     )
+    code = 1  # an exception below: its traceback, then exit 1
     try:
-        metrics_path = PPOTrainer(cfg).fit()
+        trainer = PPOTrainer(cfg)
+        try:
+            metrics_path = trainer.fit()
+        finally:
+            trainer.close()
         if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):  # a launcher prints it last itself
             print(f"metrics: {os.path.abspath(metrics_path)}", flush=True)
+        code = 0
     except ConfigError as exc:
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     finally:
-        shutdown()
-    return 0
+        shutdown(exit_code_if_stuck=code)
+    return code
 
 
 if __name__ == "__main__":

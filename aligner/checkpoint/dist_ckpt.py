@@ -25,11 +25,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from aligner.parallel.device import on_gpu
+
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-# megatron's distributed optimizer state layout: each DP rank writes its own buffer shard. megatron-core 0.16.1's
-# default ('fully_sharded_model_space') builds ShardedTensors with flattened ranges, which its own dist checkpointing
-# then rejects (seen on the H200). 'dp_reshardable' resumes on any DP size with the same TP/PP.
-OPTIM_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _rank() -> int:
@@ -113,23 +111,40 @@ def latest_checkpoint(root: str) -> str | None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    """Every RNG state of this process as tensors and plain numbers (loads with `weights_only=True`)."""
     from megatron.core import tensor_parallel
 
-    state["megatron_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    version, internal, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "name": np_name,
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
+        "torch": torch.get_rng_state(),
+        "megatron_tracker": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
+    }
+    if on_gpu():
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
     from megatron.core import tensor_parallel
 
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and on_gpu():
+        torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
@@ -137,10 +152,6 @@ def _model_sharded_state(models) -> dict:
     if len(models) == 1:
         return models[0].sharded_state_dict()
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
-
-
-def _optim_is_megatron(optimizer) -> bool:
-    return optimizer is not None and hasattr(optimizer, "sharded_state_dict")
 
 
 def save(
@@ -151,7 +162,6 @@ def save(
     With `model_cfg` (a ModelConfig), `model.yaml` describes the model, so the checkpoint converts to HF
     (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
@@ -162,29 +172,9 @@ def save(
         os.makedirs(os.path.join(tmp, "optim"))
         os.makedirs(os.path.join(tmp, "rng"))
     _barrier()
-    model_state = _model_sharded_state(models)
-    dist_checkpointing.save(model_state, os.path.join(tmp, "model"))
-    if _optim_is_megatron(optimizer):
-        dist_checkpointing.save(
-            optimizer.sharded_state_dict(_model_sharded_state(models), metadata=OPTIM_SHARDING),
-            os.path.join(tmp, "optim"),
-        )
-    elif optimizer is not None:
-        name = (
-            f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
-            f"_dp{ps.get_data_parallel_rank()}.pt"
-        )
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "layout": [
-                    ps.get_tensor_model_parallel_world_size(),
-                    ps.get_pipeline_model_parallel_world_size(),
-                    ps.get_data_parallel_world_size(),
-                ],
-            },
-            os.path.join(tmp, "optim", name),
-        )
+    dist_checkpointing.save(_model_sharded_state(models), os.path.join(tmp, "model"))
+    if optimizer is not None:
+        optimizer.save(os.path.join(tmp, "optim"), _model_sharded_state(models))
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank()}.pt"))
     _barrier()
     if _rank() == 0:
@@ -222,7 +212,6 @@ def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
     Returns the trainer state dict. Collective.
     """
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     if not os.path.isfile(os.path.join(path, "state.json")):
         raise FileNotFoundError(f"{path} is not a complete aligner checkpoint (no state.json)")
@@ -233,33 +222,35 @@ def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
     else:
         for i, m in enumerate(models):
             m.load_state_dict(loaded[f"model{i}"], strict=False)
-    if _optim_is_megatron(optimizer):
-        # A fresh torch Adam has no state (not even 'step'), and megatron's distributed optimizer cannot describe an
-        # empty state without apex/TE (it asserts on the step): give it zero-valued states first, as megatron does
-        # for its own fsdp format. The load overwrites them.
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
-            if callable(init) and not opt.optimizer.state:
-                init()
-        optimizer.load_state_dict(
-            dist_checkpointing.load(
-                optimizer.sharded_state_dict(_model_sharded_state(models), is_loading=True, metadata=OPTIM_SHARDING),
-                os.path.join(path, "optim"),
-            )
-        )
-    elif optimizer is not None:
-        name = (
-            f"tp{ps.get_tensor_model_parallel_rank()}_pp{ps.get_pipeline_model_parallel_rank()}"
-            f"_dp{ps.get_data_parallel_rank()}.pt"
-        )
-        file = os.path.join(path, "optim", name)
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"{file} missing: CPU optimizer state resumes only on the layout that saved it")
-        optimizer.load_state_dict(torch.load(file, weights_only=False)["optimizer"])
+    if optimizer is not None:
+        optimizer.load(os.path.join(path, "optim"), _model_sharded_state(models))
     rng_file = os.path.join(path, "rng", f"rank_{_rank()}.pt")
     if restore_rng and os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(torch.load(rng_file, weights_only=True))
     return read_state(path)
+
+
+def model_dir(path: str) -> str:
+    """The model part of a checkpoint: `<path>/model` of a job checkpoint, or `<path>` itself (a converted model)."""
+    return os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
+
+
+def stored_shapes(path: str) -> dict[str, tuple]:
+    """{tensor name: global shape} of the model stored at `path` (from the metadata alone)."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    return {
+        k: tuple(v.global_shape)
+        for k, v in load_tensors_metadata(model_dir(path)).items()
+        if hasattr(v, "global_shape") and not k.endswith("_extra_state")
+    }
+
+
+def head_kind(path: str) -> str:
+    """'scalar' when the stored output layer is [1, hidden] (a reward model or critic), else 'lm' (a policy: an LM
+    head [V, hidden], or none when the embeddings are tied)."""
+    shape = stored_shapes(path).get("output_layer.weight")
+    return "scalar" if shape is not None and shape[0] == 1 else "lm"
 
 
 def load_model_weights(path: str, models) -> None:

@@ -3,19 +3,31 @@
 Batch vocabulary (NeMo-Aligner's): each step samples `ppo.rollout_batch_size` prompts (one response each) across the
 whole job, split evenly over data-parallel ranks; the policy then trains `ppo.epochs` passes over those rollouts in
 `ppo.num_mini_batches` optimizer steps per pass, each mini-batch run as micro-batches of `ppo.micro_batch_size`.
+`validate()` runs at load; `validate_world(world_size)` once the number of ranks is known (before any communicator).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from aligner.config.critic import CriticClientConfig, resolve_file
 from aligner.config.errors import ConfigError
+from aligner.config.generation import GenerationConfig, validate_generation
 from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
-from aligner.config.schema import ModelConfig, OptimConfig, ParallelConfig, validate_layout, validate_model
-from aligner.generation.config import GenerationConfig, validate_generation
+from aligner.config.rules import check, check_choices
+from aligner.config.schema import (
+    CheckpointConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    validate_checkpoint,
+    validate_layout,
+    validate_model,
+    validate_optim,
+)
 
 
 @dataclass
@@ -33,18 +45,23 @@ class DataConfig:
 @dataclass
 class SamplingConfig:
     temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
     greedy: bool = False
     min_new_tokens: int = 0
     max_new_tokens: Optional[int] = None  # None = generation.max_response_length
     ignore_eos: bool = False  # EOS and stop tokens end nothing: every response has max_new_tokens (benchmarks)
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the engine's sampling distribution used, which training's log-probs must use too."""
+        return 1.0 if self.greedy else self.temperature
+
 
 @dataclass
 class KLConfig:
     coef: float = 0.02  # beta of the per-token -beta * KL reward
-    estimator: str = "k1"  # k1 | k2 | k3
+    estimator: Literal["k1", "k2", "k3"] = "k1"
     use_absolute_kl: bool = False
     adaptive: bool = False
     target: float = 6.0
@@ -74,12 +91,11 @@ class PPOConfig:
 
 @dataclass
 class ReferenceConfig:
-    mode: str = "resident"  # resident: a frozen copy on the device | swap: initial weights on host, swapped in
+    mode: Literal["resident", "swap"] = "resident"  # resident: a frozen copy on the device | swap: kept on the host
 
 
 @dataclass
 class LoggingConfig:
-    exp_dir: str = "results/ppo_actor"
     tensorboard: bool = True
     samples_every: int = 5  # write decoded samples every N steps (0 = never)
     num_samples: int = 4
@@ -87,12 +103,9 @@ class LoggingConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    dir: Optional[str] = None  # None = <exp_dir>/checkpoints
+class ActorCheckpointConfig(CheckpointConfig):
     save_every: int = 0  # steps between checkpoints (0 = only at the end / on SIGTERM / max_time)
-    resume: bool = True  # continue from the latest complete checkpoint under `dir`
-    keep: Optional[int] = 2
-    save_critic: bool = True  # ask the critic job to checkpoint alongside (critic_save)
+    save_critic: bool = True  # the critic job checkpoints the same step (critic_save)
     save_at_end: bool = True
 
 
@@ -115,56 +128,54 @@ class ActorJobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     critic: CriticClientConfig = field(default_factory=CriticClientConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: ActorCheckpointConfig = field(default_factory=ActorCheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    exp_dir: str = "results/ppo_actor"  # metrics.jsonl, samples, TensorBoard, checkpoints
     seed: int = 1234
     max_time: Optional[float] = None  # seconds; checkpoint and stop cleanly once exceeded
 
     def validate(self) -> None:
+        check_choices(self)
         validate_model(self.model)
+        validate_optim(self.optim)
         validate_generation(self.generation, self.model)
+        validate_checkpoint(self.checkpoint)
         p, s, k = self.ppo, self.sampling, self.ppo.kl
-        for key, value in (
-            ("ppo.num_steps", p.num_steps),
-            ("ppo.rollout_batch_size", p.rollout_batch_size),
-            ("ppo.num_mini_batches", p.num_mini_batches),
-            ("ppo.micro_batch_size", p.micro_batch_size),
-            ("ppo.epochs", p.epochs),
-        ):
-            if value < 1:
-                raise ConfigError(key, f"must be >= 1, got {value}")
-        if p.forward_micro_batch_size is not None and p.forward_micro_batch_size < 1:
-            raise ConfigError(
-                "ppo.forward_micro_batch_size", f"must be >= 1 (or null), got {p.forward_micro_batch_size}"
-            )
-        if not 0 < p.clip_eps < 1:
-            raise ConfigError("ppo.clip_eps", f"must be in (0, 1), got {p.clip_eps}")
-        if p.dual_clip is not None and not p.dual_clip > 1:
-            raise ConfigError("ppo.dual_clip", f"must be > 1 (or null), got {p.dual_clip}")
-        if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
-            raise ConfigError("ppo.gamma", "gamma and lam must lie in [0, 1]")
-        if k.estimator not in ("k1", "k2", "k3"):
-            raise ConfigError("ppo.kl.estimator", f"must be k1, k2 or k3, got {k.estimator!r}")
-        if k.coef < 0:
-            raise ConfigError("ppo.kl.coef", f"must be >= 0, got {k.coef}")
-        if self.reference.mode not in ("resident", "swap"):
-            raise ConfigError("reference.mode", f"must be resident or swap, got {self.reference.mode!r}")
-        if not s.greedy and not s.temperature > 0:
-            raise ConfigError("sampling.temperature", "must be > 0 (or set sampling.greedy=true)")
-        if s.max_new_tokens is not None and not 1 <= s.max_new_tokens <= self.generation.max_response_length:
-            raise ConfigError(
-                "sampling.max_new_tokens",
-                f"must be in 1..generation.max_response_length={self.generation.max_response_length}",
-            )
-        total = self.generation.max_prompt_length + self.generation.max_response_length
-        if total > self.model.max_position_embeddings:
-            raise ConfigError(
-                "generation.max_response_length",
-                f"max_prompt_length + max_response_length = {total} exceeds "
-                f"model.max_position_embeddings={self.model.max_position_embeddings}",
-            )
-        if self.max_time is not None and self.max_time <= 0:
-            raise ConfigError("max_time", "must be > 0 seconds (or null)")
+        for key in ("num_steps", "rollout_batch_size", "num_mini_batches", "micro_batch_size", "epochs"):
+            check(getattr(p, key) >= 1, f"ppo.{key}", f"must be >= 1, got {getattr(p, key)}")
+        check(
+            p.forward_micro_batch_size is None or p.forward_micro_batch_size >= 1,
+            "ppo.forward_micro_batch_size",
+            f"must be >= 1 (or null), got {p.forward_micro_batch_size}",
+        )
+        check(0 < p.clip_eps < 1, "ppo.clip_eps", f"must be in (0, 1), got {p.clip_eps}")
+        check(
+            p.clip_eps_high is None or 0 < p.clip_eps_high < 10,
+            "ppo.clip_eps_high",
+            f"must be in (0, 10) (or null), got {p.clip_eps_high}",
+        )
+        check(p.dual_clip is None or p.dual_clip > 1, "ppo.dual_clip", f"must be > 1 (or null), got {p.dual_clip}")
+        check(0 <= p.gamma <= 1, "ppo.gamma", f"must lie in [0, 1], got {p.gamma}")
+        check(0 <= p.lam <= 1, "ppo.lam", f"must lie in [0, 1], got {p.lam}")
+        check(math.isfinite(k.coef) and k.coef >= 0, "ppo.kl.coef", f"must be a finite number >= 0, got {k.coef}")
+        check(p.critic_warmup_steps >= 0, "ppo.critic_warmup_steps", "must be >= 0")
+        check(
+            s.greedy or (math.isfinite(s.temperature) and s.temperature > 0),
+            "sampling.temperature",
+            f"must be > 0 (or set sampling.greedy=true), got {s.temperature}",
+        )
+        check(s.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 disables top-k), got {s.top_k}")
+        check(0 < s.top_p <= 1, "sampling.top_p", f"must be in (0, 1] (1 disables top-p), got {s.top_p}")
+        check(s.min_new_tokens >= 0, "sampling.min_new_tokens", f"must be >= 0, got {s.min_new_tokens}")
+        check(
+            s.max_new_tokens is None or 1 <= s.max_new_tokens <= self.generation.max_response_length,
+            "sampling.max_new_tokens",
+            f"must be in 1..generation.max_response_length={self.generation.max_response_length}",
+        )
+        check(self.max_time is None or self.max_time > 0, "max_time", "must be > 0 seconds (or null)")
+        check(self.logging.samples_every >= 0, "logging.samples_every", "must be >= 0")
+        check(self.validation.every >= 0, "validation.every", "must be >= 0")
+        check(self.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0")
 
     def validate_world(self, world_size: int) -> int:
         """Layout and batch divisibility on `world_size` ranks; returns the data-parallel size."""
@@ -195,7 +206,7 @@ class ActorJobConfig:
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.logging.exp_dir, "checkpoints")
+        return self.checkpoint.dir or os.path.join(self.exp_dir, "checkpoints")
 
     def resolve_paths(self, config_dir: Optional[str] = None) -> None:
         self.data.train_file = resolve_file(self.data.train_file, "data.train_file", config_dir)

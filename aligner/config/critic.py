@@ -15,13 +15,17 @@ from typing import Optional, Sequence
 
 from aligner.config.errors import ConfigError
 from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
+from aligner.config.rules import check_choices
 from aligner.config.schema import (
+    CheckpointConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     validate_batch,
+    validate_checkpoint,
     validate_layout,
     validate_model,
+    validate_optim,
 )
 
 REPO_ROOT = os.path.dirname(REPO_CONF_DIR)
@@ -65,13 +69,6 @@ class CriticServerConfig:
 
 
 @dataclass
-class CriticCheckpointConfig:
-    dir: Optional[str] = None  # None = <exp_dir>/checkpoints
-    resume: bool = False  # load the latest checkpoint under `dir` (weights, optimizer, step) at start-up
-    keep: Optional[int] = None  # keep only the newest N checkpoints
-
-
-@dataclass
 class CriticJobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # the critic (scalar head, one value per token)
     reward_model: Optional[ModelConfig] = None  # scalar head read at each sequence's last token
@@ -84,13 +81,16 @@ class CriticJobConfig:
     train: CriticTrainConfig = field(default_factory=CriticTrainConfig)
     infer: CriticInferConfig = field(default_factory=CriticInferConfig)
     server: CriticServerConfig = field(default_factory=CriticServerConfig)
-    checkpoint: CriticCheckpointConfig = field(default_factory=CriticCheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     exp_dir: str = "results/critic"
     seed: int = 1234
 
     # -- rules -------------------------------------------------------------------------------------------
     def validate(self) -> None:
+        check_choices(self)
         validate_model(self.model, "model")
+        validate_optim(self.optim)
+        validate_checkpoint(self.checkpoint)
         if (self.reward_model is None) == (self.reward_fn is None):
             raise ConfigError(
                 "reward_model",
@@ -143,8 +143,6 @@ class CriticJobConfig:
             )
         if s.ready_timeout <= 0 or s.heartbeat_s <= 0:
             raise ConfigError("server.ready_timeout", "server.ready_timeout and server.heartbeat_s must be > 0")
-        if self.checkpoint.keep is not None and self.checkpoint.keep < 1:
-            raise ConfigError("checkpoint.keep", f"must be >= 1 or null, got {self.checkpoint.keep}")
 
     def validate_world(self, world_size: int) -> int:
         """Check the TP/PP layout of both models and the batch sizes on `world_size` ranks; returns the DP size."""
@@ -230,7 +228,6 @@ __all__ = [
     "CriticTrainConfig",
     "CriticInferConfig",
     "CriticServerConfig",
-    "CriticCheckpointConfig",
     "CriticClientConfig",
     "load_critic_config",
     "resolve_file",

@@ -1,14 +1,19 @@
 """YAML -> OmegaConf -> typed dataclass, with Hydra-style command lines.
 
-Command line: `[--config-path DIR] [--config-name NAME] [key.sub=value ...]` (also `--config-name=NAME`).
-A YAML file may start from others with `defaults: [base_name, ...]` (names in the same directory, merged in order,
-then the file itself on top), so recipes hold only their differences from a base.
+Command line: `[--config-path DIR] [--config-name NAME] [key.sub=value ...] [group=option ...]`.
+A YAML file may start from others with `defaults: [...]`, merged in order, then the file itself on top, so recipes
+hold only their differences from a base. An entry is either a file name (in the same directory) or a config group
+choice: `{model: llama_1b}` merges `<conf>/model/llama_1b.yaml` into the `model` section, and
+`{model@reward_model: tiny}` merges `<conf>/model/tiny.yaml` into `reward_model`. The same choice on the command
+line: `model=llama_1b` or `model@reward_model=tiny` (a bare name, where `<conf>/<group>/` exists); it is applied
+after the files and before the `key=value` overrides.
 Merging onto the dataclass schema rejects unknown keys and values of the wrong type; the error names the key.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import is_dataclass
 from typing import Sequence, Type, TypeVar
 
@@ -66,6 +71,35 @@ def _resolve_path(name: str, config_dir: str | None) -> str:
     raise ConfigError("--config-name", f"no config {name!r} in {config_dir} (available: {', '.join(available)})")
 
 
+def _group_folder(group: str, config_dir: str | None) -> str:
+    """Where group `group` lives: beside the config (or one level up, for recipes in conf/bench/), else conf/."""
+    for base in (config_dir, os.path.dirname(config_dir) if config_dir else None, REPO_CONF_DIR):
+        if base and os.path.isdir(os.path.join(base, group)):
+            return os.path.join(base, group)
+    return os.path.join(REPO_CONF_DIR, group)
+
+
+def _group_choice(spec: str, option: str, config_dir: str | None) -> DictConfig:
+    """`<group>[@dest]` = `option` as a config placed at `dest` (default: the group's name)."""
+    group, _, dest = spec.partition("@")
+    dest = dest or group
+    folder = _group_folder(group, config_dir)
+    path = os.path.join(folder, f"{option}.yaml")
+    if not os.path.isfile(path):
+        options = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
+        raise ConfigError(dest, f"no option {option!r} in config group {group!r} (choose from: {', '.join(options)})")
+    body = _load_yaml_with_defaults(path)
+    return OmegaConf.create({dest: body})
+
+
+def is_group_choice(item: str, config_dir: str | None) -> bool:
+    """`model=llama_1b` (a config group choice) rather than `model.lr=...`."""
+    key, eq, value = item.partition("=")
+    if not eq or "." in key.partition("@")[0] or "/" in value or "." in value:
+        return False
+    return os.path.isdir(_group_folder(key.partition("@")[0], config_dir))
+
+
 def _load_yaml_with_defaults(path: str, seen: tuple = ()) -> DictConfig:
     if path in seen:
         raise ConfigError("defaults", f"circular defaults: {' -> '.join(seen + (path,))}")
@@ -80,18 +114,29 @@ def _load_yaml_with_defaults(path: str, seen: tuple = ()) -> DictConfig:
     for base in bases:
         if base == "_self_":
             continue
+        if isinstance(base, DictConfig):
+            for spec, option in base.items():
+                merged = OmegaConf.merge(merged, _group_choice(str(spec), str(option), os.path.dirname(path)))
+            continue
         merged = OmegaConf.merge(
             merged, _load_yaml_with_defaults(_resolve_path(str(base), os.path.dirname(path)), seen + (path,))
         )
     return OmegaConf.merge(merged, node)
 
 
+def _explain(msg: str) -> str:
+    """OmegaConf's first error line, in our words where we have better ones."""
+    choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", msg)
+    if choice:
+        return f"must be one of {choice.group(2).replace(chr(39), '')}; got {choice.group(1)!r}"
+    if "not in struct" in msg or "Key '" in msg and "not in" in msg:
+        return f"unknown key ({msg}); check the spelling against the schema in aligner/config"
+    return msg
+
+
 def _wrap(exc: OmegaConfBaseException) -> ConfigError:
     key = getattr(exc, "full_key", None) or "?"
-    msg = str(exc).split("\n")[0]
-    if "not in struct" in msg or "Key '" in msg and "not in" in msg:
-        msg = f"unknown key ({msg}); check the spelling against the schema in aligner/config"
-    return ConfigError(key, msg)
+    return ConfigError(key, _explain(str(exc).split("\n")[0]))
 
 
 def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), config_dir: str | None = None) -> T:
@@ -99,15 +144,21 @@ def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), confi
     if not is_dataclass(schema):
         raise TypeError("schema must be a dataclass type")
     base = OmegaConf.structured(schema)
-    file_cfg = _load_yaml_with_defaults(_resolve_path(name, config_dir))
+    path = _resolve_path(name, config_dir)
+    file_cfg = _load_yaml_with_defaults(path)
+    choices = [o for o in overrides if is_group_choice(o, config_dir)]
+    overrides = [o for o in overrides if o not in choices]
     try:
         merged = OmegaConf.merge(base, file_cfg)
+        for item in choices:
+            spec, _, option = item.partition("=")
+            merged = OmegaConf.merge(merged, _group_choice(spec, option, config_dir))
         for item in overrides:
             key, _, _ = item.partition("=")
             try:
                 merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
             except OmegaConfBaseException as exc:
-                raise ConfigError(key, f"bad override {item!r}: {str(exc).splitlines()[0]}") from exc
+                raise ConfigError(key, f"bad override {item!r}: {_explain(str(exc).splitlines()[0])}") from exc
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _wrap(exc) from exc
@@ -115,11 +166,6 @@ def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), confi
     if callable(validate):
         validate()
     return obj
-
-
-def load_from_argv(schema: Type[T], argv: Sequence[str], default_name: str) -> T:
-    config_dir, name, overrides = parse_cli(argv, default_name)
-    return load_config(schema, name, overrides, config_dir)
 
 
 def to_yaml(cfg) -> str:

@@ -7,12 +7,14 @@ Job-level schemas (the actor's, the critic's) compose these sections in their ow
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
-from aligner.config.errors import ConfigError
+from aligner.config.rules import check as _check
+from aligner.config.rules import check_choices
 
-DTYPES = ("float32", "bfloat16", "float16")
+Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass
@@ -35,8 +37,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     add_qkv_bias: bool = False  # Qwen2
     init_method_std: float = 0.02
-    params_dtype: str = "float32"
-    attention_backend: str = "auto"  # auto | sdpa | unfused | te
+    params_dtype: Dtype = "float32"
+    attention_backend: Literal["auto", "sdpa", "unfused", "te"] = "auto"
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     checkpoint: Optional[str] = None  # a dist checkpoint (e.g. from scripts/convert_hf_to_nemo.py) to load
@@ -47,10 +49,10 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPU, gloo on CPU
     master_addr: Optional[str] = None  # default: from the launcher's environment
     master_port: Optional[int] = None
-    timeout_minutes: int = 30
+    timeout_minutes: float = 30.0  # a collective that does not complete in time is an error naming rank, group, op
 
 
 @dataclass
@@ -67,9 +69,13 @@ class OptimConfig:
     use_distributed_optimizer: bool = True  # megatron's, on GPU; ignored on CPU
 
 
-def _check(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(key, message)
+@dataclass
+class CheckpointConfig:
+    """Where a job's checkpoints go and whether it resumes; the same section (and defaults) in every job."""
+
+    dir: Optional[str] = None  # None = <exp_dir>/checkpoints
+    resume: bool = True  # continue from the latest complete checkpoint under `dir`
+    keep: Optional[int] = 2  # keep only the newest N checkpoints (None = all)
 
 
 def validate_model(model: ModelConfig, prefix: str = "model") -> None:
@@ -87,12 +93,7 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
         f"{prefix}.num_query_groups",
         f"num_attention_heads={model.num_attention_heads} is not divisible by num_query_groups={groups}",
     )
-    _check(model.params_dtype in DTYPES, f"{prefix}.params_dtype", f"must be one of {DTYPES}")
-    _check(
-        model.attention_backend in ("auto", "sdpa", "unfused", "te"),
-        f"{prefix}.attention_backend",
-        "must be auto, sdpa, unfused or te",
-    )
+    check_choices(model, prefix + ".")
     _check(model.make_vocab_size_divisible_by > 0, f"{prefix}.make_vocab_size_divisible_by", "must be positive")
 
 
@@ -107,7 +108,8 @@ def validate_layout(
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     _check(tp >= 1, f"{parallel_prefix}.tensor_model_parallel_size", "must be >= 1")
     _check(pp >= 1, f"{parallel_prefix}.pipeline_model_parallel_size", "must be >= 1")
-    _check(parallel.backend in ("auto", "nccl", "gloo"), f"{parallel_prefix}.backend", "must be auto, nccl or gloo")
+    check_choices(parallel, parallel_prefix + ".")
+    _check(parallel.timeout_minutes > 0, f"{parallel_prefix}.timeout_minutes", "must be > 0")
     _check(
         model.num_attention_heads % tp == 0,
         f"{parallel_prefix}.tensor_model_parallel_size",
@@ -134,6 +136,24 @@ def validate_layout(
     return world_size // (tp * pp)
 
 
+def validate_optim(optim: OptimConfig, prefix: str = "optim") -> None:
+    for name in ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad"):
+        value = getattr(optim, name)
+        _check(math.isfinite(value) and value >= 0, f"{prefix}.{name}", f"must be a finite number >= 0, got {value}")
+    _check(optim.lr > 0, f"{prefix}.lr", f"must be > 0, got {optim.lr}")
+    _check(optim.min_lr <= optim.lr, f"{prefix}.min_lr", f"{optim.min_lr} exceeds {prefix}.lr={optim.lr}")
+    for name in ("adam_beta1", "adam_beta2"):
+        value = getattr(optim, name)
+        _check(0 <= value < 1, f"{prefix}.{name}", f"must lie in [0, 1), got {value}")
+    _check(optim.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
+    if optim.lr_decay_steps is not None:
+        _check(optim.lr_decay_steps >= 1, f"{prefix}.lr_decay_steps", "must be >= 1 (or null for a constant lr)")
+
+
+def validate_checkpoint(ckpt: CheckpointConfig, prefix: str = "checkpoint") -> None:
+    _check(ckpt.keep is None or ckpt.keep >= 1, f"{prefix}.keep", f"must be >= 1 or null, got {ckpt.keep}")
+
+
 def validate_batch(global_batch: int, micro_batch: int, dp: int, global_key: str, micro_key: str) -> None:
     _check(micro_batch >= 1, micro_key, "must be >= 1")
     _check(
@@ -144,10 +164,14 @@ def validate_batch(global_batch: int, micro_batch: int, dp: int, global_key: str
 
 
 __all__ = [
+    "CheckpointConfig",
+    "Dtype",
     "ModelConfig",
     "ParallelConfig",
     "OptimConfig",
-    "validate_model",
-    "validate_layout",
     "validate_batch",
+    "validate_checkpoint",
+    "validate_layout",
+    "validate_model",
+    "validate_optim",
 ]

@@ -13,9 +13,10 @@ Contract
 - Arguments are checked here first (CriticRequestError at the call site); errors from the server come back as
   CriticRequestError (the server's reason first); a server that does not answer within `connect_timeout` gives a
   CriticUnreachableError that names the URL and what to check.
-- Who sends (actor side): only the rank that owns its data-parallel slice's data (`owns_dp_slice()`). For
-  `critic_train`, send the whole rollout batch in one request (gathered first): the critic splits each request into
-  its own global batches, so per-slice requests would each be trained on as a separate batch.
+- Who sends (actor side): one client in the whole actor job, on global rank 0 (`aligner.critic.remote.RemoteCritic`
+  gathers the rows of every data-parallel slice there first and broadcasts the answers). Send the whole rollout batch
+  of a step in one `critic_train` request: the critic splits each request into its own global batches, so
+  per-slice requests would each be trained on as a separate batch.
 """
 
 from __future__ import annotations
@@ -40,19 +41,6 @@ _LOCAL_LIMITS = Limits(
 
 class CriticUnreachableError(ConnectionError):
     pass
-
-
-def owns_dp_slice() -> bool:
-    """True on the one rank per data-parallel slice that sends that slice's requests (TP rank 0, first PP stage);
-    True in a process without model parallelism."""
-    try:
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            return True
-        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
-    except ImportError:
-        return True
 
 
 def _server_reason(message: str) -> str:

@@ -21,7 +21,17 @@ import numpy as np
 
 INFER, TRAIN, SAVE = "critic_infer", "critic_train", "critic_save"
 ENDPOINTS = (INFER, TRAIN, SAVE)
-TRAIN_METRICS = ("loss", "value_clipfrac", "grad_norm", "explained_variance", "value_mean", "tokens", "steps", "lr")
+TRAIN_METRICS = (
+    "loss",
+    "value_clipfrac",
+    "grad_norm",
+    "explained_variance",
+    "value_mean",
+    "tokens",
+    "steps",
+    "skipped_steps",
+    "lr",
+)
 
 
 class CriticRequestError(ValueError):

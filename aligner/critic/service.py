@@ -23,7 +23,6 @@ Contract
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 
 import numpy as np
@@ -35,7 +34,9 @@ from aligner.checkpoint import dist_ckpt
 from aligner.config.critic import CriticJobConfig
 from aligner.critic.protocol import Limits, check_infer, check_step, check_train
 from aligner.critic.reward_fn import RewardFunction, RewardFunctionError
-from aligner.rl import explained_variance, global_token_count, value_loss
+from aligner.parallel.device import current_device
+from aligner.rl import explained_variance, global_token_count, reduce_stats, value_loss
+from aligner.rl._dist import all_reduce_
 
 LOG = logging.getLogger(__name__)
 
@@ -60,16 +61,18 @@ class CriticService:
         from aligner.models.training import TrainableModel
 
         self.cfg = cfg
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )
+        self.device = current_device()
+        self.dp_group = ps.get_data_parallel_group()
         vocab = (
             cfg.model.vocab_size if cfg.reward_model is None else min(cfg.model.vocab_size, cfg.reward_model.vocab_size)
         )
         self.limits = Limits(cfg.server.max_batch_size, cfg.max_seq_len, vocab, cfg.server.max_train_batch_size)
         self.critic = TrainableModel(cfg.model, cfg.optim, head="scalar")
         if cfg.model.checkpoint:
-            self.critic.load_weights(cfg.model.checkpoint, backbone_only=_is_lm_checkpoint(cfg.model.checkpoint))
+            backbone_only = _is_lm_checkpoint(cfg.model.checkpoint)
+            load = dist_ckpt.load_backbone_weights if backbone_only else dist_ckpt.load_model_weights
+            load(cfg.model.checkpoint, [self.critic.module])
+            self.critic.weights_loaded()
         self.reward_model = None
         if cfg.reward_model is not None:
             self.reward_model = TrainableModel(cfg.reward_model, cfg.optim, head="scalar", trainable=False)
@@ -86,16 +89,11 @@ class CriticService:
     def _my_rows(self, batch: int) -> tuple[int, int]:
         return dp_rows(batch, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
 
-    @staticmethod
-    def _contributes() -> bool:
-        """One rank per data-parallel slice writes its rows into the all-reduced results."""
-        return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
-
-    @staticmethod
-    def _sum_over_world(t: torch.Tensor) -> torch.Tensor:
-        if _world() > 1:
-            dist.all_reduce(t)
-        return t
+    def _sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank wrote its own rows (zeros elsewhere): the sum is the whole batch, on every rank
+        (TP ranks and pipeline stages of a slice hold the same rows already: TrainableModel hands every rank its
+        outputs)."""
+        return all_reduce_(t, self.dp_group)
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
@@ -118,21 +116,18 @@ class CriticService:
         tokens_dev = self._to_device(np.where(valid_BT, tokens[:, :width], 0))
         lengths_dev = self._to_device(lengths)
 
-        # One flat buffer: [values B*width | rewards B], summed over the world in one collective.
+        # One flat buffer: [values B*width | rewards B], summed over data-parallel ranks in one collective.
         out = torch.zeros(batch * width + batch, dtype=torch.float32, device=self.device)
         values_BT, rewards_B = out[: batch * width].view(batch, width), out[batch * width :]
         start, stop = self._my_rows(batch)
-        if stop > start:  # a DP rank with no rows skips the forward (no collective spans DP in a forward pass)
-            local = self._forward_values(self.critic, tokens_dev[start:stop])
-            if self._contributes():
-                values_BT[start:stop] = local
+        if stop > start:  # a DP slice with no rows skips the forward (no collective spans DP in a forward pass)
+            values_BT[start:stop] = self._forward_values(self.critic, tokens_dev[start:stop])
             if self.reward_model is not None:
                 scores = self._forward_values(self.reward_model, tokens_dev[start:stop])
-                if self._contributes():
-                    last = (lengths_dev[start:stop] - 1).unsqueeze(1)
-                    rm_B = scores.gather(1, last).squeeze(1)
-                    rewards_B[start:stop] = (rm_B - self.cfg.reward_mean) / self.cfg.reward_std
-        self._sum_over_world(out)
+                last = (lengths_dev[start:stop] - 1).unsqueeze(1)
+                rm_B = scores.gather(1, last).squeeze(1)
+                rewards_B[start:stop] = (rm_B - self.cfg.reward_mean) / self.cfg.reward_std
+        self._sum_over_dp(out)
         values = torch.zeros(batch, seq, dtype=torch.float32)
         values[:, :width] = values_BT.cpu() * torch.from_numpy(valid_BT)
         if self.reward_function is not None:
@@ -141,14 +136,14 @@ class CriticService:
             rewards = rewards_B.cpu()
         return values, rewards.reshape(batch, 1)
 
-    def _forward_values(self, model, tokens_bT: torch.Tensor) -> torch.Tensor | None:
-        """Scalar-head outputs [b, T] float32 for `tokens_bT` (None on pipeline stages other than the last)."""
+    def _forward_values(self, model, tokens_bT: torch.Tensor) -> torch.Tensor:
+        """Scalar-head outputs [b, T] float32 for `tokens_bT`."""
         mbs = self.cfg.infer.micro_batch_size
         rows = tokens_bT.shape[0]
         padded = self._pad_rows(tokens_bT, mbs)  # equal micro-batch shapes, as the pipeline schedule requires
         micro = [{"tokens": padded[i : i + mbs]} for i in range(0, padded.shape[0], mbs)]
         outs = model.forward(micro, lambda batch, output: output.squeeze(-1).float())
-        return torch.cat(outs)[:rows] if outs else None
+        return torch.cat(outs)[:rows]
 
     def _rewards_from_fn(self, tokens, lengths, prompt_lengths, labels) -> torch.Tensor:
         """Rank 0 runs the reward function; [ok, rewards...] is broadcast so every rank returns (or raises) alike."""
@@ -185,9 +180,7 @@ class CriticService:
         ev = float(explained_variance(prev_dev, returns_dev, mask_dev))
 
         cfg = self.cfg.train
-        sum_keys = ("vf_loss_sum", "vf_clipfrac_sum", "value_sum", "tokens")
-        sums = torch.zeros(len(sum_keys), dtype=torch.float64, device=self.device)
-        grad_norms, lr = [], 0.0
+        stats, grad_norms, skipped, lr = [], [], 0, 0.0
         for _ in range(cfg.epochs):
             for gb_start in range(0, batch, cfg.global_batch_size):
                 gb_size = min(cfg.global_batch_size, batch - gb_start)
@@ -195,26 +188,22 @@ class CriticService:
                 micro = self._train_micro_batches(
                     tokens_dev[lo:hi], returns_dev[lo:hi], prev_dev[lo:hi], mask_dev[lo:hi], width
                 )
-                num_tokens = global_token_count([m["mask"] for m in micro], group=ps.get_data_parallel_group())
-                metrics = self.critic.step(micro, partial(self._loss, num_tokens=num_tokens))
-                if self._contributes():
-                    sums += torch.tensor(
-                        [metrics.get(k, 0.0) for k in sum_keys], dtype=torch.float64, device=self.device
-                    )
-                grad_norms.append(metrics["grad_norm"])
-                lr = metrics["lr"]
-        self._sum_over_world(sums)
-        total = dict(zip(sum_keys, sums.tolist()))
-        tokens_seen = total["tokens"]
-        per_token = (lambda k: total[k] / tokens_seen) if tokens_seen else (lambda k: float("nan"))
+                num_tokens = global_token_count([m["mask"] for m in micro], group=self.dp_group)
+                result = self.critic.step(micro, partial(self._loss, num_tokens=num_tokens))
+                stats += result["stats"]
+                grad_norms.append(result["grad_norm"])
+                skipped += result["skipped"]
+                lr = result["lr"]
+        total = reduce_stats(stats, group=self.dp_group)
         return {
-            "loss": per_token("vf_loss_sum"),
-            "value_clipfrac": per_token("vf_clipfrac_sum"),
-            "grad_norm": float(np.mean(grad_norms)),
+            "loss": total["vf_loss"],
+            "value_clipfrac": total["vf_clipfrac"],
+            "grad_norm": float(np.nanmean(grad_norms)) if skipped < len(grad_norms) else float("nan"),
             "explained_variance": ev,
-            "value_mean": per_token("value_sum"),
-            "tokens": tokens_seen / cfg.epochs,
+            "value_mean": total["value"],
+            "tokens": total["tokens"] / cfg.epochs,
             "steps": float(len(grad_norms)),
+            "skipped_steps": float(skipped),
             "lr": lr,
         }
 
@@ -241,8 +230,7 @@ class CriticService:
             num_tokens,
             clip_eps=self.cfg.train.value_clip_eps,
         )
-        # TrainableModel.step sums metrics over micro-batches: pass the additive ones only.
-        return loss, {k: v for k, v in stats.items() if not k.endswith("_max")}
+        return loss, stats
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def save(self, step) -> str:
@@ -271,10 +259,7 @@ class CriticService:
 def _is_lm_checkpoint(path: str) -> bool:
     """A policy (LM-head) checkpoint: the critic takes its backbone and keeps a fresh value head, as NeMo-Aligner's
     critic does when it starts from the SFT policy."""
-    from aligner.checkpoint.convert import detect_model_type
-
-    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
-    if detect_model_type(model_dir) != "policy":
+    if dist_ckpt.head_kind(path) != "lm":
         return False
     LOG.warning("model.checkpoint %s holds an LM head: loading its backbone, the value head starts fresh", path)
     return True

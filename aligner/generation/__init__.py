@@ -5,7 +5,7 @@ sampling)` and `refit(policy)` (see interfaces.py for the contract). Backends: n
 trtllm/ (TensorRT-LLM, imported lazily where installed).
 """
 
-from aligner.generation.config import GenerationConfig, validate_generation
+from aligner.config.generation import GenerationConfig, validate_generation
 from aligner.generation.factory import build_engine
 from aligner.generation.interfaces import (
     GenerationEngine,

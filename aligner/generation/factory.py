@@ -7,7 +7,7 @@ The TensorRT-LLM backend is imported only when asked for, so the rest of aligner
 
 from __future__ import annotations
 
-from aligner.generation.config import GenerationConfig, validate_generation
+from aligner.config.generation import GenerationConfig, validate_generation
 from aligner.generation.interfaces import GenerationEngine
 
 

@@ -1,4 +1,4 @@
-"""What the PPO loop sees of a generation engine: two methods, one optional capability, two dataclasses.
+"""What the PPO loop sees of a generation engine: three methods, one optional capability, two dataclasses.
 
 Contract (who calls what, in which order):
 - An engine is built once (`aligner.generation.build_engine`) from the policy's config with maximum batch size,
@@ -10,6 +10,9 @@ Contract (who calls what, in which order):
 - `refit(policy)` copies the policy's current weights (this rank's TP shard, training layout) into the engine in
   place: no rebuild, no reallocation, so captured CUDA graphs stay valid. Call it after every optimizer step that
   should be visible to the next rollout; generation between steps uses the weights of the last refit.
+- `close()` frees what the engine holds (CUDA graphs, KV cache, weights copy); the engine is unusable after it. The
+  job calls it once, before its process groups are destroyed: CUDA graphs that captured the TP all-reduces keep
+  NCCL's communicator teardown waiting forever (aligner.parallel.launch).
 - `ReleasableMemory` (optional, its own Protocol): `release_memory()` frees the KV cache so training can use the
   memory; `acquire_memory()` takes it back before the next `generate`. Check with `isinstance(e, ReleasableMemory)`.
 
@@ -114,6 +117,8 @@ class GenerationEngine(Protocol):
     ) -> GenerationOutput: ...
 
     def refit(self, policy: torch.nn.Module) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable

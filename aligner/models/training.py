@@ -1,17 +1,21 @@
-"""A megatron model with its optimizer: the piece both jobs train (the actor's policy, the critic's value model).
+"""A megatron model with its optimizer: the piece every trainer trains (the actor's policy, the critic's value model).
 
 Contract:
 - `TrainableModel(model_cfg, optim_cfg, head)` builds this rank's slice (after `aligner.parallel.initialize`),
-  wraps it in megatron's DistributedDataParallel and builds the optimizer once: megatron's (distributed) optimizer
-  on GPU; on CPU, where megatron's optimizer wrappers refuse CPU tensors, torch's AdamW with the same settings,
-  the same global-norm clipping (over TP x PP, each parameter counted once) and the same DP gradient sum.
-- `step(micro_batches, loss_fn)` runs megatron's forward/backward schedule (pipelined when PP > 1) over the
-  micro-batches, reduces gradients and takes one optimizer step. `loss_fn(batch, output) -> (loss, metrics)`
-  must return a loss already normalised by the *global* count it averages over (e.g. all response tokens of
-  the mini-batch on all DP ranks): gradients are summed over micro-batches and DP ranks, never averaged, so the
-  sum of those pieces is exactly the full-batch mean. `metrics` is a dict of scalar tensors, summed by the caller.
-- `forward(micro_batches, fn)` runs the schedule forward-only; `fn(batch, output) -> tensor` and the results
-  come back per micro-batch on the last pipeline stage (an empty list on the others).
+  wraps it in megatron's DistributedDataParallel and builds the optimizer once (aligner.models.optim: megatron's on
+  GPU, torch's AdamW on CPU).
+- Pipeline parallelism stays in here: both entry points return their results on *every* rank, broadcast from the
+  last stage over the static pipeline group, so callers never ask which stage they are on.
+- `forward(micro_batches, fn) -> list` runs the schedule forward-only; `fn(batch, output) -> tensor` runs on the
+  last stage and its results (one per micro-batch) come back on every rank.
+- `step(micro_batches, loss_fn) -> dict` runs megatron's forward/backward schedule over the micro-batches, reduces
+  gradients and takes one optimizer step. `loss_fn(batch, output) -> (loss, stats)` must return a loss already
+  normalised by the *global* count it averages over (e.g. all response tokens of the mini-batch on all DP ranks):
+  gradients are summed over micro-batches and DP ranks, never averaged, so the sum of those pieces is exactly the
+  full-batch mean. `stats` is a dict of 0-d tensors in aligner.rl.stats' convention (`tokens`, `<name>_sum`,
+  `<name>_max`). Returns {'grad_norm', 'lr', 'skipped', 'stats': [one dict of floats per micro-batch]}.
+  A step whose gradients are not finite anywhere in the job is skipped on every rank (no weight changes; 'skipped'
+  is 1, 'grad_norm' NaN): one poisoned batch must never reach the weights.
 - Micro-batches are dicts with at least `tokens` [mbs, T]; under PP > 1 all must share one shape.
 """
 
@@ -29,6 +33,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from aligner.config.schema import ModelConfig, OptimConfig
 from aligner.models.gpt import build_gpt, position_ids_like
+from aligner.models.optim import ModelOptimizer, build_optimizer
+from aligner.parallel.device import current_device, on_gpu
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:
@@ -51,7 +57,10 @@ class TrainableModel:
         self.config.calculate_per_token_loss = True
         self.config.finalize_model_grads_func = None
         self.steps_taken = 0
-        self.optimizer = None
+        self.skipped_steps = 0
+        self.optimizer: ModelOptimizer | None = None
+        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         if not trainable:
             for p in module.parameters():
                 p.requires_grad_(False)
@@ -60,37 +69,10 @@ class TrainableModel:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=optim_cfg.use_distributed_optimizer and torch.cuda.is_available(),
+            use_distributed_optimizer=optim_cfg.use_distributed_optimizer and on_gpu(),
         )
         self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)]
-        self.optimizer = self._build_optimizer()
-
-    # -- construction ------------------------------------------------------------------------------------
-    def _build_optimizer(self):
-        cfg = self.optim_cfg
-        if torch.cuda.is_available():
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-            ocfg = OptimizerConfig(
-                optimizer="adam",
-                lr=cfg.lr,
-                min_lr=cfg.min_lr,
-                weight_decay=cfg.weight_decay,
-                adam_beta1=cfg.adam_beta1,
-                adam_beta2=cfg.adam_beta2,
-                adam_eps=cfg.adam_eps,
-                clip_grad=cfg.clip_grad,
-                bf16=self.config.bf16,
-                fp16=self.config.fp16,
-                params_dtype=self.config.params_dtype,
-                use_distributed_optimizer=cfg.use_distributed_optimizer,
-            )
-            # aligner makes no gloo groups on GPU (initialize: NCCL only), so the optimizer must not ask for them.
-            return get_megatron_optimizer(ocfg, self.model, use_gloo_process_groups=False)
-        params = [p for p in self.model[0].parameters() if p.requires_grad]
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-        )
+        self.optimizer = build_optimizer(self.model, self.config, optim_cfg)
 
     @property
     def module(self):
@@ -98,22 +80,52 @@ class TrainableModel:
         m = self.model[0]
         return m.module if isinstance(m, DistributedDataParallel) else m
 
-    def load_weights(self, path: str, backbone_only: bool = False) -> None:
-        """Load model weights from a dist checkpoint (any TP/PP layout), then refresh the optimizer's fp32 copies."""
-        from aligner.checkpoint import dist_ckpt
+    def weights_loaded(self) -> None:
+        """Call after the module's weights were overwritten (a checkpoint was loaded): the optimizer refreshes its
+        own copies (megatron's fp32 main parameters)."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
-        loader = dist_ckpt.load_backbone_weights if backbone_only else dist_ckpt.load_model_weights
-        loader(path, [self.module])
-        reload = getattr(self.optimizer, "reload_model_params", None)  # megatron's mixed-precision optimizers
-        if callable(reload):
-            reload()
+    # -- pipeline results --------------------------------------------------------------------------------
+    def _from_last_stage(self, obj):
+        """`obj` (the last stage's value) on every rank of this pipeline; identity without PP."""
+        if self.pp == 1:
+            return obj
+        box = [obj if self.last_stage else None]
+        dist.broadcast_object_list(
+            box,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+            device=current_device(),
+        )
+        return box[0]
+
+    def _tensors_from_last_stage(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-micro-batch result tensors of the last stage, on every rank: one broadcast of their shapes, one of
+        their data (flat, on the device)."""
+        if self.pp == 1:
+            return tensors
+        meta = self._from_last_stage([(tuple(t.shape), t.dtype) for t in tensors] if self.last_stage else None)
+        if not meta:
+            return []
+        dtype = meta[0][1]
+        sizes = [math.prod(shape) for shape, _ in meta]
+        flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]) if self.last_stage else None
+        if flat is None:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=current_device())
+        dist.broadcast(
+            flat,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return [part.view(shape) for part, (shape, _) in zip(flat.split(sizes), meta, strict=True)]
 
     # -- schedule ----------------------------------------------------------------------------------------
     def _run_schedule(self, micro_batches: list[dict], fn: Callable, forward_only: bool):
         if not micro_batches:
             raise ValueError("no micro-batches to run")
         shape = micro_batches[0]["tokens"].shape
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if self.pp > 1:
             for mb in micro_batches:
                 if mb["tokens"].shape != shape:
                     raise ValueError(
@@ -130,8 +142,8 @@ class TrainableModel:
                 if forward_only:
                     result = fn(batch, output)
                     return torch.zeros((), device=output.device), torch.ones((), dtype=torch.int), {"out": result}
-                loss, metrics = fn(batch, output)
-                return loss, torch.ones((), dtype=torch.int), metrics
+                loss, stats = fn(batch, output)
+                return loss, torch.ones((), dtype=torch.int), {"stats": stats}
 
             return output, partial(loss_func, batch)
 
@@ -146,14 +158,14 @@ class TrainableModel:
         )
 
     @torch.no_grad()
-    def forward(self, micro_batches: list[dict], fn: Callable) -> list:
+    def forward(self, micro_batches: list[dict], fn: Callable) -> list[torch.Tensor]:
         for m in self.model:
             m.eval()
         out = self._run_schedule(micro_batches, fn, forward_only=True)
-        return [o["out"] for o in out] if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else []
+        return self._tensors_from_last_stage([o["out"] for o in out] if self.last_stage else [])
 
     def step(self, micro_batches: list[dict], loss_fn: Callable) -> dict:
-        """One optimizer step over `micro_batches`; returns {'grad_norm', 'lr', **summed loss_fn metrics}."""
+        """One optimizer step over `micro_batches` (see the module docstring for `loss_fn` and the result)."""
         if self.optimizer is None:
             raise RuntimeError("this model was built with trainable=False")
         for m in self.model:
@@ -165,41 +177,23 @@ class TrainableModel:
         lr = lr_at(self.steps_taken, self.optim_cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if torch.cuda.is_available():
-            _, grad_norm, _ = self.optimizer.step()
+        if self._grads_finite():
+            grad_norm, skipped = self.optimizer.step(), 0
+            self.steps_taken += 1
         else:
-            grad_norm = self._cpu_clip_and_step()
-        self.steps_taken += 1
-        metrics = {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "lr": lr}
-        for out in outputs:
-            for k, v in out.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v)
-        return metrics
+            self.optimizer.zero_grad()
+            grad_norm, skipped = float("nan"), 1
+            self.skipped_steps += 1
+        stats = [{k: float(v) for k, v in o["stats"].items()} for o in outputs] if self.last_stage else None
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": skipped, "stats": self._from_last_stage(stats)}
 
-    def _cpu_clip_and_step(self) -> float:
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else p.grad
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-                sq += p.grad.double().pow(2).sum()
+    def _grads_finite(self) -> bool:
+        """True when every gradient of every rank is finite (one MIN all-reduce over the job: all ranks must take
+        the same decision, since the optimizer step itself is collective)."""
+        ok = torch.ones((), device=current_device())
+        for m in self.model:
+            for buffer in m.buffers + m.expert_parallel_buffers:  # DDP's contiguous gradient buffers
+                ok = ok * torch.isfinite(buffer.grad_data).all()
         if dist.is_initialized():
-            dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
-        norm = float(sq.sqrt())
-        clip = self.optim_cfg.clip_grad
-        if clip and clip > 0 and norm > clip:
-            scale = clip / (norm + 1e-6)
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self.optimizer.step()
-        return norm
-
-    # -- state -------------------------------------------------------------------------------------------
-    def sharded_state_dict(self) -> dict:
-        """megatron dist-checkpointing state of the model (and of the optimizer where megatron owns it)."""
-        state = {"model": self.module.sharded_state_dict()}
-        return state
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())

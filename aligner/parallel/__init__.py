@@ -1,5 +1,26 @@
-"""Rank discovery, megatron process groups and the CPU compatibility layer (see launch.py, cpu_compat.py)."""
+"""Rank discovery, megatron process groups, the device of this process and the CPU compatibility layer
+(see launch.py, device.py, cpu_compat.py)."""
 
-from aligner.parallel.launch import RankInfo, discover, initialize, pick_backend, set_seed, shutdown
+from aligner.parallel.device import current_device, on_gpu, synchronize
+from aligner.parallel.launch import (
+    RankInfo,
+    discover,
+    initialize,
+    is_logging_rank,
+    pick_backend,
+    set_seed,
+    shutdown,
+)
 
-__all__ = ["RankInfo", "discover", "initialize", "pick_backend", "set_seed", "shutdown"]
+__all__ = [
+    "RankInfo",
+    "current_device",
+    "discover",
+    "initialize",
+    "is_logging_rank",
+    "on_gpu",
+    "pick_backend",
+    "set_seed",
+    "shutdown",
+    "synchronize",
+]

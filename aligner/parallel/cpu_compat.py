@@ -21,6 +21,8 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
+from aligner.parallel.device import on_gpu
+
 _INSTALLED = False
 
 
@@ -92,7 +94,7 @@ class CpuRngStatesTracker:
 def install() -> bool:
     """Make megatron-core usable on this CPU-only process. Returns True when the layer is active."""
     global _INSTALLED
-    if torch.cuda.is_available():
+    if on_gpu():
         return False
     if _INSTALLED:
         return True

@@ -5,23 +5,44 @@
 `SLURM_JOB_NODELIST`), Open MPI (`OMPI_COMM_WORLD_*`) or MPICH/Hydra (`PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`).
 A plain `python script.py` is a world of one.
 
-`initialize(parallel_cfg)` then, once per process: installs the CPU compatibility layer when there is no GPU,
+`initialize(...)` then, once per process: installs the CPU compatibility layer when there is no GPU,
 picks the backend (NCCL on GPU, gloo on CPU), binds the local GPU, creates the default process group and
 megatron-core's TP/PP/DP groups, and seeds megatron's RNG tracker. Nothing else in aligner creates communicators.
+
+`shutdown(exit_code_if_stuck)` destroys them at the end of a job. Whatever captured collectives into CUDA graphs
+(the generation engine at TP > 1) must be closed before: NCCL's communicator teardown waits for those graphs, and
+a TP=2 actor that kept them hung in `destroy_process_group` forever (seen on 2x H200, tests/gpu/probe_shutdown.py).
+As a last guard, a teardown that does not return within `SHUTDOWN_TIMEOUT_S` is abandoned: the process logs it and
+exits at once, so a finished job always releases its allocation.
+
+Collective timeouts: every process group gets `timeout_minutes` (config `parallel.timeout_minutes`). On GPU, NCCL's
+watchdog then reports the rank, the group and the operation (e.g. `[PG ID 5 PG GUID 8(TENSOR_MODEL_PARALLEL_GROUP)
+Rank 0] ... WorkNCCL(SeqNum=25, OpType=ALLREDUCE ...) ran for 30025 milliseconds`) and tears the process down; we
+turn off its flight-recorder dump on timeout unless asked for (TORCH_NCCL_DUMP_ON_TIMEOUT), which delayed the
+teardown by more than 50 s. On CPU, gloo raises in the waiting collective after the same timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
+import sys
+import threading
 from typing import NamedTuple
 
 import torch
 
+from aligner.parallel.device import on_gpu
 from aligner.utils.net import free_port_range
 
 DEFAULT_PORT = 29500
+SHUTDOWN_TIMEOUT_S = 60.0
+# NCCL's watchdog defaults that we set unless the user's environment already does (see the module docstring).
+NCCL_ENV_DEFAULTS = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+
+log = logging.getLogger(__name__)
 
 
 class RankInfo(NamedTuple):
@@ -94,8 +115,8 @@ def pick_backend(requested: str = "auto") -> str:
     if requested not in ("auto", "nccl", "gloo"):
         raise ValueError(f"parallel.backend={requested!r}: use auto, nccl or gloo")
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
+        return "nccl" if on_gpu() else "gloo"
+    if requested == "nccl" and not on_gpu():
         raise ValueError("parallel.backend=nccl needs CUDA, and this process sees no GPU: use auto or gloo")
     return requested
 
@@ -107,7 +128,7 @@ def initialize(
     seed: int = 1234,
     master_addr: str | None = None,
     master_port: int | None = None,
-    timeout_minutes: int = 30,
+    timeout_minutes: float = 30,
 ) -> RankInfo:
     """Create the default process group (if the launcher has not) and megatron's model-parallel groups.
 
@@ -133,6 +154,8 @@ def initialize(
         info = discover(master_addr=master_addr, master_port=master_port)
         chosen = pick_backend(backend)
         if chosen == "nccl":
+            for key, value in NCCL_ENV_DEFAULTS.items():
+                os.environ.setdefault(key, value)
             torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         dist.init_process_group(
             backend=chosen,
@@ -159,11 +182,18 @@ def initialize(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
-            create_gloo_process_groups=not torch.cuda.is_available(),
+            create_gloo_process_groups=not on_gpu(),
             distributed_timeout_minutes=timeout_minutes,
         )
     set_seed(seed)
     return info
+
+
+def is_logging_rank() -> bool:
+    """The one rank that writes a job's metrics, samples and progress bar (global rank 0)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def set_seed(seed: int) -> None:
@@ -174,11 +204,27 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def shutdown() -> None:
+def shutdown(exit_code_if_stuck: int = 1, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Destroy megatron's groups and the default process group (see the module docstring for what must be closed
+    first). If the teardown has not returned after `timeout_s`, log it and end the process with
+    `exit_code_if_stuck` (the job's own result: its work is done or has failed already)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    rank = dist.get_rank()
+    done = threading.Event()
+
+    def destroy():
         dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="aligner-shutdown", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.error("rank %d: destroy_process_group did not return within %g s; exiting without it", rank, timeout_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code_if_stuck)

@@ -1,14 +1,16 @@
-"""The actor job's PPO loop (DESIGN.md, "One PPO step").
+"""The actor job's PPO loop (DESIGN.md, "One PPO step"): it orchestrates, the pieces below it do the work.
 
-Contract: every rank of the actor job constructs `PPOTrainer(cfg)` after `aligner.parallel.initialize` and calls
-`fit()`. Every rank holds its TP slice of the policy, the reference and the generation engine, and its DP share of
-the prompts. Global rank 0 alone talks to the critic job: it gathers the whole batch over DP (cheap: token ids),
-sends one request, and broadcasts the answer; requests are futures, so the critic computes while the actor computes.
+Contract: every rank of the actor job constructs `PPOTrainer(cfg)` after `aligner.parallel.initialize`, calls
+`fit()`, then `close()` (before `aligner.parallel.shutdown`). Every rank holds its TP/PP slice of the policy, the
+reference and the generation engine, and its DP share of the prompts; every rank runs the same code. Who talks to
+the critic job and how the answers come back is `aligner.critic.remote.RemoteCritic`'s business; pipeline stages are
+`TrainableModel`'s (its results reach every rank); metrics are reduced by name (`aligner.rl.stats`).
 
 One step, each phase a method with its own `timing/*` key:
   rollout (generate) -> critic_infer sent -> log-probs of policy and reference (logprobs) -> critic answer awaited
-  (critic_wait) -> rewards, GAE, whitening (advantages) -> critic_train sent -> policy update (train) -> refit
-  -> critic_train metrics awaited -> log, sample dump, validation, checkpoint.
+  (critic_wait_infer) -> rewards, GAE, whitening (advantages) -> critic_train sent -> policy update (train) -> refit
+  -> critic_train metrics awaited (critic_wait_train) -> log, sample dump, validation, checkpoint.
+`timing/critic_wait` is the sum of the two waits.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ from megatron.core import parallel_state as ps
 from aligner import rl
 from aligner.checkpoint import dist_ckpt
 from aligner.config.actor import ActorJobConfig
+from aligner.critic.remote import RemoteCritic
 from aligner.data.prompts import PromptDataset, PromptSampler, pad_prompts
 from aligner.data.tokenizer import load_tokenizer
 from aligner.generation import SamplingParams, build_engine
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
+from aligner.parallel import current_device, is_logging_rank, synchronize
 from aligner.ppo.reference import build_reference
 from aligner.ppo.rollout import Rollout, assemble, concat, minibatch_positions, pad_to, sample_seeds
-from aligner.utils.metrics import MetricsWriter, Timer
+from aligner.utils.metrics import MetricsWriter, Progress, Timer
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +45,11 @@ log = logging.getLogger(__name__)
 class PPOTrainer:
     def __init__(self, cfg: ActorJobConfig):
         self.cfg = cfg
-        self.rank = dist.get_rank()
         self.dp = cfg.validate_world(dist.get_world_size())
         self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
-        # Pipeline parallelism: the engine generates on every stage (all layers gathered, see the engine); the
-        # training schedule's outputs (log-probs, loss statistics) exist on the last stage and are broadcast from it.
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.pp_group = ps.get_pipeline_model_parallel_group() if self.pp > 1 else None
-        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
-        self.last_stage = ps.is_pipeline_last_stage()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.timer = Timer(torch.cuda.synchronize if torch.cuda.is_available() else None)
+        self.device = current_device()
+        self.timer = Timer(synchronize)
         self.stop_requested = False
 
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
@@ -61,49 +58,38 @@ class PPOTrainer:
                 f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
                 f"{cfg.model.vocab_size}: they must match the checkpoint the policy was built from"
             )
-        max_prompt = cfg.generation.max_prompt_length
-        self.train_data = PromptDataset(
-            cfg.data.train_file, self.tokenizer, max_prompt, cfg.data.prompt_key, cfg.data.label_key, cfg.data.add_bos
-        )
+        d, max_prompt = cfg.data, cfg.generation.max_prompt_length
+        self.train_data = PromptDataset(d.train_file, self.tokenizer, max_prompt, d.prompt_key, d.label_key, d.add_bos)
         self.val_data = (
-            PromptDataset(
-                cfg.data.val_file, self.tokenizer, max_prompt, cfg.data.prompt_key, cfg.data.label_key, cfg.data.add_bos
-            )
-            if cfg.data.val_file
+            PromptDataset(d.val_file, self.tokenizer, max_prompt, d.prompt_key, d.label_key, d.add_bos)
+            if d.val_file
             else None
         )
-        self.sampler = PromptSampler(len(self.train_data), cfg.data.seed, cfg.data.shuffle)
+        self.sampler = PromptSampler(len(self.train_data), d.seed, d.shuffle)
 
         self.policy = TrainableModel(cfg.model, cfg.optim, head="lm")
         if cfg.model.checkpoint:
-            self.policy.load_weights(cfg.model.checkpoint)
-        self.reference = build_reference(cfg.reference.mode, cfg.model, self.policy.module)
+            dist_ckpt.load_model_weights(cfg.model.checkpoint, [self.policy.module])
+            self.policy.weights_loaded()
+        self.reference = build_reference(cfg.reference.mode, cfg.model, self.policy)
         self.engine = build_engine(cfg.generation, cfg.model, self.policy.module)
-        self.kl_ctl = rl.make_kl_controller(cfg.ppo.kl.coef, cfg.ppo.kl.adaptive, cfg.ppo.kl.target, cfg.ppo.kl.horizon)
+        k = cfg.ppo.kl
+        self.kl_ctl = rl.make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
         self.step = 0
-        self.critic = None
-        if self.rank == 0:
-            from aligner.critic.client import CriticClient
-
-            self.critic = CriticClient.from_config(cfg.critic)
-            self.critic.wait_ready()
+        self.critic = RemoteCritic(cfg.critic, self.dp_group)
         self._resume()
         dist_ckpt.start_writer()  # not inside the first checkpoint (the critic saves at the same time)
         self.writer = MetricsWriter(
-            cfg.logging.exp_dir, enabled=self.rank == 0, tensorboard=cfg.logging.tensorboard, resume_step=self.step
+            cfg.exp_dir, enabled=is_logging_rank(), tensorboard=cfg.logging.tensorboard, resume_step=self.step
         )
 
     # -- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> str | None:
-        """Run until ppo.num_steps, SIGTERM or max_time; returns the path of the metrics file (rank 0)."""
+        """Run until ppo.num_steps, SIGTERM or max_time; returns the path of the metrics file (logging rank)."""
         cfg = self.cfg
         self._install_signal_handlers()
         start = time.monotonic()
-        bar = None
-        if self.rank == 0 and cfg.logging.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.ppo.num_steps, initial=self.step, desc="ppo", dynamic_ncols=True)
+        bar = Progress(cfg.ppo.num_steps, self.step, is_logging_rank() and cfg.logging.progress_bar, "ppo")
         last_saved = self.step if dist_ckpt.latest_checkpoint(cfg.checkpoint_dir) else None
         try:
             while self.step < cfg.ppo.num_steps:
@@ -111,20 +97,14 @@ class PPOTrainer:
                 if cfg.validation.every and self.val_data and (self.step + 1) % cfg.validation.every == 0:
                     with self.timer("validation"):
                         metrics.update(self.validate())
-                metrics.update(self.timer.pop())
+                metrics.update(self._timings())
                 self.writer.log(self.step, metrics)
                 self.step += 1
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", kl=f"{metrics['ppo/kl']:.4f}")
+                bar.update(reward=f"{metrics['rollout/reward_mean']:.3f}", kl=f"{metrics['ppo/kl']:.4f}")
                 out_of_time = cfg.max_time is not None and time.monotonic() - start > cfg.max_time
                 if self._agree(self.stop_requested or out_of_time):
-                    if self.rank == 0:
-                        log.warning(
-                            "stopping at step %d (%s): checkpointing",
-                            self.step,
-                            "SIGTERM" if self.stop_requested else "max_time",
-                        )
+                    reason = "SIGTERM" if self.stop_requested else "max_time"
+                    log.warning("stopping at step %d (%s): checkpointing", self.step, reason)
                     self.save()
                     last_saved = self.step
                     break
@@ -134,35 +114,39 @@ class PPOTrainer:
             if cfg.checkpoint.save_at_end and last_saved != self.step and self.step >= cfg.ppo.num_steps:
                 self.save()
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             self.writer.close()
-        return self.writer.path if self.rank == 0 else None
+        return self.writer.path if is_logging_rank() else None
 
     def train_step(self) -> dict:
         cfg = self.cfg
         with self.timer("step"):
             with self.timer("generate"):
                 rollout = self.generate_rollouts()
-            critic_future = self.request_values(rollout)
+            critic_answer = self.critic.infer(rollout)
             with self.timer("logprobs"):
                 logp_BS, ref_logp_BS = self.compute_logprobs(rollout)
-            with self.timer("critic_wait"):
-                values_BT, scores_B = self.receive_values(critic_future, rollout)
+            with self.timer("critic_wait_infer"):
+                values_BT, scores_B = critic_answer.result()
             with self.timer("advantages"):
                 batch, metrics = self.compute_advantages(rollout, logp_BS, ref_logp_BS, values_BT, scores_B)
-            train_future = self.request_critic_train(rollout, batch)
+            critic_training = self.critic.train(rollout, batch["returns"], batch["values"])
             if self.step >= cfg.ppo.critic_warmup_steps:
                 with self.timer("train"):
                     metrics.update(self.update_policy(rollout, batch))
                 with self.timer("refit"):
                     self.engine.refit(self.policy.module)
-            with self.timer("critic_wait"):
-                metrics.update(self.receive_critic_train(train_future))
+            with self.timer("critic_wait_train"):
+                metrics.update(critic_training.result())
             self.kl_ctl.update(metrics["ppo/kl"], cfg.ppo.rollout_batch_size)
             if cfg.logging.samples_every and self.step % cfg.logging.samples_every == 0:
                 self.dump_samples(rollout, scores_B)
         return metrics
+
+    def _timings(self) -> dict:
+        out = self.timer.pop()
+        out["timing/critic_wait"] = out.get("timing/critic_wait_infer", 0.0) + out.get("timing/critic_wait_train", 0.0)
+        return out
 
     # -- phases -------------------------------------------------------------------------------------------
     def _my_positions(self, n: int, groups: int, seed: int | None) -> list[int]:
@@ -175,17 +159,18 @@ class PPOTrainer:
         for lo in range(0, len(prompts), chunk):
             sub = prompts[lo : lo + chunk]
             tokens_BP, lengths_B = pad_prompts(sub, self.tokenizer.pad_id)
+            tokens_BP, lengths_B = tokens_BP.to(self.device), lengths_B.to(self.device)
             sampling = SamplingParams(
                 **sampling_kw,
                 eos_token_id=self.tokenizer.eos_id,
                 pad_token_id=self.tokenizer.pad_id,
                 seeds=sample_seeds(self.cfg.seed, step_seed, positions[lo : lo + chunk]),
             )
-            out = self.engine.generate(tokens_BP.to(self.device), lengths_B.to(self.device), sampling)
-            total = int((lengths_B.to(self.device) + out.response_lengths_B).max())
+            out = self.engine.generate(tokens_BP, lengths_B, sampling)
+            total = int((lengths_B + out.response_lengths_B).max())
             part = assemble(
-                tokens_BP.to(self.device),
-                lengths_B.to(self.device),
+                tokens_BP,
+                lengths_B,
                 out.response_tokens_BR,
                 out.response_lengths_B,
                 out.logprobs_BR,
@@ -223,53 +208,6 @@ class PPOTrainer:
         prompts = [self.train_data.items[global_indices[p]] for p in positions]
         return self._generate(prompts, positions, self._sampling_kw(), self.step)
 
-    def _gather_dp(self, rollout: Rollout, *arrays):
-        """The whole global batch on global rank 0, rows in global-position order (the order a single process would
-        hold them in, so the critic sees the same batch for any DP size); a list of None elsewhere."""
-        parts = [None] * self.dp
-        dist.all_gather_object(parts, (rollout.positions, arrays), group=self.dp_group)
-        if self.rank != 0:
-            return [None] * len(arrays)
-        order = np.argsort(np.concatenate([np.asarray(pos) for pos, _ in parts]), kind="stable")
-        out = []
-        for i, a in enumerate(arrays):
-            if isinstance(a, list):
-                flat = [x for _, arrs in parts for x in arrs[i]]
-                out.append([flat[j] for j in order])
-            else:
-                out.append(np.concatenate([arrs[i] for _, arrs in parts])[order])
-        return out
-
-    def request_values(self, rollout: Rollout):
-        """Send the whole batch to critic_infer from rank 0 (non-blocking); returns a future on rank 0."""
-        tokens, lengths, prompt_lengths, labels = self._gather_dp(
-            rollout,
-            rollout.tokens_BT.cpu().numpy(),
-            rollout.lengths_B.cpu().numpy(),
-            rollout.prompt_lengths_B.cpu().numpy(),
-            list(rollout.labels),
-        )
-        if self.rank != 0:
-            return None
-        return self.critic.infer_async(
-            tokens, lengths, prompt_lengths, labels=labels if any(x is not None for x in labels) else None
-        )
-
-    def receive_values(self, future, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """This DP rank's values [B, T] and scores [B] from the critic's answer (broadcast from rank 0)."""
-        B, T = rollout.tokens_BT.shape
-        values = torch.zeros(B * self.dp, T, dtype=torch.float32)
-        scores = torch.zeros(B * self.dp, dtype=torch.float32)
-        if self.rank == 0:
-            v, r = future.result()
-            values.copy_(torch.as_tensor(np.asarray(v, dtype=np.float32)))
-            scores.copy_(torch.as_tensor(np.asarray(r, dtype=np.float32)).reshape(-1))
-        values, scores = values.to(self.device), scores.to(self.device)
-        dist.broadcast(values, src=0)
-        dist.broadcast(scores, src=0)
-        mine = torch.tensor(rollout.positions, device=values.device)
-        return values[mine], scores[mine]
-
     def _micro_batches(
         self, rollout: Rollout, rows: list[int] | None = None, size: int | None = None, **per_token
     ) -> list[dict]:
@@ -288,32 +226,16 @@ class PPOTrainer:
             logits_BTV[:, :-1],
             batch["tokens"][:, 1:],
             self.tp_group,
-            temperature=self._temperature,
+            temperature=self.cfg.sampling.logprob_temperature,
             vocab_size=self.cfg.model.vocab_size,
         )
-
-    @property
-    def _temperature(self) -> float:
-        return 1.0 if self.cfg.sampling.greedy else self.cfg.sampling.temperature
 
     def compute_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [B, T-1] of the sampled tokens under the policy (training layout) and the reference."""
         micro = self._micro_batches(rollout, size=self.cfg.ppo.forward_micro_batch_size)
         logp = self.policy.forward(micro, self._logprobs_fn)
-        ref_logp = self.reference.forward(self.policy, micro, self._logprobs_fn)
-        if self.pp == 1:
-            return torch.cat(logp), torch.cat(ref_logp)
-        B, T = rollout.tokens_BT.shape
-        both = torch.zeros(2, B, T - 1, dtype=torch.float32, device=self.device)
-        if self.last_stage:
-            both[0].copy_(torch.cat(logp))
-            both[1].copy_(torch.cat(ref_logp))
-        self._from_last_stage(both)
-        return both[0], both[1]
-
-    def _from_last_stage(self, t: torch.Tensor) -> None:
-        """Overwrite `t` in place with the last pipeline stage's values (PP > 1 only)."""
-        dist.broadcast(t, src=self.pp_last_rank, group=self.pp_group)
+        ref_logp = self.reference.forward(micro, self._logprobs_fn)
+        return torch.cat(logp), torch.cat(ref_logp)
 
     def compute_advantages(self, rollout, logp_BS, ref_logp_BS, values_BT, scores_B) -> tuple[dict, dict]:
         cfg, mask = self.cfg.ppo, rollout.mask_BS
@@ -323,44 +245,41 @@ class PPOTrainer:
         advantages_BS, returns_BS = rl.gae(values_BS, rewards_BS, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             advantages_BS = rl.masked_whiten(advantages_BS, mask, group=self.dp_group)
-        # Rollout statistics over the whole job (sums and counts all-reduced over DP).
-        k1_BS = logp_BS - ref_logp_BS
+        # Rollout statistics over the whole job (sums and counts all-reduced over DP, by name).
         diff_BS = (rollout.engine_logp_BS - logp_BS).abs()
-        ratio_err_BS = (torch.exp(logp_BS - rollout.engine_logp_BS) - 1).abs()
-        sums = torch.stack(
-            [
-                (k1_BS * mask).sum(),
-                (rl.kl_estimate(logp_BS, ref_logp_BS, "k3") * mask).sum(),
-                mask.sum(),
-                scores_B.sum(),
-                (scores_B**2).sum(),
-                torch.tensor(float(len(scores_B)), device=mask.device),
-                rollout.response_lengths_B.float().sum(),
-                rollout.ended_B.float().sum(),
-                (diff_BS * mask).sum(),
-                (ratio_err_BS * mask).sum(),
-                (rewards_BS * mask).sum(),
-                (values_BS * mask).sum(),
-            ]
-        ).double()
-        dist.all_reduce(sums, group=self.dp_group)
-        (kl, kl3, tokens, s, s2, n, resp_len, ended, diff, ratio_err, rew, val) = sums.tolist()
-        mismatch_max = (diff_BS * mask).amax().reshape(1)
-        dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX, group=self.dp_group)
+        s = rl.sum_by_name(
+            {
+                "kl": ((logp_BS - ref_logp_BS) * mask).sum(),
+                "kl_k3": (rl.kl_estimate(logp_BS, ref_logp_BS, "k3") * mask).sum(),
+                "tokens": mask.sum(),
+                "score": scores_B.sum(),
+                "score_sq": (scores_B**2).sum(),
+                "samples": float(len(scores_B)),
+                "response_length": rollout.response_lengths_B.float().sum(),
+                "ended": rollout.ended_B.float().sum(),
+                "mismatch": (diff_BS * mask).sum(),
+                "ratio_error": ((torch.exp(logp_BS - rollout.engine_logp_BS) - 1).abs() * mask).sum(),
+                "token_reward": (rewards_BS * mask).sum(),
+                "value": (values_BS * mask).sum(),
+            },
+            group=self.dp_group,
+        )
+        top = rl.max_by_name({"mismatch": (diff_BS * mask).amax()}, group=self.dp_group)
+        n, tokens = s["samples"], s["tokens"]
         metrics = {
-            "rollout/reward_mean": s / n,
-            "rollout/reward_std": math.sqrt(max(0.0, s2 / n - (s / n) ** 2)),
-            "rollout/response_length_mean": resp_len / n,
-            "rollout/ended_fraction": ended / n,
+            "rollout/reward_mean": s["score"] / n,
+            "rollout/reward_std": math.sqrt(max(0.0, s["score_sq"] / n - (s["score"] / n) ** 2)),
+            "rollout/response_length_mean": s["response_length"] / n,
+            "rollout/ended_fraction": s["ended"] / n,
             "rollout/tokens": tokens,
-            "rollout/token_reward_mean": rew / tokens,
-            "rollout/value_mean": val / tokens,
-            "ppo/kl": kl / tokens,
-            "ppo/kl_k3": kl3 / tokens,
+            "rollout/token_reward_mean": s["token_reward"] / tokens,
+            "rollout/value_mean": s["value"] / tokens,
+            "ppo/kl": s["kl"] / tokens,
+            "ppo/kl_k3": s["kl_k3"] / tokens,
             "ppo/kl_coef": self.kl_ctl.value,
-            "ppo/logprob_mismatch": diff / tokens,
-            "ppo/logprob_mismatch_max": float(mismatch_max),
-            "ppo/ratio_error": ratio_err / tokens,
+            "ppo/logprob_mismatch": s["mismatch"] / tokens,
+            "ppo/logprob_mismatch_max": top["mismatch"],
+            "ppo/ratio_error": s["ratio_error"] / tokens,
         }
         batch = {
             "old_logp": logp_BS.detach(),
@@ -370,91 +289,25 @@ class PPOTrainer:
         }
         return batch, metrics
 
-    def request_critic_train(self, rollout: Rollout, batch: dict):
-        """Send returns and old values to critic_train from rank 0 (non-blocking)."""
-
-        def full_grid(x_BS):  # the critic's [B, T] grid: the shifted grid plus an empty last position
-            return torch.nn.functional.pad(x_BS.float(), (0, 1)).cpu().numpy()
-
-        gathered = self._gather_dp(
-            rollout,
-            rollout.tokens_BT.cpu().numpy(),
-            rollout.lengths_B.cpu().numpy(),
-            full_grid(batch["returns"]),
-            full_grid(batch["values"]),
-            full_grid(rollout.mask_BS),
-        )
-        if self.rank != 0:
-            return None
-        return self.critic.train_async(*gathered)
-
-    def receive_critic_train(self, future) -> dict:
-        names = ("loss", "explained_variance", "value_clipfrac", "grad_norm")
-        out = torch.zeros(len(names), dtype=torch.float64)
-        if self.rank == 0:
-            result = future.result()
-            out = torch.tensor([float(np.asarray(result[k]).reshape(-1)[0]) for k in names], dtype=torch.float64)
-        out = out.to(self.device)
-        dist.broadcast(out, src=0)
-        vals = out.tolist()
-        return {
-            "critic/value_loss": vals[0],
-            "critic/explained_var": vals[1],
-            "critic/value_clipfrac": vals[2],
-            "critic/grad_norm": vals[3],
-        }
-
     def update_policy(self, rollout: Rollout, batch: dict) -> dict:
         """ppo.epochs passes of ppo.num_mini_batches optimizer steps over this step's rollouts."""
         cfg = self.cfg.ppo
         B = rollout.batch_size
         per_mini = B // cfg.num_mini_batches
-        stats, grad_norms = [], []
+        stats, grad_norms, skipped = [], [], 0
         g = torch.Generator().manual_seed(self.cfg.seed * 31 + self.step)
         for epoch in range(cfg.epochs):
             # Epoch 0 keeps the global mini-batches laid out by _my_positions; later epochs reshuffle locally.
             order = list(range(B)) if epoch == 0 else torch.randperm(B, generator=g).tolist()
             for m in range(cfg.num_mini_batches):
-                rows = order[m * per_mini : (m + 1) * per_mini]
-                micro = self._micro_batches(rollout, rows, **batch)
+                micro = self._micro_batches(rollout, order[m * per_mini : (m + 1) * per_mini], **batch)
                 keep = [rl.policy_loss_mask(mb["mask"], mb["ended"], cfg.zero_unended) for mb in micro]
                 num_tokens = max(1, rl.global_token_count(keep, group=self.dp_group))
-
-                def loss_fn(mb, logits_BTV, num_tokens=num_tokens):
-                    logp, entropy = vocab_parallel_logprobs(
-                        logits_BTV[:, :-1],
-                        mb["tokens"][:, 1:],
-                        self.tp_group,
-                        temperature=self._temperature,
-                        vocab_size=self.cfg.model.vocab_size,
-                        with_entropy=True,
-                    )
-                    loss, st = rl.policy_loss(
-                        logp,
-                        mb["old_logp"],
-                        mb["advantages"],
-                        mb["mask"],
-                        num_tokens,
-                        clip_eps=cfg.clip_eps,
-                        clip_eps_high=cfg.clip_eps_high,
-                        dual_clip=cfg.dual_clip,
-                        entropy_BT=entropy,
-                        entropy_coef=cfg.entropy_coef,
-                        ended_B=mb["ended"],
-                        zero_unended=cfg.zero_unended,
-                    )
-                    stats.append(st)
-                    return loss, {}
-
-                grad_norms.append(self.policy.step(micro, loss_fn)["grad_norm"])
-        keys = ("pg_loss", "clipfrac", "entropy", "approx_kl", "ratio", "ratio_max")
-        reduced = rl.reduce_stats(stats, group=self.dp_group)  # loss statistics: last pipeline stage only
-        if self.pp > 1:
-            vals = torch.tensor(
-                [reduced[k] if self.last_stage else 0.0 for k in keys], dtype=torch.float64, device=self.device
-            )
-            self._from_last_stage(vals)
-            reduced = dict(zip(keys, vals.tolist(), strict=True))
+                result = self.policy.step(micro, lambda mb, logits, n=num_tokens: self._policy_loss(mb, logits, n))
+                stats += result["stats"]
+                grad_norms.append(result["grad_norm"])
+                skipped += result["skipped"]
+        reduced = rl.reduce_stats(stats, group=self.dp_group)
         return {
             "ppo/policy_loss": reduced["pg_loss"],
             "ppo/clipfrac": reduced["clipfrac"],
@@ -462,12 +315,38 @@ class PPOTrainer:
             "ppo/approx_kl": reduced["approx_kl"],
             "ppo/ratio_mean": reduced["ratio"],
             "ppo/ratio_max": reduced["ratio_max"],
-            "ppo/grad_norm": float(np.mean(grad_norms)),
+            "ppo/grad_norm": float(np.nanmean(grad_norms)) if skipped < len(grad_norms) else float("nan"),
+            "ppo/skipped_steps": float(skipped),
             "ppo/lr": self.policy.optimizer.param_groups[0]["lr"],
         }
 
+    def _policy_loss(self, mb: dict, logits_BTV: torch.Tensor, num_tokens: int):
+        cfg = self.cfg.ppo
+        logp, entropy = vocab_parallel_logprobs(
+            logits_BTV[:, :-1],
+            mb["tokens"][:, 1:],
+            self.tp_group,
+            temperature=self.cfg.sampling.logprob_temperature,
+            vocab_size=self.cfg.model.vocab_size,
+            with_entropy=True,
+        )
+        return rl.policy_loss(
+            logp,
+            mb["old_logp"],
+            mb["advantages"],
+            mb["mask"],
+            num_tokens,
+            clip_eps=cfg.clip_eps,
+            clip_eps_high=cfg.clip_eps_high,
+            dual_clip=cfg.dual_clip,
+            entropy_BT=entropy,
+            entropy_coef=cfg.entropy_coef,
+            ended_B=mb["ended"],
+            zero_unended=cfg.zero_unended,
+        )
+
     def dump_samples(self, rollout: Rollout, scores_B: torch.Tensor) -> None:
-        if self.rank != 0:
+        if not self.writer.enabled:
             return
         rows = []
         for b in range(min(self.cfg.logging.num_samples, rollout.batch_size)):
@@ -492,19 +371,22 @@ class PPOTrainer:
         positions = self._my_positions(n, 1, None)
         sampling = self._sampling_kw(self.cfg.validation.greedy)
         rollout = self._generate([items[i] for i in positions], positions, sampling, 10_000_000 + self.step)
-        _, scores = self.receive_values(self.request_values(rollout), rollout)
-        sums = torch.stack(
-            [
-                scores.sum(),
-                rollout.response_lengths_B.float().sum().to(scores.device),
-                rollout.ended_B.float().sum().to(scores.device),
-            ]
-        ).double()
-        dist.all_reduce(sums, group=self.dp_group)
-        s, length, ended = sums.tolist()
-        return {"val/reward_mean": s / n, "val/response_length_mean": length / n, "val/ended_fraction": ended / n}
+        _, scores = self.critic.infer(rollout).result()
+        s = rl.sum_by_name(
+            {
+                "reward": scores.sum(),
+                "response_length": rollout.response_lengths_B.float().sum(),
+                "ended": rollout.ended_B.float().sum(),
+            },
+            group=self.dp_group,
+        )
+        return {
+            "val/reward_mean": s["reward"] / n,
+            "val/response_length_mean": s["response_length"] / n,
+            "val/ended_fraction": s["ended"] / n,
+        }
 
-    # -- checkpoints and signals ----------------------------------------------------------------------------
+    # -- checkpoints, signals, teardown -----------------------------------------------------------------------
     def trainer_state(self) -> dict:
         return {
             "step": self.step,
@@ -515,9 +397,7 @@ class PPOTrainer:
 
     def save(self) -> None:
         cfg = self.cfg.checkpoint
-        critic_future = None
-        if self.rank == 0 and cfg.save_critic:
-            critic_future = self.critic.save_async(self.step)
+        critic_saved = self.critic.save(self.step) if cfg.save_critic else None
         path = dist_ckpt.save(
             self.cfg.checkpoint_dir,
             self.step,
@@ -527,10 +407,9 @@ class PPOTrainer:
             keep=cfg.keep,
             model_cfg=self.cfg.model,
         )
-        if critic_future is not None:
-            critic_future.result()
-        if self.rank == 0:
-            log.info("checkpoint written: %s", path)
+        if critic_saved is not None:
+            critic_saved.result()
+        log.info("checkpoint written: %s", path)
 
     def _resume(self) -> None:
         if not self.cfg.checkpoint.resume:
@@ -544,8 +423,7 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.policy.steps_taken = int(state.get("optimizer_steps", 0))
         self.engine.refit(self.policy.module)
-        if self.rank == 0:
-            log.warning("resumed from %s at step %d", path, self.step)
+        log.warning("resumed from %s at step %d", path, self.step)
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
@@ -559,3 +437,8 @@ class PPOTrainer:
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def close(self) -> None:
+        """Free the engine (its CUDA graphs hold the TP communicator: before shutdown) and the critic client."""
+        self.engine.close()
+        self.critic.close()

@@ -19,9 +19,9 @@ from aligner.rl.losses import (
     global_token_count,
     policy_loss,
     policy_loss_mask,
-    reduce_stats,
     value_loss,
 )
+from aligner.rl.stats import max_by_name, reduce_stats, sum_by_name
 
 __all__ = [
     "AdaptiveKLController",
@@ -34,6 +34,7 @@ __all__ = [
     "kl_estimate",
     "last_token_index",
     "make_kl_controller",
+    "max_by_name",
     "masked_global_mean_var",
     "masked_whiten",
     "per_token_rewards",
@@ -43,5 +44,6 @@ __all__ = [
     "reinforce_pp_advantages",
     "rloo_advantages",
     "sample_to_tokens",
+    "sum_by_name",
     "value_loss",
 ]

@@ -20,10 +20,9 @@ Contract
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
 from aligner.rl._dist import all_reduce_
 from aligner.rl.advantages import masked_global_mean_var
@@ -197,31 +196,3 @@ def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
     probs_BTV = torch.softmax(logits_BTV, dim=-1)
     p_logit_BTV = torch.where(probs_BTV > 0, probs_BTV * logits_BTV, 0.0)
     return torch.logsumexp(logits_BTV, dim=-1) - p_logit_BTV.sum(dim=-1)
-
-
-def reduce_stats(stats: dict | Sequence[dict], group=None) -> dict[str, float]:
-    """Combine the `stats` of several micro-batches (and of all ranks of `group`) into plain floats.
-
-    `tokens` and `*_sum` entries are summed, `*_max` entries maxed; returns `tokens`, `<name>` = sum / tokens
-    (NaN with no token) and `<name>_max`. Every rank must pass dicts with the same keys.
-    """
-    if isinstance(stats, dict):
-        stats = [stats]
-    if not stats:
-        return {}
-    sum_keys = sorted(k for k in stats[0] if k == "tokens" or k.endswith("_sum"))
-    max_keys = sorted(k for k in stats[0] if k.endswith("_max"))
-    # One tensor per reduction op, so there are two all-reduces however many metrics there are.
-    sums = torch.stack([torch.stack([s[k].to(torch.float64) for k in sum_keys]) for s in stats]).sum(0)
-    all_reduce_(sums, group)
-    out = {}
-    totals = dict(zip(sum_keys, sums.tolist(), strict=True))
-    tokens = totals.pop("tokens", None)
-    out["tokens"] = tokens
-    for key, total in totals.items():
-        out[key[: -len("_sum")]] = total / tokens if tokens else float("nan")
-    if max_keys:
-        maxes = torch.stack([torch.stack([s[k].to(torch.float64) for k in max_keys]) for s in stats]).amax(0)
-        all_reduce_(maxes, group, op=dist.ReduceOp.MAX)
-        out.update(zip(max_keys, maxes.tolist(), strict=True))
-    return out

@@ -101,3 +101,23 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+class Progress:
+    """A tqdm bar on the logging rank (a no-op elsewhere or when disabled)."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+
+    def update(self, **postfix) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(**postfix)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         "train_ppo_actor.py",
         args.actor_procs,
         args.actor_config,
-        [f"critic.port={port}", "critic.host=127.0.0.1", f"logging.exp_dir={exp}/actor", *args.actor],
+        [f"critic.port={port}", "critic.host=127.0.0.1", f"exp_dir={exp}/actor", *args.actor],
         args.launcher,
     )
     critic_log = os.path.join(exp, "critic.log")

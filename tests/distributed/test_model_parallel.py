@@ -63,7 +63,8 @@ def _run(rank, world, tp, pp, arch, full):
         return nll / total_tokens, {"nll_sum": nll.detach()}
 
     logps = model.forward(micro, logp)
-    metrics = model.step(micro, loss_fn)
+    result = model.step(micro, loss_fn)
+    metrics = {"grad_norm": result["grad_norm"], "nll_sum": sum(s["nll_sum"] for s in result["stats"])}
     grads = full_state_dict(model.module, cfg, grads=True)
     return {
         "logp": torch.cat(logps) if logps else None,
@@ -80,6 +81,12 @@ def _compare(base, results, dp):
         for name, g in ref["grads"].items():
             torch.testing.assert_close(r["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"grad of {name}")
         assert r["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-5)
+    # Every rank gets the results (TrainableModel broadcasts them from the last pipeline stage): all ranks of one
+    # data-parallel slice hold the same log-probs and loss statistics.
+    for r in results:
+        same_slice = next(x for x in results if x["dp_rank"] == r["dp_rank"] and x["last_stage"])
+        torch.testing.assert_close(r["logp"], same_slice["logp"], rtol=0, atol=0)
+        assert r["metrics"]["nll_sum"] == same_slice["metrics"]["nll_sum"]
     last = [r for r in results if r["last_stage"]]
     logp = torch.cat([r["logp"] for r in sorted(last, key=lambda r: r["dp_rank"])][:dp]) if dp > 1 else last[0]["logp"]
     torch.testing.assert_close(logp, ref["logp"], rtol=1e-5, atol=1e-5)

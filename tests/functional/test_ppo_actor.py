@@ -141,11 +141,11 @@ def _actor(*overrides, timeout=300):
 
 
 def test_bad_config_names_the_key(tmp_path):
-    proc = _actor(f"logging.exp_dir={tmp_path}/x", "ppo.rollout_batchsize=8")
+    proc = _actor(f"exp_dir={tmp_path}/x", "ppo.rollout_batchsize=8")
     assert proc.returncode == 2 and "ppo.rollout_batchsize" in proc.stderr
-    proc = _actor(f"logging.exp_dir={tmp_path}/x", "ppo.micro_batch_size=5")
+    proc = _actor(f"exp_dir={tmp_path}/x", "ppo.micro_batch_size=5")
     assert proc.returncode != 0 and "ppo.micro_batch_size" in proc.stderr
-    proc = _actor(f"logging.exp_dir={tmp_path}/x", "data.train_file=nowhere.jsonl")
+    proc = _actor(f"exp_dir={tmp_path}/x", "data.train_file=nowhere.jsonl")
     assert proc.returncode == 2 and "data.train_file" in proc.stderr and "nowhere.jsonl" in proc.stderr
     assert not os.path.exists(tmp_path / "x"), "nothing is written for a config that fails validation"
 
@@ -154,7 +154,7 @@ def test_unreachable_critic_is_explained(tmp_path):
     from dist import free_port
 
     port = free_port()
-    proc = _actor(f"logging.exp_dir={tmp_path}/x", f"critic.port={port}", "critic.connect_timeout=3")
+    proc = _actor(f"exp_dir={tmp_path}/x", f"critic.port={port}", "critic.connect_timeout=3")
     assert proc.returncode != 0
     assert f"127.0.0.1:{port}" in proc.stderr and "critic" in proc.stderr
     assert not os.path.exists(tmp_path / "x" / "metrics.jsonl")

@@ -107,7 +107,8 @@ def train_once(model, cfg, tokens):
         return nll / total, {"nll_sum": nll.detach()}
 
     logps = model.forward(micro, logp)
-    metrics = model.step(micro, loss_fn)
+    result = model.step(micro, loss_fn)
+    metrics = {"grad_norm": result["grad_norm"], "nll_sum": sum(s["nll_sum"] for s in result["stats"])}
     return (torch.cat(logps).float().cpu() if logps else None), metrics
 
 

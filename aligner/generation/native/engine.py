@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from aligner.generation.config import GenerationConfig, validate_generation
+from aligner.config.generation import GenerationConfig
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
 from aligner.generation.native.decoder import Decoder, Layout
 from aligner.generation.native.fused import triton_available
@@ -57,7 +57,6 @@ def _parallel_state():
 
 class NativeEngine:
     def __init__(self, gen_cfg: GenerationConfig, model_cfg, policy):
-        validate_generation(gen_cfg, model_cfg)
         module = unwrap_policy(policy)
         group, tp, tp_rank, pp_group, mp_group = _parallel_state()
         if pp_group is None and not (module.pre_process and module.post_process):
@@ -304,6 +303,15 @@ class NativeEngine:
         if self.decoder.kv.data_ptr() != self._kv_ptr:
             self._graphs.clear()  # they address the old cache; re-captured on the next generate
             self._kv_ptr = self.decoder.kv.data_ptr()
+
+    def close(self) -> None:
+        """Drop the CUDA graphs and the KV cache (see interfaces.py: before the process groups are destroyed)."""
+        self._graphs.clear()
+        self.decoder.free_kv()
+        self._released = True
+        if self.on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     # -- introspection (tests, benchmarks) -------------------------------------------------------------------
     def weight_data_ptrs(self) -> dict[str, int]:

@@ -145,6 +145,11 @@ class TrtllmEngine:
             raise RuntimeError(f"TensorRT refit failed; missing weights: {self._refitter.get_missing_weights()[:5]}")
         torch.cuda.synchronize()
 
+    def close(self) -> None:
+        """Drop the TensorRT-LLM runner and refitter (and with them the engine's device memory)."""
+        self._refitter = None
+        self.runner = None
+
     @torch.no_grad()
     def generate(self, prompt_tokens_BT, prompt_lengths_B, sampling: SamplingParams) -> GenerationOutput:
         B = prompt_tokens_BT.shape[0]

@@ -1,0 +1,153 @@
+"""The critic job as every rank of the actor job sees it: requests that return pending results.
+
+Contract
+- Every rank of the actor job constructs `RemoteCritic(client_cfg, dp_group)` after `aligner.parallel.initialize`
+  and makes the same calls in the same order; each call is collective over the actor job.
+- Who sends: global rank 0 alone talks to the critic job, one HTTP request per call for the whole job's batch. The
+  rows of the other data-parallel slices reach it first (a gather over rank 0's data-parallel group: token ids, a
+  few KB), in global-position order, so the critic sees the same batch for any DP size. The answer is broadcast
+  from rank 0 to every rank, and each rank keeps its own rows. Requests are futures on rank 0: the critic computes
+  while the actor computes; `Pending.result()` (collective) waits.
+- `infer(rollout) -> Pending[(values_BT, scores_B)]`: this rank's rows of the critic's values on the [B, T] grid
+  and the reward score per sample (float32, on this rank's device).
+- `train(rollout, returns_BS, values_BS) -> Pending[dict]`: `critic_train` on the rollout's returns and old values
+  (shifted grid [B, T-1] here; the critic's [B, T] grid gets an empty last position); metrics
+  `critic/value_loss`, `critic/explained_var`, `critic/value_clipfrac`, `critic/grad_norm`,
+  `critic/skipped_steps` on every rank.
+- `save(step) -> Pending[str | None]`: `critic_save`; the critic's checkpoint path on rank 0, None elsewhere.
+- `close()` ends rank 0's client.
+Rollouts are `aligner.ppo.rollout.Rollout`-like: `tokens_BT`, `lengths_B`, `prompt_lengths_B`, `labels`, and
+`positions` (each row's position in the step's global batch).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Callable, Generic, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from aligner.parallel.device import current_device
+
+T = TypeVar("T")
+TRAIN_METRICS = {
+    "critic/value_loss": "loss",
+    "critic/explained_var": "explained_variance",
+    "critic/value_clipfrac": "value_clipfrac",
+    "critic/grad_norm": "grad_norm",
+    "critic/skipped_steps": "skipped_steps",
+}
+
+
+class Pending(Generic[T]):
+    """A request in flight; `result()` is collective over the actor job (every rank calls it, in call order)."""
+
+    def __init__(self, finish: Callable[[], T]):
+        self._finish = finish
+
+    def result(self) -> T:
+        return self._finish()
+
+
+class RemoteCritic:
+    def __init__(self, client_cfg, dp_group):
+        self.rank = dist.get_rank()
+        self.dp_group = dp_group
+        self.dp = dist.get_world_size(dp_group)
+        self.device = current_device()
+        # Rank 0's data-parallel group: the ranks whose rows go into the request (one per slice).
+        self.gathers = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+        self.client = None
+        if self.rank == 0:
+            from aligner.critic.client import CriticClient
+
+            self.client = CriticClient.from_config(client_cfg)
+            self.client.wait_ready()
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def infer(self, rollout) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
+        tokens, lengths, prompt_lengths, labels = self._gather(
+            rollout,
+            rollout.tokens_BT.cpu().numpy(),
+            rollout.lengths_B.cpu().numpy(),
+            rollout.prompt_lengths_B.cpu().numpy(),
+            list(rollout.labels),
+        )
+        future = None
+        if self.rank == 0:
+            has_labels = any(x is not None for x in labels)
+            future = self.client.infer_async(tokens, lengths, prompt_lengths, labels=labels if has_labels else None)
+        B, T = rollout.tokens_BT.shape
+        mine = torch.tensor(rollout.positions, device=self.device)
+
+        def finish():
+            values = torch.zeros(B * self.dp, T, dtype=torch.float32)
+            scores = torch.zeros(B * self.dp, dtype=torch.float32)
+            if future is not None:
+                v, r = future.result()
+                values.copy_(torch.as_tensor(np.asarray(v, dtype=np.float32)))
+                scores.copy_(torch.as_tensor(np.asarray(r, dtype=np.float32)).reshape(-1))
+            values, scores = values.to(self.device), scores.to(self.device)
+            dist.broadcast(values, src=0)
+            dist.broadcast(scores, src=0)
+            return values[mine], scores[mine]
+
+        return Pending(finish)
+
+    def train(self, rollout, returns_BS: torch.Tensor, values_BS: torch.Tensor) -> Pending[dict]:
+        def full_grid(x_BS):  # the critic's [B, T] grid: the shifted grid plus an empty last position
+            return torch.nn.functional.pad(x_BS.float(), (0, 1)).cpu().numpy()
+
+        gathered = self._gather(
+            rollout,
+            rollout.tokens_BT.cpu().numpy(),
+            rollout.lengths_B.cpu().numpy(),
+            full_grid(returns_BS),
+            full_grid(values_BS),
+            full_grid(rollout.mask_BS),
+        )
+        future = self.client.train_async(*gathered) if self.rank == 0 else None
+
+        def finish():
+            out = torch.zeros(len(TRAIN_METRICS), dtype=torch.float64)
+            if future is not None:
+                result = future.result()
+                out = torch.tensor([float(result[k]) for k in TRAIN_METRICS.values()], dtype=torch.float64)
+            out = out.to(self.device)
+            dist.broadcast(out, src=0)
+            return dict(zip(TRAIN_METRICS, out.tolist(), strict=True))
+
+        return Pending(finish)
+
+    def save(self, step: int) -> Pending[str | None]:
+        future: Future | None = self.client.save_async(step) if self.rank == 0 else None
+        return Pending(lambda: future.result() if future is not None else None)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    # -- transport -----------------------------------------------------------------------------------------
+    def _gather(self, rollout, *arrays) -> list:
+        """The whole global batch on global rank 0, rows in global-position order; a list of None elsewhere."""
+        if not self.gathers:
+            return [None] * len(arrays)
+        parts = [None] * self.dp if self.rank == 0 else None
+        dist.gather_object(
+            (rollout.positions, arrays), parts, dst=dist.get_global_rank(self.dp_group, 0), group=self.dp_group
+        )
+        if self.rank != 0:
+            return [None] * len(arrays)
+        order = np.argsort(np.concatenate([np.asarray(pos) for pos, _ in parts]), kind="stable")
+        out = []
+        for i, a in enumerate(arrays):
+            if isinstance(a, list):
+                flat = [x for _, arrs in parts for x in arrs[i]]
+                out.append([flat[j] for j in order])
+            else:
+                out.append(np.concatenate([arrs[i] for _, arrs in parts])[order])
+        return out
