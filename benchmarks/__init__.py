@@ -3,4 +3,5 @@
 setup.py ships `aligner` only and nothing under aligner/ imports this package; the thin entry points
 scripts/bench_*.py put the checkout's root on sys.path and call in here.
 - `ppo_step/`: one PPO step, aligner's two jobs against a plain HF transformers loop (scripts/bench_ppo_step.py).
+- `generation.py`: the native generation engine against HF transformers `generate` (scripts/bench_generation.py).
 """
