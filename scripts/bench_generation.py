@@ -1,4 +1,4 @@
-"""Benchmark the native generation engine against HF transformers `generate` (see aligner/generation/benchmark.py).
+"""Benchmark the native generation engine against HF transformers `generate` (see benchmarks/generation.py).
 
 GPU (the issue's setting): python scripts/bench_generation.py --out bench_generation.json
 CPU smoke run:             python scripts/bench_generation.py --tiny --out /tmp/bench_tiny.json
@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aligner.generation.benchmark import BenchArgs, format_table, run
+from benchmarks.generation import BenchArgs, format_table, run
 
 
 def main(argv=None) -> int:

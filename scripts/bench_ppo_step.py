@@ -5,7 +5,7 @@
     python scripts/bench_ppo_step.py --report hf.json aligner.json      # both tables, the speed-up, markdown
     add --tiny for the CPU smoke size (2 layers, hidden 64, 8 rollouts of 8 + 8 tokens)
 
-Workload (aligner/ppo/bench/workload.py): ~1B Llama-style policy, reference, critic and reward model, 512 rollouts
+Workload (benchmarks/ppo_step/workload.py): ~1B Llama-style policy, reference, critic and reward model, 512 rollouts
 of 128 prompt + 256 generated tokens (EOS ignored), micro-batches of 16, one PPO epoch. Each mode runs --steps steps
 and reports the mean of those after --warmup; the JSON holds per-phase seconds, step seconds, tokens/s and memory.
 The aligner mode uses conf/bench/ppo_step_{actor,critic}[_tiny].yaml (checked against the workload) and passes
@@ -24,7 +24,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from aligner.ppo.bench.workload import FULL, TINY, write_json  # noqa: E402
+from benchmarks.ppo_step.workload import FULL, TINY, write_json  # noqa: E402
 
 
 def parse(argv):
@@ -57,7 +57,7 @@ def parse(argv):
 
 
 def report(paths) -> int:
-    from aligner.ppo.bench.report import render
+    from benchmarks.ppo_step.report import render
 
     records = []
     for path in paths:
@@ -75,14 +75,14 @@ def main(argv=None) -> int:
         return report(a.report)
     w = TINY if a.tiny else FULL
     if a.mode == "hf":
-        from aligner.ppo.bench import hf_loop
+        from benchmarks.ppo_step import hf_loop
 
         if a.hf_gen_batch:
             w = w.with_(gen_batch=a.hf_gen_batch)
         result = hf_loop.run(w, a.steps, a.warmup, compile_generate=False if a.hf_no_compile else None)
     else:
         from aligner.config import ConfigError
-        from aligner.ppo.bench import aligner_jobs
+        from benchmarks.ppo_step import aligner_jobs
 
         suffix = "_tiny" if a.tiny else ""
         exp_dir = a.exp_dir or tempfile.mkdtemp(prefix="bench_ppo_step_")

@@ -141,8 +141,8 @@ def test_aligner_config_must_match_workload(tmp_path):
 
 def test_full_configs_describe_the_full_workload(tmp_path):
     """conf/bench/ppo_step_{actor,critic}.yaml (the GPU run) match the HF loop's FULL workload as the jobs load them."""
-    from aligner.ppo.bench import aligner_jobs
-    from aligner.ppo.bench.workload import FULL
+    from benchmarks.ppo_step import aligner_jobs
+    from benchmarks.ppo_step.workload import FULL
 
     tok, prompts = str(tmp_path / "tokenizer.json"), str(tmp_path / "prompts.jsonl")
     aligner_jobs.write_tokenizer(tok, FULL.vocab_size)

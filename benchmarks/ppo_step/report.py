@@ -7,7 +7,7 @@ what docs/PERF.md records. Pure Python.
 
 from __future__ import annotations
 
-from aligner.ppo.bench.workload import PHASES
+from benchmarks.ppo_step.workload import PHASES
 
 GOAL_SPEEDUP = 2.0
 LABELS = {

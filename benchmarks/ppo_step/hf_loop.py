@@ -23,8 +23,8 @@ import time
 import torch
 
 from aligner import rl
-from aligner.ppo.bench.workload import DeviceMemoryPoller, Workload, result
 from aligner.utils.metrics import Timer
+from benchmarks.ppo_step.workload import DeviceMemoryPoller, Workload, result
 
 log = logging.getLogger(__name__)
 

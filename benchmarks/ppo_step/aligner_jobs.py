@@ -21,9 +21,9 @@ import sys
 import time
 from importlib import metadata
 
-from aligner.ppo.bench.workload import MODEL_KEYS, DeviceMemoryPoller, Workload, result
+from benchmarks.ppo_step.workload import MODEL_KEYS, DeviceMemoryPoller, Workload, result
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 LAUNCHER = os.path.join(ROOT, "launchers", "local", "ppo.py")
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
