@@ -17,6 +17,7 @@ import torch
 from aligner.config import ModelConfig
 from aligner.models.gpt import build_gpt, forward
 from aligner.models.logprobs import default_tp_group, shift_for_next_token, vocab_parallel_logprobs
+from aligner.parallel.device import on_gpu, synchronize as sync
 
 PRESETS = {
     "1b": dict(
@@ -62,8 +63,7 @@ def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int) -> di
 
     for _ in range(warmup):
         step()
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    if torch.cuda.is_available():
+    if on_gpu():
         torch.cuda.reset_peak_memory_stats()
     sync()
     start = time.perf_counter()
@@ -72,7 +72,7 @@ def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int) -> di
     sync()
     seconds = (time.perf_counter() - start) / iters
     dense, attn = flops_per_step(cfg, n_params, batch, seq)
-    mem = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+    mem = torch.cuda.max_memory_allocated() / 1e9 if on_gpu() else float("nan")
     return {
         "attention": cfg.attention_backend,
         "seconds": seconds,
@@ -88,7 +88,7 @@ def run(
     preset: str, backends: list[str], batch: int, seq: int, dtype: str, warmup: int, iters: int, peak_tflops: float
 ) -> list[dict]:
     """One `bench` row per attention backend, with its MFU (NaN on CPU)."""
-    gpu = torch.cuda.is_available()
+    gpu = on_gpu()
     rows = []
     for backend in backends:
         cfg = ModelConfig(**PRESETS[preset], params_dtype=dtype, attention_backend=backend)
