@@ -124,3 +124,24 @@ def test_one_dtype_map_over_the_config_names():
     assert [DTYPE_NAMES[torch_dtype(name)] for name in DTYPES] == list(DTYPES)
     with pytest.raises(ValueError, match="'fp8'.*float32, bfloat16, float16"):
         torch_dtype("fp8")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_megatron_config_reads_the_family(name):
+    from dist import free_port
+
+    from aligner.models.gpt import transformer_config
+    from aligner.parallel import initialize
+
+    initialize(1, 1, master_port=free_port())
+    spec = family(name)
+    cfg = ModelConfig(arch=name, params_dtype="bfloat16")
+    tc = transformer_config(cfg)
+    assert (tc.normalization, tc.gated_linear_unit, tc.add_bias_linear) == (
+        spec.normalization,
+        spec.gated_mlp,
+        spec.linear_bias,
+    )
+    assert tc.add_qkv_bias == spec.qkv_bias(cfg) and tc.params_dtype == torch.bfloat16
+    x = torch.linspace(-3, 3, 7)
+    assert torch.equal(tc.activation_func(x), spec.activation_func()(x))
