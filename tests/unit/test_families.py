@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from aligner.checkpoint.hf import SUPPORTED
 from aligner.config.schema import DTYPES, ModelConfig
 from aligner.models.dtypes import DTYPE_NAMES, torch_dtype
 from aligner.models.families import families, family
@@ -93,6 +94,19 @@ def test_hf_variants_tell_llama_mistral_and_qwen2_apart():
     assert hf.export_variant(qkv_bias=True).causal_lm == "Qwen2ForCausalLM"
     assert hf.export_variant(qkv_bias=False).causal_lm == "LlamaForCausalLM"
     assert family("gpt2").hf.export_variant(qkv_bias=True).causal_lm == "GPT2LMHeadModel"  # its only variant
+
+
+def test_supported_architectures_are_the_specs_variants():
+    assert SUPPORTED == {
+        "LlamaForCausalLM": ("llama", "policy"),
+        "MistralForCausalLM": ("llama", "policy"),
+        "Qwen2ForCausalLM": ("llama", "policy"),
+        "GPT2LMHeadModel": ("gpt2", "policy"),
+        "LlamaForSequenceClassification": ("llama", "reward"),
+        "MistralForSequenceClassification": ("llama", "reward"),
+        "Qwen2ForSequenceClassification": ("llama", "reward"),
+        "GPT2ForSequenceClassification": ("gpt2", "reward"),
+    }
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
