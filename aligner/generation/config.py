@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aligner.config.errors import ConfigError
+from aligner.config.schema import DTYPES
+from aligner.models.families import family
 
 BACKENDS = ("native", "trtllm")
 
@@ -44,12 +46,12 @@ def validate_generation(gen: GenerationConfig, model=None, prefix: str = "genera
         "check_done_every",
     ):
         check(getattr(gen, key) >= 1, key, "must be >= 1")
-    dtypes = ("auto", "float32", "bfloat16", "float16")
+    dtypes = ("auto", *DTYPES)
     check(gen.dtype in dtypes, "dtype", f"must be one of {dtypes}")
     check(gen.kv_dtype in dtypes, "kv_dtype", f"must be one of {dtypes}")
     check(gen.decode_attention in ("matmul", "sdpa"), "decode_attention", "must be matmul or sdpa")
     check(gen.compile_elementwise in ("auto", "on", "off"), "compile_elementwise", "must be auto, on or off")
-    if model is not None and model.arch == "gpt2":
+    if model is not None and family(model.arch).position_embedding == "learned_absolute":
         total = gen.max_prompt_length + gen.max_response_length
         check(
             total <= model.max_position_embeddings,
