@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner.checkpoint.hf import SUPPORTED
-from aligner.config.schema import DTYPES, ModelConfig
+from aligner.config.schema import DTYPES, ModelConfig, validate_model
 from aligner.models.dtypes import DTYPE_NAMES, torch_dtype
 from aligner.models.families import families, family
 
@@ -118,6 +118,12 @@ def test_each_family_names_every_layer_module_and_the_config_fields(name):
     needed = {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size"}
     needed |= {"max_position_embeddings", "norm_epsilon", "tie_embeddings", "init_method_std"}
     assert needed <= fields
+
+
+def test_every_family_passes_config_validation():
+    # aligner.config lists the accepted arch names itself (config may not import models): keep the two in step.
+    for spec in families():
+        validate_model(ModelConfig(arch=spec.name))
 
 
 def test_a_spec_rejects_an_unknown_trait():
