@@ -17,7 +17,8 @@ import torch
 from aligner.config import ModelConfig
 from aligner.models.gpt import build_gpt, forward
 from aligner.models.logprobs import default_tp_group, shift_for_next_token, vocab_parallel_logprobs
-from aligner.parallel.device import on_gpu, synchronize as sync
+from aligner.parallel.device import on_gpu
+from aligner.parallel.device import synchronize as sync
 
 PRESETS = {
     "1b": dict(

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from aligner.config import ConfigError  # noqa: E402
 from aligner.config.actor import load_actor_config  # noqa: E402
+from aligner.data.rows import DataError  # noqa: E402
 
 
 def main(argv) -> int:
@@ -50,7 +51,7 @@ def main(argv) -> int:
         if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):  # a launcher prints it last itself
             print(f"metrics: {os.path.abspath(metrics_path)}", flush=True)
         code = 0
-    except ConfigError as exc:
+    except (ConfigError, DataError) as exc:  # every rank reads the same config and files: all stop alike
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
         code = 2
     finally:

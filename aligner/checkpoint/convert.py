@@ -32,19 +32,20 @@ import shutil
 
 import torch
 
+from aligner.checkpoint import dist_ckpt
 from aligner.checkpoint.hf import (
     SUPPORTED,
     CheckpointMismatchError,
     UnsupportedModelError,
     architecture_of,
     detect_prefix,
+    embedding_name,
     hf_config_for_export,
     model_config_from_hf,
     normalized_hf_config,
     weight_map,
 )
 from aligner.checkpoint.hf_io import (
-    DTYPE_NAMES,
     HFReader,
     SafetensorsWriter,
     copy_extras,
@@ -53,11 +54,10 @@ from aligner.checkpoint.hf_io import (
     tokenizer_size,
 )
 from aligner.config.schema import ModelConfig
+from aligner.models.dtypes import DTYPE_NAMES, NAMES, torch_dtype
 
 MARKER = "conversion.json"
 HEADS = {"policy": "lm", "reward": "scalar"}
-# Tensors HF files may carry that are buffers, not weights (recomputed by the model).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
 # What the converter scripts report as a one-line user error (bad input, missing files) instead of a traceback.
 USER_ERRORS = (UnsupportedModelError, CheckpointMismatchError, FileNotFoundError, FileExistsError, ValueError)
@@ -155,12 +155,12 @@ def read_hf_config(hf_dir: str) -> dict:
 
 def _resolve_dtype(dtype: str, reader: HFReader, probe: str) -> str:
     if dtype != "auto":
-        if dtype not in DTYPE_NAMES.values():
-            raise ValueError(f"--dtype {dtype!r}: use auto, {', '.join(DTYPE_NAMES.values())}")
+        if dtype not in NAMES:
+            raise ValueError(f"--dtype {dtype!r}: use auto, {', '.join(NAMES)}")
         return dtype
     stored = reader.dtype(probe)
     if stored not in DTYPE_NAMES:
-        raise UnsupportedModelError(f"{probe} is stored as {stored}: pass --dtype float32|bfloat16|float16")
+        raise UnsupportedModelError(f"{probe} is stored as {stored}: pass --dtype {'|'.join(NAMES)}")
     return DTYPE_NAMES[stored]
 
 
@@ -180,8 +180,10 @@ def _validate_hf_tensors(reader: HFReader, wmap) -> None:
                 f"{name} has shape {reader.shape(name)} but config.json implies "
                 f"{tuple(shape)}: config.json does not describe these weights"
             )
-    tied_head = {"lm_head.weight"} if wmap.cfg.tie_embeddings else set()
-    extra = sorted(n for n in have - set(expected) - tied_head if not n.endswith(_IGNORED_SUFFIXES))
+    hf = wmap.spec.hf
+    tied_head = {f"{hf.lm_head}.weight"} if wmap.cfg.tie_embeddings else set()
+    # Buffers, not weights (recomputed by the model), which some HF files carry.
+    extra = sorted(n for n in have - set(expected) - tied_head if not n.endswith(hf.buffers))
     if extra:
         raise UnsupportedModelError(
             f"the HF checkpoint has {len(extra)} tensor(s) the megatron model has no place "
@@ -228,7 +230,7 @@ def load_hf_into(module: torch.nn.Module, cfg: ModelConfig, wmap, read) -> None:
                 if wmap.model_type == "reward" and k in full
             }
             local = shard_state_dict(
-                full, cfg.num_layers, cfg.arch == "llama", tp_rank, tp, pp_rank, pp, tied_lm, padded
+                full, cfg.num_layers, wmap.spec.gated_mlp, tp_rank, tp, pp_rank, pp, tied_lm, padded
             )
             local.update(replicated)
             for name, src in local.items():
@@ -279,15 +281,15 @@ def convert_hf_to_dist(
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     raw = read_hf_config(hf_dir)
     arch = architecture_of(raw)
-    family, native_type = SUPPORTED[arch]
+    family_name, native_type = SUPPORTED[arch]
     if model_type is not None and model_type != native_type:
         raise UnsupportedModelError(
             f"--model-type {model_type} but {hf_dir} holds a {arch} ({native_type}): reward models come from "
             "*ForSequenceClassification with one label, policies from *ForCausalLM / GPT2LMHeadModel"
         )
     reader = HFReader(hf_dir)
-    prefix = detect_prefix(family, reader.names())
-    probe = prefix + ("embed_tokens.weight" if family == "llama" else "wte.weight")
+    prefix = detect_prefix(family_name, reader.names())
+    probe = embedding_name(family_name, prefix)
     cfg, _, model_type = model_config_from_hf(
         normalized_hf_config(raw), _resolve_dtype(dtype, reader, probe), max_position_embeddings
     )
@@ -408,21 +410,9 @@ def load_model_yaml(path: str) -> ModelConfig:
     return cfg
 
 
-def _stored_shapes(model_dir: str) -> dict[str, tuple]:
-    from megatron.core.dist_checkpointing import load_tensors_metadata
-
-    return {
-        k: tuple(v.global_shape)
-        for k, v in load_tensors_metadata(model_dir).items()
-        if hasattr(v, "global_shape") and not k.endswith("_extra_state")
-    }
-
-
 def detect_model_type(model_dir: str) -> str:
-    """A scalar head (reward model or critic) stores output_layer.weight as [1, hidden]; an LM head as [V, hidden]
-    (or not at all when tied)."""
-    shape = _stored_shapes(model_dir).get("output_layer.weight")
-    return "reward" if shape is not None and shape[0] == 1 else "policy"
+    """'reward' for a scalar head (reward model or critic), 'policy' for an LM head (see dist_ckpt.head_kind)."""
+    return "reward" if dist_ckpt.head_kind(model_dir) == "scalar" else "policy"
 
 
 def _check_against_checkpoint(module, cfg: ModelConfig, stored: dict[str, tuple], yaml_path: str) -> None:
@@ -503,8 +493,8 @@ def convert_dist_to_hf(
         )
     model_type = detected
     dtype = dtype or cfg.params_dtype
-    if dtype not in DTYPE_NAMES.values():
-        raise ValueError(f"--dtype {dtype!r}: use {', '.join(DTYPE_NAMES.values())}")
+    if dtype not in NAMES:
+        raise ValueError(f"--dtype {dtype!r}: use {', '.join(NAMES)}")
     hf_cfg = hf_config_for_export(cfg, model_type, source, dtype)
     tokenizer_src = tokenizer or cfg.tokenizer
     if tokenizer_src:
@@ -528,7 +518,7 @@ def convert_dist_to_hf(
     _initialize(1, 1)
 
     module = _build(cfg, model_type)
-    _check_against_checkpoint(module, cfg, _stored_shapes(model_dir), yaml_path)
+    _check_against_checkpoint(module, cfg, dist_ckpt.stored_shapes(model_dir), yaml_path)
     load_model_weights(ckpt_dir, [module])
     if model_type == "reward":
         bias = float(module.output_layer.bias.detach().float().reshape(()))
@@ -543,10 +533,9 @@ def convert_dist_to_hf(
     os.makedirs(tmp)
     try:
         writer = SafetensorsWriter(tmp, parse_size(max_shard_size))
-        torch_dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
         with torch.no_grad():
             for name, tensor in _hf_tensors(module, cfg, wmap):
-                writer.add(name, tensor.to(torch_dtype))
+                writer.add(name, tensor.to(torch_dtype(dtype)))
         writer.close()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)

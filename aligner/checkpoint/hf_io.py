@@ -47,7 +47,6 @@ _SAFE_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class HFReader:

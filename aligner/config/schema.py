@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from aligner import families
 from aligner.config.rules import check as _check
 from aligner.config.rules import check_choices
 
@@ -19,11 +20,10 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer as megatron-core builds it. `arch` picks the family defaults:
-    llama (RMSNorm, SwiGLU, RoPE, no biases; covers Llama 2/3, Mistral, Qwen2 with `add_qkv_bias`) or
-    gpt2 (LayerNorm, GELU, learned positions, biases)."""
+    """A decoder-only transformer as megatron-core builds it. `arch` names its family (aligner.families: norms,
+    MLP, biases, positions, HF names), e.g. llama (also Mistral, Qwen2 with `add_qkv_bias`) or gpt2."""
 
-    arch: str = "llama"
+    arch: str = "llama"  # a family name: aligner.families.names()
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -79,7 +79,11 @@ class CheckpointConfig:
 
 
 def validate_model(model: ModelConfig, prefix: str = "model") -> None:
-    _check(model.arch in ("llama", "gpt2"), f"{prefix}.arch", f"must be llama or gpt2, got {model.arch!r}")
+    _check(
+        model.arch in families.names(),
+        f"{prefix}.arch",
+        f"must be one of {', '.join(families.names())}, got {model.arch!r}",
+    )
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
         _check(getattr(model, name) > 0, f"{prefix}.{name}", "must be positive")
     _check(

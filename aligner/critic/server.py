@@ -40,6 +40,7 @@ from aligner.config.critic import CriticJobConfig, CriticServerConfig
 from aligner.critic import protocol
 from aligner.critic.protocol import CriticRequestError, check_infer, check_step, check_train
 from aligner.critic.reward_fn import RewardFunctionError
+from aligner.parallel.device import on_gpu
 
 LOG = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ class CriticServer:
             grpc_port=ports["gRPC"],
             metrics_address=address,
             metrics_port=ports["metrics"],
-            allow_gpu_metrics=torch.cuda.is_available(),
+            allow_gpu_metrics=on_gpu(),
             log_file=self.cfg.triton_log_file,
             # The endpoints are unloaded before stop() (see _unload_endpoints); what is left
             # for tritonserver's exit is waiting for clients' keep-alive connections.

@@ -1,4 +1,4 @@
-"""Prompt datasets: JSONL files with a prompt field (and an optional label for reward functions).
+"""Prompt datasets: rows (aligner.data.rows) with a prompt field (and an optional label for reward functions).
 
 `PromptDataset` tokenises every line once at start-up; prompts longer than the budget are reported (count and the
 first line numbers) and skipped, never truncated. `PromptSampler` walks a seeded permutation per epoch; its state
@@ -7,13 +7,13 @@ is the number of samples consumed, so a resumed run continues with exactly the p
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from aligner.data.rows import DataError, read_rows
 from aligner.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -38,51 +38,37 @@ class PromptDataset:
     ):
         self.path = path
         self.items: list[Prompt] = []
-        too_long, lines = [], 0
-        try:
-            f = open(path, encoding="utf-8")
-        except OSError as exc:
-            raise FileNotFoundError(
-                f"prompt file {path!r} cannot be read ({exc.strerror}): check data.train_file / data.val_file"
-            ) from exc
-        with f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                lines += 1
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(
-                        f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON "
-                        f"object with a {prompt_key!r} field"
-                    ) from exc
-                if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
-                    raise ValueError(f"{path}:{lineno}: needs a string field {prompt_key!r} (data.prompt_key)")
-                ids = tokenizer.encode(row[prompt_key])
-                if add_bos and tokenizer.bos_id is not None:
-                    ids = [tokenizer.bos_id] + ids
-                if not ids:
-                    raise ValueError(f"{path}:{lineno}: the prompt tokenises to nothing")
-                if len(ids) > max_length:
-                    too_long.append(lineno)
-                    continue
-                label = row.get(label_key)
-                self.items.append(Prompt(row[prompt_key], ids, None if label is None else str(label)))
+        too_long, rows = [], 0
+        for row in read_rows(path):
+            rows += 1
+            text = row.data.get(prompt_key)
+            if not isinstance(text, str):
+                raise DataError(row.where, f"needs a string field {prompt_key!r} (data.prompt_key)")
+            ids = tokenizer.encode(text)
+            if add_bos and tokenizer.bos_id is not None:
+                ids = [tokenizer.bos_id] + ids
+            if not ids:
+                raise DataError(row.where, "the prompt tokenises to nothing")
+            if len(ids) > max_length:
+                too_long.append(row.where)
+                continue
+            label = row.data.get(label_key)
+            self.items.append(Prompt(text, ids, None if label is None else str(label)))
         if too_long:
             log.warning(
-                "%s: skipped %d of %d prompts longer than %d tokens (generation.max_prompt_length); first lines: %s",
+                "%s: skipped %d of %d prompts longer than %d tokens (generation.max_prompt_length); first: %s",
                 path,
                 len(too_long),
-                lines,
+                rows,
                 max_length,
                 too_long[:10],
             )
         self.skipped = len(too_long)
         if not self.items:
-            raise ValueError(
-                f"{path}: no usable prompts ({lines} lines, {len(too_long)} longer than {max_length} "
-                "tokens): raise generation.max_prompt_length or check the file"
+            raise DataError(
+                path,
+                f"no usable prompts ({rows} rows, {len(too_long)} longer than {max_length} tokens): raise "
+                "generation.max_prompt_length or check the file",
             )
 
     def __len__(self):

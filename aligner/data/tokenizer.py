@@ -1,5 +1,10 @@
 """One tokenizer type for the jobs: `load_tokenizer(path)` from a tokenizer.json (HF `tokenizers`) or an HF tokenizer
-directory (transformers' AutoTokenizer, local files only). Nothing is downloaded."""
+directory (transformers' AutoTokenizer, local files only). Nothing is downloaded.
+
+`Tokenizer.encode(text)` adds no special tokens; `Tokenizer.apply_chat_template(messages, add_generation_prompt)`
+renders a chat (a list of {"role", "content"} dicts) with the tokenizer's own template and returns its token ids, as
+`transformers` does (the template writes any BOS itself); a tokenizer without a template raises ValueError.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,15 @@ class Tokenizer:
     bos_id: Optional[int]
     eos_id: Optional[int]
     pad_id: int
+    render_chat: Optional[Callable[[list, bool], str]] = None  # (messages, add_generation_prompt) -> text
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
+        if self.render_chat is None:
+            raise ValueError(
+                "this tokenizer has no chat template: use plain `prompt` rows, or an HF tokenizer directory whose "
+                "tokenizer_config.json (or chat_template.jinja) holds one"
+            )
+        return self.encode(self.render_chat(messages, add_generation_prompt))
 
 
 def _find(vocab: dict, names) -> Optional[int]:
@@ -55,4 +69,9 @@ def load_tokenizer(path: str) -> Tokenizer:
         bos_id=hf.bos_token_id,
         eos_id=hf.eos_token_id,
         pad_id=pad,
+        render_chat=(
+            (lambda messages, gen: hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False))
+            if getattr(hf, "chat_template", None)
+            else None
+        ),
     )

@@ -1,6 +1,7 @@
 """Build megatron-core GPTModels (policy, reference, critic, reward model) from a `ModelConfig`.
 
-"What the model is" lives here: the TransformerConfig for each family and the layer spec, chosen once:
+"What the model is" lives here: the TransformerConfig and layer spec, from the family's traits
+(aligner.families) and the ModelConfig's shapes. The layer spec is chosen once:
 Transformer Engine's spec when TE imports and a GPU is present (`attention_backend: auto|te`), otherwise megatron's
 local spec with `SDPAttention` as the attention core (`auto|sdpa`), or megatron's unfused `DotProductAttention`
 (`unfused`, the reference path). Heads: `lm` (vocab-parallel output layer) or `scalar` (one value per position,
@@ -10,7 +11,6 @@ Call after `aligner.parallel.initialize` (the model reads megatron's TP/PP group
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -21,9 +21,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from aligner.config.schema import ModelConfig
+from aligner.families import family
 from aligner.models.attention import SDPAttention
-
-DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from aligner.models.dtypes import torch_dtype
+from aligner.parallel.device import current_device, on_gpu
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -33,7 +34,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def _te_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    return on_gpu() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def resolve_attention_backend(requested: str) -> str:
@@ -45,9 +46,9 @@ def resolve_attention_backend(requested: str) -> str:
 
 
 def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = None) -> TransformerConfig:
-    dtype = DTYPE[cfg.params_dtype]
-    llama = cfg.arch == "llama"
-    on_cpu = not torch.cuda.is_available()
+    dtype = torch_dtype(cfg.params_dtype)
+    traits = family(cfg.arch)
+    on_cpu = not on_gpu()
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -57,12 +58,13 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         kv_channels=cfg.hidden_size // cfg.num_attention_heads,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        normalization="RMSNorm" if llama else "LayerNorm",
+        normalization=traits.normalization,
         layernorm_epsilon=cfg.norm_epsilon,
-        gated_linear_unit=llama,
-        activation_func=F.silu if llama else functools.partial(F.gelu, approximate="tanh"),
-        add_bias_linear=not llama,
-        add_qkv_bias=cfg.add_qkv_bias or not llama,
+        gated_linear_unit=traits.gated_mlp,
+        activation_func=traits.activation_func(),
+        add_bias_linear=traits.linear_bias,
+        add_qkv_bias=traits.qkv_bias(cfg),
+        rotary_interleaved=traits.rotary_interleaved,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std,
@@ -73,7 +75,7 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         # megatron's jit-fused SwiGLU and bias-dropout-add need neither apex nor TE: on for the GPU. GELU stays
         # unfused so GPT-2's tanh approximation is the same function on every device. Fusions that need apex or TE
         # (persistent layer norm, fused RoPE, masked softmax) stay off: the SDPA path needs none of them.
-        bias_activation_fusion=llama and not on_cpu,
+        bias_activation_fusion=traits.gated_mlp and traits.activation == "silu" and not on_cpu,
         bias_dropout_fusion=not on_cpu,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -91,7 +93,7 @@ def layer_spec(cfg: ModelConfig):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if cfg.arch == "llama" else "LayerNorm")
+    spec = get_gpt_layer_local_spec(normalization=family(cfg.arch).normalization)
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
@@ -114,7 +116,7 @@ class ScalarHead(torch.nn.Module):
         return F.linear(hidden_SBH, self.weight, self.bias), None
 
 
-def build_gpt(cfg: ModelConfig, head: str = "lm", vp_stage: int | None = None) -> GPTModel:
+def build_gpt(cfg: ModelConfig, head: str = "lm") -> GPTModel:
     """This rank's TP/PP slice of the model, on the current device (GPU if present, else CPU), in params_dtype.
 
     forward(input_ids [B,T], position_ids [B,T], attention_mask=None) returns, on the last pipeline stage,
@@ -124,6 +126,7 @@ def build_gpt(cfg: ModelConfig, head: str = "lm", vp_stage: int | None = None) -
         raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config = transformer_config(cfg)
+    traits = family(cfg.arch)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     model = GPTModel(
@@ -135,14 +138,13 @@ def build_gpt(cfg: ModelConfig, head: str = "lm", vp_stage: int | None = None) -
         post_process=post,
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_embeddings and head == "lm",
-        position_embedding_type="rope" if cfg.arch == "llama" else "learned_absolute",
+        position_embedding_type=traits.position_embedding,
+        rotary_percent=traits.rotary_percent,
         rotary_base=int(cfg.rotary_base),
     )
     if head == "scalar" and post:
-        model.output_layer = ScalarHead(cfg.hidden_size, DTYPE[cfg.params_dtype], cfg.init_method_std)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
+        model.output_layer = ScalarHead(cfg.hidden_size, torch_dtype(cfg.params_dtype), cfg.init_method_std)
+    return model.to(current_device())
 
 
 def position_ids_like(tokens_BT: torch.Tensor) -> torch.Tensor:

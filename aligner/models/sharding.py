@@ -2,8 +2,9 @@
 
 Rules by parameter (megatron-core local/TE layer names):
 - column-parallel, split on dim 0: word embeddings, output layer, linear_qkv weight/bias (heads are grouped per
-  KV group, so contiguous chunks are whole groups), linear_fc1 bias/weight; with a gated MLP (SwiGLU) fc1 holds
-  [gate; up] and each rank holds [gate_r; up_r], so gate and up are split separately;
+  KV group, so contiguous chunks are whole groups), linear_fc1 bias/weight; with a gated MLP (the family's
+  `gated_mlp`, e.g. SwiGLU) fc1 holds [gate; up] and each rank holds [gate_r; up_r], so gate and up are split
+  separately;
 - row-parallel, split on dim 1: linear_proj weight, linear_fc2 weight;
 - everything else (norms, row-parallel biases, learned positions, a scalar head) is replicated.
 PP: rank p holds global layers [p*L/PP, (p+1)*L/PP), renumbered from 0; embeddings on the first stage, final norm and
@@ -15,6 +16,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from aligner.families import family
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _COLUMN = (
@@ -122,7 +125,7 @@ def load_full_state_dict(module: torch.nn.Module, full: dict, model_cfg, strict:
     local = shard_state_dict(
         full,
         model_cfg.num_layers,
-        model_cfg.arch == "llama",
+        family(model_cfg.arch).gated_mlp,
         ps.get_tensor_model_parallel_rank(),
         tp,
         ps.get_pipeline_model_parallel_rank(),
@@ -158,7 +161,7 @@ def full_state_dict(module: torch.nn.Module, model_cfg, grads: bool = False) -> 
     from megatron.core import parallel_state as ps
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    gated = model_cfg.arch == "llama"
+    gated = family(model_cfg.arch).gated_mlp
     layers = local_layer_range(model_cfg.num_layers, ps.get_pipeline_model_parallel_rank(), pp)
     local = {}
     if grads:

@@ -105,7 +105,7 @@ def test_missing_config_lists_available(conf_dir):
         ),
         (["train.global_batch_size=6"], "train.global_batch_size", "not divisible by train.micro_batch_size=2 x"),
         (["model.num_query_groups=3"], "model.num_query_groups", "not divisible by num_query_groups=3"),
-        (["model.arch=bert"], "model.arch", "llama or gpt2"),
+        (["model.arch=bert"], "model.arch", "must be one of gpt2, llama"),
         (["model.params_dtype=fp8"], "model.params_dtype", "must be one of"),
     ],
 )

@@ -1,10 +1,11 @@
 """The native engine's forward pass: megatron's GPT maths over the engine's weights and a preallocated KV cache.
 
-It computes what megatron-core's GPTModel computes (local layer spec), op for op where it matters for numerics:
-- Llama family: RMSNorm, RoPE as megatron applies it (non-interleaved: rotate_half, cos/sin of position x inv_freq
-  in float32 cast to the activation dtype), grouped-query attention with linear_qkv grouped per KV group, SwiGLU
-  (fc1 = [gate; up]), no biases except an optional qkv bias; GPT-2 family: LayerNorm, learned absolute positions,
-  GELU (tanh), biases everywhere.
+It computes what megatron-core's GPTModel computes (local layer spec), op for op where it matters for numerics,
+from the family's traits (aligner.families): RMSNorm or LayerNorm; RoPE as megatron applies it
+(non-interleaved: rotate_half, cos/sin of position x inv_freq in float32 cast to the activation dtype) or learned
+absolute positions; grouped-query attention with linear_qkv grouped per KV group; a gated MLP (fc1 = [gate; up],
+act(gate) * up: SwiGLU) or a plain one; a bias wherever the weights carry one (Llama: none but Qwen2's qkv bias,
+GPT-2: everywhere).
 - Tensor parallelism as in training: vocab-parallel embedding (masked lookup, all-reduce), column-parallel qkv/fc1,
   row-parallel proj/fc2 followed by an all-reduce over megatron's TP group, then the row bias; vocab-parallel
   output layer. `gather_vocab` all-gathers the last position's logits ([B, V/TP] per step, small) so every rank
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from aligner.families import FamilySpec
 from aligner.generation.native.fused import make_kernels
 
 
@@ -34,7 +36,7 @@ from aligner.generation.native.fused import make_kernels
 class Layout:
     """Shapes and family of the model on this TP rank."""
 
-    arch: str  # llama | gpt2
+    family: FamilySpec
     num_layers: int
     hidden: int
     heads: int  # query heads on this rank
@@ -46,10 +48,6 @@ class Layout:
     tp_rank: int
     norm_eps: float
     rotary_base: float
-
-    @property
-    def gated(self) -> bool:
-        return self.arch == "llama"
 
 
 class Decoder:
@@ -71,18 +69,14 @@ class Decoder:
         self.scale = layout.head_dim**-0.5
         # Decode (one token per sample, fixed shapes per batch size) may use compiled kernels; prefill, whose shapes
         # change with every prompt width and whose time goes to GEMMs, always runs the plain ones.
-        self.k_eager = make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", False)
-        self.k = (
-            make_kernels(layout.arch, layout.norm_eps, layout.arch == "llama", True)
-            if compile_elementwise
-            else self.k_eager
-        )
+        self.k_eager = make_kernels(layout.family, layout.norm_eps, False)
+        self.k = make_kernels(layout.family, layout.norm_eps, True) if compile_elementwise else self.k_eager
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)
         self.rows = torch.arange(max_batch, device=device)
         self.cos = self.sin_signed = None
-        if layout.arch == "llama":
+        if layout.family.rope:
             # megatron's RotaryEmbedding: inv_freq and the angles in float32, cos/sin cast to the activation dtype.
             d = layout.head_dim
             inv_freq = 1.0 / (layout.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from aligner.config.generation import GenerationConfig
+from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
 from aligner.generation.native.decoder import Decoder, Layout
 from aligner.generation.native.fused import triton_available
@@ -35,8 +36,7 @@ from aligner.generation.native.sampling import (
     uniforms_for_seeds,
 )
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from aligner.models.dtypes import torch_dtype
 
 
 def _parallel_state():
@@ -73,12 +73,12 @@ class NativeEngine:
         if gen_cfg.dtype == "auto":
             dtype = torch.bfloat16 if self.on_gpu else param.dtype
         else:
-            dtype = _DTYPES[gen_cfg.dtype]
-        kv_dtype = dtype if gen_cfg.kv_dtype == "auto" else _DTYPES[gen_cfg.kv_dtype]
+            dtype = torch_dtype(gen_cfg.dtype)
+        kv_dtype = dtype if gen_cfg.kv_dtype == "auto" else torch_dtype(gen_cfg.kv_dtype)
         self.weights = EngineWeights(module, dtype, self.device, pp_group)
         vocab_local = self.weights.get("embedding.word_embeddings.weight").shape[0]
         layout = Layout(
-            arch=model_cfg.arch,
+            family=family(model_cfg.arch),
             num_layers=self.weights.num_layers,
             hidden=config.hidden_size,
             heads=config.num_attention_heads // tp,

@@ -16,20 +16,24 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from aligner.families import FamilySpec
+
 
 @dataclass
 class Kernels:
     norm: Callable  # norm(x, w, b) -> normed x
     add_norm: Callable  # add_norm(x, a, bias, w, b) -> (x + (a + bias), norm of it): residual add fused with next norm
-    act: Callable  # act(h) -> SwiGLU(h) ([gate; up] halves) or GELU(tanh)(h)
+    act: Callable  # act(h) -> act(gate) * up over [gate; up] halves (a gated MLP: SwiGLU) or act(h)
     rope_split: Callable  # rope_split(qkv [..., G, r+2, D], cos, sin_signed) -> (q [..., G, r, D], kv [2, ..., G, D])
 
 
-def make_kernels(arch: str, eps: float, rope: bool, compile_: bool) -> Kernels:
-    llama = arch == "llama"
+def make_kernels(family: FamilySpec, eps: float, compile_: bool) -> Kernels:
+    # The family's traits as plain Python values, read here once: the kernels branch on constants only.
+    rms, gated, rope = family.normalization == "RMSNorm", family.gated_mlp, family.rope
+    act_fn = family.activation_func()
 
     def norm(x, w, b):
-        if llama:
+        if rms:
             return F.rms_norm(x, (x.shape[-1],), w, eps)
         return F.layer_norm(x, (x.shape[-1],), w, b, eps)
 
@@ -39,10 +43,10 @@ def make_kernels(arch: str, eps: float, rope: bool, compile_: bool) -> Kernels:
         return x, norm(x, w, b)
 
     def act(h):
-        if llama:
+        if gated:
             gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h, approximate="tanh")
+            return act_fn(gate) * up
+        return act_fn(h)
 
     def rope_split(qkv, cos, sin_signed):
         r = qkv.shape[-2] - 2

@@ -1,0 +1,124 @@
+"""The shape of a family spec: `FamilySpec` (the model's traits) and `HFFormat` (how Hugging Face stores it).
+
+Pure data and small helpers, no torch at import time (see the package docstring for who reads what).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")  # megatron's names
+ACTIVATIONS = ("silu", "gelu_tanh")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")  # megatron's position_embedding_type
+
+
+class UnsupportedModelError(ValueError):
+    """The HF checkpoint uses an architecture or a feature the megatron model cannot express."""
+
+
+def hf_get(cfg, name, default=None):
+    """A field of an HF config, given as the config.json dict or as a transformers config object."""
+    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+
+
+def hf_rope(hf_cfg) -> tuple[float, str]:
+    """(rope_theta, rope_type) from `rope_parameters` (transformers 5) or rope_theta/rope_scaling (4)."""
+    params = hf_get(hf_cfg, "rope_parameters") or hf_get(hf_cfg, "rope_scaling") or {}
+    theta = params.get("rope_theta", hf_get(hf_cfg, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    return float(theta), rope_type
+
+
+@dataclass(frozen=True)
+class HFVariant:
+    """One HF model type of a family (Mistral and Qwen2 are variants of the Llama family)."""
+
+    model_type: str  # config.json 'model_type'
+    causal_lm: str  # the policy's architecture (config.json 'architectures')
+    classifier: str  # the reward model's: *ForSequenceClassification with one label
+    config_class: str  # the transformers config class that writes config.json when no source config is kept
+    qkv_bias: bool = False  # q/k/v projections carry biases (ModelConfig.add_qkv_bias)
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """The family's Hugging Face checkpoints: config.json keys and tensor names.
+
+    Weight names: an HF tensor is `<prefix><layer.format(i=i)><module>.weight|.bias` inside a layer, or
+    `<prefix><module>.weight|.bias` outside. `layer_modules` pairs each megatron module of a layer with its HF
+    module(s); more than one HF module means megatron fuses them: three for linear_qkv (q, k, v, fused per KV
+    group) and two for a gated linear_fc1 ([gate; up]). A single HF module for linear_qkv holds [q | k | v], each
+    for all heads. With `conv1d`, HF stores linear weights as [in, out] (transposed).
+    """
+
+    variants: tuple[HFVariant, ...]  # the first is the export default; the first with qkv_bias when add_qkv_bias
+    config_keys: tuple[tuple[str, str], ...]  # (ModelConfig field, config.json key)
+    check_config: Callable  # check_config(hf_cfg, variant): raise UnsupportedModelError naming the field
+    prefix: str  # the backbone's prefix in *ForCausalLM / *ForSequenceClassification files
+    layer: str  # a layer's prefix under the backbone, with {i}
+    layer_modules: tuple[tuple[str, tuple[str, ...]], ...]  # (megatron module, HF module(s))
+    embedding: str  # word embeddings, under the backbone
+    final_norm: str  # under the backbone
+    position_embedding: str | None = None  # learned positions, under the backbone
+    lm_head: str = "lm_head"  # outside the backbone
+    score_head: str = "score"  # the reward model's head, outside the backbone, no bias
+    conv1d: bool = False
+    export_extras: tuple[tuple[str, object], ...] = ()  # config.json entries for export beyond config_keys
+    buffers: tuple[str, ...] = ()  # name suffixes of tensors HF files may carry that are not weights
+
+    def variant_of_type(self, model_type: str) -> HFVariant | None:
+        return next((v for v in self.variants if v.model_type == model_type), None)
+
+    def variant_of_architecture(self, architecture: str) -> HFVariant | None:
+        return next((v for v in self.variants if architecture in (v.causal_lm, v.classifier)), None)
+
+    def export_variant(self, qkv_bias: bool) -> HFVariant:
+        """The variant to export a model as when no source config.json says which (Qwen2 for a qkv bias)."""
+        return next((v for v in self.variants if v.qkv_bias == qkv_bias), self.variants[0])
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family's traits: what megatron builds, what the engine computes, how HF names it."""
+
+    name: str  # ModelConfig.arch
+    normalization: str  # RMSNorm | LayerNorm (with a bias)
+    activation: str  # silu | gelu_tanh
+    gated_mlp: bool  # fc1 is [gate; up] and the MLP computes act(gate) * up (SwiGLU with silu)
+    linear_bias: bool  # every linear layer (qkv, proj, fc1, fc2) has a bias
+    position_embedding: str  # rope | learned_absolute
+    tie_embeddings: bool  # when an HF config does not say (tie_word_embeddings)
+    hf: HFFormat
+    rotary_interleaved: bool = False  # RoPE pairs: halves (rotate_half), not interleaved; see generation/native
+    rotary_percent: float = 1.0  # the share of each head's dimensions rotated
+
+    def __post_init__(self):
+        for field, value, allowed in (
+            ("normalization", self.normalization, NORMALIZATIONS),
+            ("activation", self.activation, ACTIVATIONS),
+            ("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"family {self.name!r}: {field}={value!r}, expected one of {allowed}")
+
+    @property
+    def norm_bias(self) -> bool:
+        return self.normalization == "LayerNorm"
+
+    @property
+    def rope(self) -> bool:
+        return self.position_embedding == "rope"
+
+    def qkv_bias(self, cfg) -> bool:
+        """Whether linear_qkv has a bias: always with linear biases, else as the ModelConfig says (Qwen2)."""
+        return self.linear_bias or cfg.add_qkv_bias
+
+    def activation_func(self) -> Callable:
+        """The activation as a torch function, for megatron's TransformerConfig and the native engine alike."""
+        import torch.nn.functional as F  # lazily: configs read specs without importing torch
+
+        if self.activation == "silu":
+            return F.silu
+        return functools.partial(F.gelu, approximate="tanh")
