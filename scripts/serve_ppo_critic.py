@@ -32,7 +32,15 @@ def main(argv) -> int:
     info = discover(master_addr=cfg.parallel.master_addr, master_port=cfg.parallel.master_port)
     try:
         cfg.validate_world(info.world_size)
-    except ConfigError as exc:
+        from aligner.critic.auth import AuthError, is_loopback, load_token
+
+        if load_token(cfg.server.token_file) is None and not is_loopback(cfg.server.host):
+            raise ConfigError(
+                "server.host",
+                f"{cfg.server.host!r} is reachable from other machines, and the critic's endpoints change its state: "
+                "give the run's secret in ALIGNER_CRITIC_TOKEN (the launchers do) or server.token_file",
+            )
+    except (ConfigError, AuthError) as exc:
         print(exc, file=sys.stderr)
         return 2
     if info.rank == 0:
@@ -50,12 +58,15 @@ def main(argv) -> int:
         master_port=cfg.parallel.master_port,
         timeout_minutes=cfg.parallel.timeout_minutes,
     )
+    from aligner.utils.lock import LockError, hold_for_job
+
     code = 1  # an exception below: its traceback, then exit 1
     try:
+        lock = hold_for_job(cfg.exp_dir, "the critic job")  # noqa: F841 - held until the process ends
         from aligner.critic.service import CriticService
 
         code = serve(CriticService(cfg), cfg)
-    except ConfigError as exc:
+    except (ConfigError, LockError) as exc:
         print(exc, file=sys.stderr)
         code = 2
     finally:

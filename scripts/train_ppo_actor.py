@@ -29,8 +29,14 @@ def main(argv) -> int:
     except ConfigError as exc:
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
         return 2
+    from aligner.checkpoint.dist_ckpt import CheckpointError
+    from aligner.critic.protocol import CriticCheckpointError
     from aligner.parallel import initialize, shutdown
     from aligner.ppo.trainer import PPOTrainer
+    from aligner.utils.lock import LockError, hold_for_job
+
+    # A user's mistake or a state to fix by hand: one line, exit 2 (anything else is a bug: traceback, exit 1).
+    user_errors = (ConfigError, DataError, CheckpointError, CriticCheckpointError, LockError)
 
     initialize(
         p.tensor_model_parallel_size,
@@ -43,6 +49,7 @@ def main(argv) -> int:
     )
     code = 1  # an exception below: its traceback, then exit 1
     try:
+        lock = hold_for_job(cfg.exp_dir, "the actor job")  # noqa: F841 - held until the process ends
         trainer = PPOTrainer(cfg)
         try:
             metrics_path = trainer.fit()
@@ -51,7 +58,7 @@ def main(argv) -> int:
         if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):  # a launcher prints it last itself
             print(f"metrics: {os.path.abspath(metrics_path)}", flush=True)
         code = 0
-    except (ConfigError, DataError) as exc:  # every rank reads the same config and files: all stop alike
+    except user_errors as exc:  # raised alike on every rank: all stop alike
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
         code = 2
     finally:

@@ -122,7 +122,13 @@ def _tmp_path(final: str) -> str:
     return os.path.join(os.path.dirname(final), ".tmp-" + os.path.basename(final))
 
 
-def _check_output(final: str, overwrite: bool) -> None:
+def _check_output(final: str, overwrite: bool, source: str) -> None:
+    out, src = os.path.realpath(final), os.path.realpath(source)
+    if out == src or out.startswith(src + os.sep) or src.startswith(out + os.sep):
+        raise ValueError(
+            f"--output {final} {'is' if out == src else 'overlaps'} the input {source}: writing there would "
+            "delete the source; choose an output directory outside it"
+        )
     if os.path.exists(final) and not overwrite:
         raise FileExistsError(f"{final} exists: remove it or pass --overwrite")
     parent = os.path.dirname(final)
@@ -305,7 +311,7 @@ def convert_hf_to_dist(
             "first (model.resize_token_embeddings(len(tokenizer)))"
         )
     _validate_layout(cfg, tp, pp)
-    _check_output(out_dir, overwrite)
+    _check_output(out_dir, overwrite, hf_dir)
     world = _world_size()
     if world == 1:
         build_tp, build_pp = 1, 1
@@ -364,6 +370,7 @@ def convert_hf_to_dist(
                         f,
                         indent=1,
                     )
+                dist_ckpt.write_manifest(tmp)  # a later truncated file is named, not loaded
                 _commit(tmp, out_dir)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree below
                 error = exc
@@ -379,12 +386,16 @@ def convert_hf_to_dist(
 
 
 def _model_dir(ckpt_dir: str) -> str:
-    model_dir = os.path.join(ckpt_dir, "model") if os.path.isdir(os.path.join(ckpt_dir, "model")) else ckpt_dir
+    model_dir = dist_ckpt.model_dir(ckpt_dir)
     if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
         raise FileNotFoundError(
             f"{ckpt_dir} is not an aligner checkpoint: no megatron dist checkpoint (metadata.json) "
             "in it or in its model/ directory"
         )
+    problem = dist_ckpt.verify(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, "state.json")) else None
+    problem = problem or dist_ckpt.verify_files(ckpt_dir)
+    if problem:
+        raise dist_ckpt.CheckpointError(problem)
     return model_dir
 
 
@@ -509,7 +520,7 @@ def convert_dist_to_hf(
                 f"the tokenizer {tokenizer_src} has {n_tokens} tokens but the model's "
                 f"vocabulary has {cfg.vocab_size} rows: it is not this model's tokenizer"
             )
-    _check_output(out_dir, overwrite)
+    _check_output(out_dir, overwrite, ckpt_dir)
     if _world_size() != 1:
         raise ValueError(
             "run the megatron -> HF converter as one process: the checkpoint is resharded to TP=1/PP=1 "

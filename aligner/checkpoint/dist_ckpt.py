@@ -6,8 +6,12 @@ Layout of one checkpoint directory:
                                          on CPU one torch file per rank (same layout required to resume it)
     <root>/step_000012/state.json        trainer state (step, consumed samples, KL controller, ...), rank 0
     <root>/step_000012/rng/rank_K.pt     RNG states per global rank
-Every rank writes under `<root>/.tmp-step_000012`; after a barrier rank 0 writes `state.json` last and renames the
-directory into place, so a directory named `step_*` is always complete; `latest_checkpoint(root)` finds the newest.
+    <root>/step_000012/manifest.json     every other file's size, written just before state.json
+Every rank writes under `<root>/.tmp-step_000012`; after a barrier rank 0 writes the manifest, then `state.json` last,
+and renames the directory into place, so a directory named `step_*` is always complete when written.
+`verify(path)` tells whether it is still intact (a truncated or missing file is named); `latest_checkpoint(root)`
+finds the newest complete one. Which steps of a run the actor and the critic *both* completed is recorded by
+aligner.checkpoint.run (the run's commit record), not here.
 
 Contract: `save(root, step, models, optimizer, state)` and `load(path, models, optimizer)` are collective over the
 whole world (every rank calls them); `models` is a list of megatron modules (the bare GPTModel slices).
@@ -28,6 +32,11 @@ import torch.distributed as dist
 from aligner.parallel.device import on_gpu
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, damaged or not the one expected; the message names the file."""
 
 
 def _rank() -> int:
@@ -98,16 +107,72 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint under `root` (a `step_*` directory with a state.json), or None."""
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every `step_*` directory with a state.json under `root`, oldest first."""
     if not root or not os.path.isdir(root):
-        return None
-    steps = []
+        return []
+    out = []
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
         if m and os.path.isfile(os.path.join(root, name, "state.json")):
-            steps.append((int(m.group(1)), name))
-    return os.path.join(root, max(steps)[1]) if steps else None
+            out.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under `root` (a `step_*` directory with a state.json), or None."""
+    done = complete_checkpoints(root)
+    return done[-1][1] if done else None
+
+
+def _files(path: str) -> dict[str, int]:
+    out = {}
+    for here, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(here, name)
+            rel = os.path.relpath(full, path)
+            if rel not in (MANIFEST, "state.json"):
+                out[rel] = os.path.getsize(full)
+    return out
+
+
+def verify(path: str) -> str | None:
+    """None when the checkpoint at `path` is complete and intact; otherwise what is wrong, naming the file."""
+    state = os.path.join(path, "state.json")
+    if not os.path.isfile(state):
+        return f"{path} is not a complete checkpoint (no state.json)"
+    try:
+        with open(state) as f:
+            json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"{state} is unreadable ({exc})"
+    return verify_files(path)
+
+
+def write_manifest(path: str) -> None:
+    """Record the size of every file under `path` (call on the finished directory, before it is renamed)."""
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(_files(path), f, indent=0, sort_keys=True)
+
+
+def verify_files(path: str) -> str | None:
+    """None when every file the manifest of `path` lists is there with its size (or there is no manifest)."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest):
+        return None  # written before manifests existed: state.json is all there is to check
+    try:
+        with open(manifest) as f:
+            expected = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"{manifest} is unreadable ({exc})"
+    for rel, size in sorted(expected.items()):
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"{full} is missing"
+        actual = os.path.getsize(full)
+        if actual != size:
+            return f"{full} has {actual} bytes, {size} were written (truncated or replaced)"
+    return None
 
 
 def rng_state() -> dict:
@@ -155,16 +220,26 @@ def _model_sharded_state(models) -> dict:
 
 
 def save(
-    root: str, step: int, models, optimizer=None, state: dict | None = None, keep: int | None = None, model_cfg=None
+    root: str,
+    step: int,
+    models,
+    optimizer=None,
+    state: dict | None = None,
+    keep: int | None = None,
+    model_cfg=None,
+    replace: bool = True,
 ) -> str:
     """Write `<root>/step_<step>` atomically; returns its path. Collective.
 
     With `model_cfg` (a ModelConfig), `model.yaml` describes the model, so the checkpoint converts to HF
-    (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments."""
+    (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments. With `replace=False` an existing
+    complete checkpoint of that step is an error (FileExistsError, before anything is written)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
+    if not replace and os.path.isfile(os.path.join(final, "state.json")):
+        raise FileExistsError(f"{final} exists and is complete: a checkpoint is never overwritten")
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
@@ -183,6 +258,7 @@ def save(
 
             with open(os.path.join(tmp, "model.yaml"), "w") as f:
                 f.write(to_yaml(model_cfg))
+        write_manifest(tmp)
         with open(os.path.join(tmp, "state.json"), "w") as f:  # last: its presence marks a complete checkpoint
             json.dump({"step": step, **(state or {})}, f, indent=1)
         if os.path.exists(final):
@@ -213,21 +289,35 @@ def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
     """
     from megatron.core import dist_checkpointing
 
-    if not os.path.isfile(os.path.join(path, "state.json")):
-        raise FileNotFoundError(f"{path} is not a complete aligner checkpoint (no state.json)")
+    problem = verify(path)
+    if problem:
+        raise CheckpointError(problem)
     sharded = _model_sharded_state(models)
-    loaded = dist_checkpointing.load(sharded, os.path.join(path, "model"))
+    loaded = _read(os.path.join(path, "model"), dist_checkpointing.load, sharded, os.path.join(path, "model"))
     if len(models) == 1:
         models[0].load_state_dict(loaded, strict=False)
     else:
         for i, m in enumerate(models):
             m.load_state_dict(loaded[f"model{i}"], strict=False)
     if optimizer is not None:
-        optimizer.load(os.path.join(path, "optim"), _model_sharded_state(models))
+        _read(os.path.join(path, "optim"), optimizer.load, os.path.join(path, "optim"), _model_sharded_state(models))
     rng_file = os.path.join(path, "rng", f"rank_{_rank()}.pt")
     if restore_rng and os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(_read(rng_file, lambda: torch.load(rng_file, weights_only=True)))
     return read_state(path)
+
+
+def _read(what: str, fn, *args):
+    """Run a megatron/torch checkpoint read; a failure becomes CheckpointError naming `what`."""
+    try:
+        return fn(*args)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any reader failure means the same thing to the user
+        raise CheckpointError(
+            f"cannot read {what}: {type(exc).__name__}: {str(exc)[:300]} (a damaged or truncated file, or a "
+            "checkpoint of another model shape)"
+        ) from exc
 
 
 def model_dir(path: str) -> str:
@@ -261,7 +351,7 @@ def load_model_weights(path: str, models) -> None:
     if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
         raise FileNotFoundError(f"{model_dir} is not a megatron dist checkpoint (no metadata.json)")
     sharded = _model_sharded_state(models)
-    loaded = dist_checkpointing.load(sharded, model_dir)
+    loaded = _read(model_dir, dist_checkpointing.load, sharded, model_dir)
     if len(models) == 1:
         models[0].load_state_dict(loaded, strict=False)
     else:
@@ -284,8 +374,8 @@ def load_backbone_weights(path: str, models) -> None:
 
     sharded = [backbone(m.sharded_state_dict()) for m in models]
     if len(models) == 1:
-        models[0].load_state_dict(dist_checkpointing.load(sharded[0], model_dir), strict=False)
+        models[0].load_state_dict(_read(model_dir, dist_checkpointing.load, sharded[0], model_dir), strict=False)
     else:
-        loaded = dist_checkpointing.load({f"model{i}": s for i, s in enumerate(sharded)}, model_dir)
+        loaded = _read(model_dir, dist_checkpointing.load, {f"model{i}": s for i, s in enumerate(sharded)}, model_dir)
         for i, m in enumerate(models):
             m.load_state_dict(loaded[f"model{i}"], strict=False)

@@ -59,6 +59,8 @@ class CriticServerConfig:
     ready_timeout: float = 120.0  # seconds to wait for Triton and the endpoints to answer at start-up
     heartbeat_s: float = 30.0  # idle rank 0 pings the other ranks this often so their collectives never time out
     log_file: Optional[str] = None  # tritonserver's log; None = <exp_dir>/tritonserver.log
+    token_file: Optional[str] = None  # the run's secret (else env ALIGNER_CRITIC_TOKEN); required off loopback
+    idle_timeout_s: Optional[float] = None  # exit after this long without a request (a dead actor); None: never
 
     def resolved_ports(self) -> dict[str, int]:
         return {
@@ -141,6 +143,8 @@ class CriticJobConfig:
                 f"must be in 1..model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}, got {s.max_seq_len}",
             )
+        if s.idle_timeout_s is not None and not s.idle_timeout_s > 0:
+            raise ConfigError("server.idle_timeout_s", f"must be > 0 seconds (or null: never), got {s.idle_timeout_s}")
         if s.ready_timeout <= 0 or s.heartbeat_s <= 0:
             raise ConfigError("server.ready_timeout", "server.ready_timeout and server.heartbeat_s must be > 0")
 
@@ -217,6 +221,7 @@ class CriticClientConfig:
     connect_timeout: float = 120.0  # seconds to wait for the server to answer before failing with a clear error
     infer_timeout: float = 600.0  # seconds for one critic_infer request
     train_timeout: float = 3600.0  # seconds for one critic_train (or critic_save) request
+    token_file: Optional[str] = None  # the run's secret (else env ALIGNER_CRITIC_TOKEN; the launchers set it)
 
     @property
     def url(self) -> str:

@@ -8,7 +8,9 @@ Contract
   blocks on training: it holds a Future and asks for the result when it needs it.
 - `infer_async(tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> Future[(values_BT, rewards_B1)]`,
   `train_async(tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> Future[dict of float metrics]`,
-  `save(step) -> checkpoint path` (blocking; `save_async` returns a Future), `wait_ready(timeout)`.
+  `save(step, run_id) -> checkpoint path` (blocking; `save_async` returns a Future), `resume_async(step, run_id)`
+  (see aligner.critic.service.CriticService.resume), `wait_ready(timeout)`. With `token` (the run's secret,
+  aligner.critic.auth), every request carries it.
   Inputs are torch tensors or numpy arrays; results are CPU torch tensors (float32).
 - Arguments are checked here first (CriticRequestError at the call site); errors from the server come back as
   CriticRequestError (the server's reason first); a server that does not answer within `connect_timeout` gives a
@@ -30,7 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from aligner.critic import protocol
+from aligner.critic import auth, protocol
+from aligner.critic.auth import load_token
 from aligner.critic.protocol import CriticRequestError, Limits
 
 # The server checks the real limits (batch, length, vocabulary); here only the structure of the request.
@@ -51,18 +54,24 @@ def _server_reason(message: str) -> str:
 
 class CriticClient:
     def __init__(
-        self, url: str, connect_timeout: float = 120.0, infer_timeout: float = 600.0, train_timeout: float = 3600.0
+        self,
+        url: str,
+        connect_timeout: float = 120.0,
+        infer_timeout: float = 600.0,
+        train_timeout: float = 3600.0,
+        token: str | None = None,
     ):
         self.url = url if "://" in url else f"http://{url}"
         self.connect_timeout, self.infer_timeout, self.train_timeout = connect_timeout, infer_timeout, train_timeout
         # One worker: requests leave in submission order (see the module docstring).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-client")
         self._clients = {}  # endpoint -> ModelClient; used only by the worker thread
+        self._parameters = {auth.PARAMETER: token} if token else None
         self._ready = False
 
     @classmethod
     def from_config(cls, cfg) -> "CriticClient":
-        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout)
+        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout, token=load_token(cfg.token_file))
 
     # -- public API --------------------------------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -93,12 +102,17 @@ class CriticClient:
         }
         return self._pool.submit(self._train, inputs)
 
-    def save_async(self, step: int) -> Future:
-        step = protocol.check_step(step)
-        return self._pool.submit(self._save, step)
+    def save_async(self, step: int, run_id: str) -> Future:
+        step, run_id = protocol.check_step(step), protocol.check_run_id(run_id)
+        return self._pool.submit(self._checkpoint, protocol.SAVE, step, run_id)
 
-    def save(self, step: int) -> str:
-        return self.save_async(step).result()
+    def save(self, step: int, run_id: str) -> str:
+        return self.save_async(step, run_id).result()
+
+    def resume_async(self, step: int | None, run_id: str) -> Future:
+        """critic_resume: run `run_id` resumes at committed `step` (None: a fresh run); Future[path or '']."""
+        step = protocol.check_step(-1 if step is None else step, allow_fresh=True)
+        return self._pool.submit(self._checkpoint, protocol.RESUME, step, protocol.check_run_id(run_id))
 
     def close(self) -> None:
         self._pool.submit(self._close_clients).result()
@@ -154,7 +168,7 @@ class CriticClient:
         if not self._ready:
             self._wait_ready()
         try:
-            return self._client(name).infer_sample(**inputs)
+            return self._client(name).infer_sample(**inputs, parameters=self._parameters)
         except PyTritonClientInferenceServerError as exc:
             reason = _server_reason(str(exc))
             if "is not healthy" in reason:  # Triton's python backend: the endpoint's stub did not run for ~1 s
@@ -190,8 +204,9 @@ class CriticClient:
         out = self._call(protocol.TRAIN, inputs)
         return {k: float(out[k].reshape(-1)[0]) for k in protocol.TRAIN_METRICS}
 
-    def _save(self, step: int) -> str:
-        out = self._call(protocol.SAVE, {"step": np.array([step], dtype=np.int64)})
+    def _checkpoint(self, endpoint: str, step: int, run_id: str) -> str:
+        inputs = {"step": np.array([step], dtype=np.int64), "run_id": np.array([run_id.encode()], dtype=object)}
+        out = self._call(endpoint, inputs)
         path = out["path"].reshape(-1)[0]
         return path.decode() if isinstance(path, bytes) else str(path)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import math
 import os
 import sys
 from typing import Callable, Sequence
@@ -94,8 +93,11 @@ class RewardFunction:
                 scores = self.fn(prompts, responses, labels=labels if labels is not None else [None] * len(prompts))
             else:
                 scores = self.fn(prompts, responses)
-        except Exception as exc:
-            raise RewardFunctionError(f"reward_fn in {self.path} raised {exc!r}") from exc
+        except BaseException as exc:  # SystemExit too: user code must not stop (or hang) the critic job
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            what = f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"raised {exc!r}"
+            raise RewardFunctionError(f"reward_fn in {self.path} {what}") from exc
         try:
             scores = [float(s) for s in scores]
         except (TypeError, ValueError) as exc:
@@ -107,9 +109,13 @@ class RewardFunction:
                 f"reward_fn in {self.path} returned {len(scores)} scores for "
                 f"{len(prompts)} samples: return one per sample"
             )
-        bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
-        if bad:
+        # Checked in float32, the dtype the rewards are used in: 1e39 is finite as a Python float, inf here.
+        rewards = np.asarray(scores, dtype=np.float64).astype(np.float32)
+        bad = np.flatnonzero(~np.isfinite(rewards))
+        if bad.size:
+            i = int(bad[0])
             raise RewardFunctionError(
-                f"reward_fn in {self.path} returned a non-finite score {scores[bad[0]]} for sample {bad[0]}"
+                f"reward_fn in {self.path} returned {scores[i]} for sample {i} (response {responses[i][:60]!r}), "
+                "not a finite float32: return finite scores"
             )
-        return np.asarray(scores, dtype=np.float32)
+        return rewards

@@ -26,8 +26,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner import rl
-from aligner.checkpoint import dist_ckpt
+from aligner.checkpoint import dist_ckpt, run
+from aligner.config import ConfigError
 from aligner.config.actor import ActorJobConfig
+from aligner.critic.protocol import CriticCheckpointError
 from aligner.critic.remote import RemoteCritic
 from aligner.data.prompts import PromptDataset, PromptSampler, pad_prompts
 from aligner.data.tokenizer import load_tokenizer
@@ -90,7 +92,7 @@ class PPOTrainer:
         self._install_signal_handlers()
         start = time.monotonic()
         bar = Progress(cfg.ppo.num_steps, self.step, is_logging_rank() and cfg.logging.progress_bar, "ppo")
-        last_saved = self.step if dist_ckpt.latest_checkpoint(cfg.checkpoint_dir) else None
+        last_saved = self.step if self.resumed else None
         try:
             while self.step < cfg.ppo.num_steps:
                 metrics = self.train_step()
@@ -389,6 +391,7 @@ class PPOTrainer:
     # -- checkpoints, signals, teardown -----------------------------------------------------------------------
     def trainer_state(self) -> dict:
         return {
+            "run_id": self.run_id,
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "kl_controller": self.kl_ctl.state_dict(),
@@ -396,8 +399,10 @@ class PPOTrainer:
         }
 
     def save(self) -> None:
+        """Checkpoint step `self.step` with the critic, then commit it (aligner.checkpoint.run): a step becomes a
+        resume point only once both jobs have written it. A failed critic_save fails here, on every rank."""
         cfg = self.cfg.checkpoint
-        critic_saved = self.critic.save(self.step) if cfg.save_critic else None
+        critic_saved = self.critic.save(self.step, self.run_id) if cfg.save_critic else None
         path = dist_ckpt.save(
             self.cfg.checkpoint_dir,
             self.step,
@@ -409,21 +414,52 @@ class PPOTrainer:
         )
         if critic_saved is not None:
             critic_saved.result()
-        log.info("checkpoint written: %s", path)
+        self.commit = self.commit.add(self.step, cfg.keep)
+        run.commit(self.cfg.checkpoint_dir, self.commit)
+        log.info("checkpoint written and committed: %s", path)
 
     def _resume(self) -> None:
-        if not self.cfg.checkpoint.resume:
+        """Start run `self.run_id` fresh, or resume the newest committed step both jobs can load."""
+        cfg, root = self.cfg.checkpoint, self.cfg.checkpoint_dir
+        self.resumed = False
+        committed = run.read(root)
+        if committed is not None and not cfg.resume:
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{root} holds run {committed.run_id} (committed steps {committed.steps}): set "
+                "checkpoint.resume=true to continue it, or use another exp_dir",
+            )
+        if committed is None:
+            if dist_ckpt.complete_checkpoints(root):
+                log.warning("%s holds checkpoints but no commit record (%s): starting fresh", root, run.RECORD)
+            self.run_id = run.agreed_run_id()
+            self.commit = run.Commit(self.run_id)
+            if cfg.save_critic:
+                self.critic.resume(None, self.run_id)
             return
-        path = dist_ckpt.latest_checkpoint(self.cfg.checkpoint_dir)
-        if path is None:
+        self.run_id, self.commit = committed.run_id, committed
+        for step, path, problem in run.resume_points(root, committed):
+            if problem is None and cfg.save_critic:
+                try:
+                    self.critic.resume(step, self.run_id)
+                except CriticCheckpointError as exc:
+                    problem = f"the critic cannot resume it: {exc}"
+            if problem is not None:
+                log.warning("not resuming from committed step %d: %s", step, problem)
+                continue
+            state = dist_ckpt.load(path, [self.policy.module], self.policy.optimizer)
+            self.step = int(state["step"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.kl_ctl.load_state_dict(state["kl_controller"])
+            self.policy.steps_taken = int(state.get("optimizer_steps", 0))
+            self.engine.refit(self.policy.module)
+            self.resumed = True
+            log.warning("resumed from %s at step %d", path, self.step)
             return
-        state = dist_ckpt.load(path, [self.policy.module], self.policy.optimizer)
-        self.step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctl.load_state_dict(state["kl_controller"])
-        self.policy.steps_taken = int(state.get("optimizer_steps", 0))
-        self.engine.refit(self.policy.module)
-        log.warning("resumed from %s at step %d", path, self.step)
+        raise dist_ckpt.CheckpointError(
+            f"none of the committed steps {committed.steps} of run {self.run_id} in {root} can be resumed (see the "
+            "warnings above): restore them, or start a new run in another exp_dir"
+        )
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):

@@ -81,7 +81,9 @@ def test_check_train_errors():
         check_train, big, np.ones(7), np.zeros((7, 4)), np.zeros((7, 4)), np.zeros((7, 4)), LIMITS
     )
     assert check_step(np.array([3])) == 3
-    assert "non-negative" in _err(check_step, -1)
+    assert "must be one integer in 0..2^40" in _err(check_step, -1)
+    assert "must be one integer in 0..2^40" in _err(check_step, 2**62)  # an absurd step never becomes "latest"
+    assert check_step(-1, allow_fresh=True) == -1
 
 
 def test_dp_rows_cover_batch_evenly():
@@ -188,8 +190,11 @@ def test_reward_function_decodes_prompt_and_response(tmp_path):
     "body, text",
     [
         ("def reward_fn(p, r):\n    return [1.0]\n", "returned 1 scores for 2 samples"),
-        ("def reward_fn(p, r):\n    return [1.0, float('nan')]\n", "non-finite score nan for sample 1"),
+        ("def reward_fn(p, r):\n    return [1.0, float('nan')]\n", "returned nan for sample 1"),
+        # finite as a Python float, inf in float32 (the dtype rewards are used in)
+        ("def reward_fn(p, r):\n    return [1e39, 0.0]\n", "returned 1e+39 for sample 0"),
         ("def reward_fn(p, r):\n    raise KeyError('boom')\n", "raised KeyError('boom')"),
+        ("import sys\ndef reward_fn(p, r):\n    sys.exit(3)\n", "called sys.exit(3)"),
         ("def reward_fn(p, r):\n    return 3\n", "must return a list of floats"),
     ],
 )
