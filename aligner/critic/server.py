@@ -598,4 +598,9 @@ def serve(service, cfg: CriticJobConfig) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         return CriticServer(service, cfg, channel).serve()
+    # A launcher stops the job by signalling every rank: the others wait for rank 0's OP_STOP (rank 0 stops Triton
+    # first), so that all ranks exit 0 and torchrun/mpiexec report a clean stop. A dead rank 0 ends their wait with an
+    # error in the broadcast.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
     return run_worker(service, channel)

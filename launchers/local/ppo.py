@@ -41,6 +41,7 @@ from aligner.utils.net import free_port_range  # noqa: E402  (no torch)
 
 READY_LINE = "critic server ready at"
 PORT_TRIES = 3
+CRITIC_STOP_GRACE = 120.0  # seconds for the critic to unload its endpoints and stop Triton (a loaded host is slow)
 
 
 def _die_with_parent() -> None:
@@ -102,18 +103,40 @@ def gpu_env(gpus: str | None, procs: int, flag: str) -> dict:
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
 
 
+def signal_job(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to a job's own processes. A job of several ranks runs under torchrun or mpiexec (the process-group
+    leader): signalling that parent makes it kill its ranks and exit 1, so the ranks themselves get the signal (they
+    checkpoint or stop cleanly and exit 0, and so does their parent). A one-process job is the leader itself."""
+    import psutil
+
+    ranks = []
+    if getattr(proc, "aligner_has_launcher", False):
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                if proc.aligner_script in " ".join(child.cmdline()):  # not tritonserver or helper processes
+                    ranks.append(child.pid)
+        except psutil.Error:
+            pass
+    for pid in ranks or [proc.pid]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def stop(proc: subprocess.Popen | None, grace: float = 30.0) -> None:
-    """SIGTERM the whole process group, then SIGKILL what is left after `grace` seconds."""
+    """SIGTERM the job (its ranks, see signal_job), then SIGKILL its whole process group after `grace` seconds."""
     if proc is None or proc.poll() is not None:
         return
+    signal_job(proc, signal.SIGTERM)
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 class CriticStartError(RuntimeError):
@@ -202,7 +225,7 @@ def main(argv=None) -> int:
     def on_signal(signum, frame):
         interrupted.append(signum)
         if actor is not None and actor.poll() is None:
-            os.killpg(actor.pid, signal.SIGTERM)  # the actor checkpoints and exits; the critic is stopped after
+            signal_job(actor, signal.SIGTERM)  # the actor checkpoints and exits; the critic is stopped after
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -230,11 +253,12 @@ def main(argv=None) -> int:
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
                 )
+            critic.aligner_has_launcher, critic.aligner_script = args.critic_procs > 1, "serve_ppo_critic.py"
             try:
                 wait_ready(url, critic, args.ready_timeout, critic_log, offset)
                 break
             except CriticStartError as exc:
-                stop(critic)
+                stop(critic, grace=CRITIC_STOP_GRACE)
                 retry = exc.port_taken and args.port is None and attempt < PORT_TRIES and not interrupted
                 print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
                 if not retry:
@@ -252,6 +276,7 @@ def main(argv=None) -> int:
         actor = subprocess.Popen(
             actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True, preexec_fn=_die_with_parent
         )
+        actor.aligner_has_launcher, actor.aligner_script = args.actor_procs > 1, "train_ppo_actor.py"
         while actor.poll() is None:
             if critic.poll() is not None:
                 print(
@@ -265,7 +290,7 @@ def main(argv=None) -> int:
         actor_rc = actor.returncode
     finally:
         stop(actor)
-        stop(critic)
+        stop(critic, grace=CRITIC_STOP_GRACE)
     critic_rc = critic.returncode
     metrics = os.path.join(exp, "actor", "metrics.jsonl")
     if actor_rc != 0:

@@ -102,7 +102,7 @@ def test_tp2_job_matches_one_rank_and_stops_on_sigterm(tmp_path):
         server.wait_exit(120)
         assert "SIGTERM received, stopping" in server.output, server.output[-4000:]
         assert wait_gone(procs) == []
-        assert len(leftovers) == 4 and not any(os.path.exists(p) for p in leftovers)
+        assert len(leftovers) == 5 and not any(os.path.exists(p) for p in leftovers)
     finally:
         if server.proc.poll() is None:
             server.kill()
