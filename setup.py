@@ -24,9 +24,15 @@ EXTRAS = {
     # MPI launch outside Slurm (`mpiexec -n N ...`); the mpich wheel brings mpiexec, no system MPI needed.
     "mpi": ["mpi4py>=4.0", "mpich>=4.2"],
     "plot": ["matplotlib>=3.7"],
+    # Parquet prompt files and saved HF `datasets` directories (aligner/data/rows.py; JSONL needs nothing). pyarrow 26
+    # needs numpy 2 at import time and declares no numpy requirement, so pip cannot see the clash with numpy<2 above.
+    "data": ["pyarrow>=14,<26"],
     "dev": ["ruff>=0.6"],
 }
-EXTRAS["test"] = ["pytest>=8", "pytest-timeout>=2.3"] + EXTRAS["mpi"] + EXTRAS["plot"]
+# `datasets` only writes the saved-dataset fixtures of tests/unit/test_data.py (aligner reads them with pyarrow).
+EXTRAS["test"] = (
+    ["pytest>=8", "pytest-timeout>=2.3", "datasets>=2.16"] + EXTRAS["mpi"] + EXTRAS["plot"] + EXTRAS["data"]
+)
 
 setup(
     name="aligner",

@@ -15,10 +15,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from aligner.config import ConfigError  # noqa: E402
-from aligner.config.critic import load_critic_config  # noqa: E402
+from aligner.config.critic import CriticJobConfig, load_critic_config  # noqa: E402
+from aligner.config.help import config_help, wants_help  # noqa: E402
 
 
 def main(argv) -> int:
+    if wants_help(argv):  # every config key, its value and its meaning, from the schema
+        print(config_help(CriticJobConfig, argv, "ppo_critic", __doc__))
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         cfg = load_critic_config(argv, default_name="ppo_critic")

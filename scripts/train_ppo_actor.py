@@ -12,11 +12,15 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from aligner.config import ConfigError  # noqa: E402
-from aligner.config.actor import load_actor_config  # noqa: E402
+from aligner.config.actor import ActorJobConfig, load_actor_config  # noqa: E402
+from aligner.config.help import config_help, wants_help  # noqa: E402
 from aligner.data.rows import DataError  # noqa: E402
 
 
 def main(argv) -> int:
+    if wants_help(argv):  # every config key, its value and its meaning, from the schema
+        print(config_help(ActorJobConfig, argv, "ppo_actor", __doc__))
+        return 0
     from aligner.utils.logs import setup_logging
 
     setup_logging()

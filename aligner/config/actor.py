@@ -32,23 +32,27 @@ from aligner.config.schema import (
 
 @dataclass
 class DataConfig:
-    train_file: str = "conf/demo/prompts_train.jsonl"  # JSONL, one object per line with `prompt` (and `label`)
-    val_file: Optional[str] = None
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    """Prompt files (formats and examples: docs/DATA.md): JSONL, Parquet or a saved HF dataset directory; each row a
+    plain prompt or a chat (rendered with the tokenizer's chat template), and an optional label."""
+
+    train_file: str = "conf/demo/prompts_train.jsonl"  # prompts: a .jsonl or .parquet file, or a saved HF dataset dir
+    val_file: Optional[str] = None  # held-out prompts for validation (same format); None = no validation set
+    prompt_key: str = "prompt"  # the row field holding a plain prompt (tokenised as the HF tokenizer does)
+    messages_key: str = "messages"  # the row field holding a chat: [{"role", "content"}, ...] for the chat template
+    label_key: str = "label"  # the row field passed to the reward function as its label (optional in each row)
+    long_prompts: Literal["skip", "truncate_left", "error"] = "skip"  # prompts over generation.max_prompt_length
     tokenizer: Optional[str] = None  # None = model.tokenizer; tokenizer.json or an HF tokenizer directory
-    add_bos: bool = True  # prepend the tokenizer's BOS token (when it has one)
-    shuffle: bool = True
-    seed: int = 1234
+    shuffle: bool = True  # a new seeded permutation of the prompts every epoch
+    seed: int = 1234  # seed of the prompt order
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
+    temperature: float = 1.0  # divides the logits before sampling (and training's log-probs)
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
-    greedy: bool = False
-    min_new_tokens: int = 0
+    greedy: bool = False  # argmax instead of sampling
+    min_new_tokens: int = 0  # EOS and stop tokens cannot end a response shorter than this
     max_new_tokens: Optional[int] = None  # None = generation.max_response_length
     ignore_eos: bool = False  # EOS and stop tokens end nothing: every response has max_new_tokens (benchmarks)
 
@@ -61,32 +65,32 @@ class SamplingConfig:
 @dataclass
 class KLConfig:
     coef: float = 0.02  # beta of the per-token -beta * KL reward
-    estimator: Literal["k1", "k2", "k3"] = "k1"
-    use_absolute_kl: bool = False
-    adaptive: bool = False
-    target: float = 6.0
-    horizon: int = 10000
+    estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator (Schulman's k1, k2, k3)
+    use_absolute_kl: bool = False  # use |k1| (NeMo-Aligner's option)
+    adaptive: bool = False  # adapt coef towards the target KL (Ziegler et al.)
+    target: float = 6.0  # target KL of the adaptive controller
+    horizon: int = 10000  # horizon (in samples) of the adaptive controller
 
 
 @dataclass
 class PPOConfig:
-    num_steps: int = 100
+    num_steps: int = 100  # PPO steps (rollout + update) to run
     rollout_batch_size: int = 64  # prompts per step, whole job
     num_mini_batches: int = 1  # optimizer steps per epoch over the rollouts
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # rows per forward/backward pass of the policy update
     forward_micro_batch_size: Optional[int] = None  # rows per forward-only pass (log-probs); None = micro_batch_size
-    epochs: int = 1
-    clip_eps: float = 0.2
+    epochs: int = 1  # passes over each step's rollouts
+    clip_eps: float = 0.2  # PPO ratio clip: 1 - clip_eps .. 1 + clip_eps
     clip_eps_high: Optional[float] = None  # asymmetric upper clip (None = clip_eps)
     dual_clip: Optional[float] = None  # c > 1 enables dual-clip PPO
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = True
+    entropy_coef: float = 0.0  # weight of the entropy bonus in the policy loss
+    gamma: float = 1.0  # discount of GAE
+    lam: float = 0.95  # lambda of GAE
+    whiten_advantages: bool = True  # normalise advantages to mean 0, std 1 over the step's tokens
     zero_unended: bool = False  # NeMo-Aligner: samples cut at the length limit get no policy gradient
     score_clip: Optional[float] = None  # clip the reward score to +-score_clip
     critic_warmup_steps: int = 0  # steps that train only the critic
-    kl: KLConfig = field(default_factory=KLConfig)
+    kl: KLConfig = field(default_factory=KLConfig)  # the KL penalty against the reference policy
 
 
 @dataclass
@@ -96,42 +100,42 @@ class ReferenceConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    tensorboard: bool = True  # also write metrics to <exp_dir>/tensorboard
     samples_every: int = 5  # write decoded samples every N steps (0 = never)
-    num_samples: int = 4
-    progress_bar: bool = True
+    num_samples: int = 4  # samples written each time
+    progress_bar: bool = True  # a progress bar on the logging rank
 
 
 @dataclass
 class ActorCheckpointConfig(CheckpointConfig):
     save_every: int = 0  # steps between checkpoints (0 = only at the end / on SIGTERM / max_time)
     save_critic: bool = True  # the critic job checkpoints the same step (critic_save)
-    save_at_end: bool = True
+    save_at_end: bool = True  # checkpoint after the last step
 
 
 @dataclass
 class ValidationConfig:
     every: int = 0  # steps between validations (0 = never)
-    greedy: bool = True
-    max_prompts: int = 64
+    greedy: bool = True  # greedy responses for validation (else sampled as in training)
+    max_prompts: int = 64  # validate on the first N prompts of data.val_file
 
 
 @dataclass
 class ActorJobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    critic: CriticClientConfig = field(default_factory=CriticClientConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: ActorCheckpointConfig = field(default_factory=ActorCheckpointConfig)
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy (and the reference: its initial weights)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the policy is split over the ranks
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the policy's optimizer
+    generation: GenerationConfig = field(default_factory=GenerationConfig)  # the engine that samples responses
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how response tokens are drawn
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # batch sizes and the PPO loss
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # where the frozen reference policy lives
+    data: DataConfig = field(default_factory=DataConfig)  # prompt files (docs/DATA.md) and the tokenizer
+    critic: CriticClientConfig = field(default_factory=CriticClientConfig)  # where the critic job listens
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # metrics, samples, progress
+    checkpoint: ActorCheckpointConfig = field(default_factory=ActorCheckpointConfig)  # saving and resuming
+    validation: ValidationConfig = field(default_factory=ValidationConfig)  # scores on held-out prompts
     exp_dir: str = "results/ppo_actor"  # metrics.jsonl, samples, TensorBoard, checkpoints
-    seed: int = 1234
+    seed: int = 1234  # seed of initialisation, sampling and mini-batch order
     max_time: Optional[float] = None  # seconds; checkpoint and stop cleanly once exceeded
 
     def validate(self) -> None:
@@ -176,6 +180,11 @@ class ActorJobConfig:
         check(self.logging.samples_every >= 0, "logging.samples_every", "must be >= 0")
         check(self.validation.every >= 0, "validation.every", "must be >= 0")
         check(self.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0")
+        check(
+            self.data.prompt_key != self.data.messages_key,
+            "data.messages_key",
+            f"must differ from data.prompt_key (both are {self.data.prompt_key!r}): a row holds a prompt or a chat",
+        )
 
     def validate_world(self, world_size: int) -> int:
         """Layout and batch divisibility on `world_size` ranks; returns the data-parallel size."""

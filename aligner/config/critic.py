@@ -36,9 +36,9 @@ class CriticTrainConfig:
     """How one `critic_train` request is consumed: `epochs` passes over the request's rows in order, one optimizer
     step per `global_batch_size` rows (the last global batch may be smaller), `micro_batch_size` rows per forward."""
 
-    global_batch_size: int = 64
-    micro_batch_size: int = 4
-    epochs: int = 1
+    global_batch_size: int = 64  # rows per optimizer step
+    micro_batch_size: int = 4  # rows per forward/backward pass on each data-parallel rank
+    epochs: int = 1  # passes over each critic_train request
     value_clip_eps: Optional[float] = 0.2  # None = unclipped value loss
 
 
@@ -75,17 +75,17 @@ class CriticJobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # the critic (scalar head, one value per token)
     reward_model: Optional[ModelConfig] = None  # scalar head read at each sequence's last token
     reward_mean: float = 0.0  # reward-model scores are reported as (score - reward_mean) / reward_std
-    reward_std: float = 1.0
+    reward_std: float = 1.0  # see reward_mean
     reward_fn: Optional[str] = None  # a .py file defining reward_fn(prompts, responses[, labels]) -> list[float]
     tokenizer: Optional[str] = None  # decodes tokens for reward_fn (tokenizer.json or an HF tokenizer directory)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: CriticTrainConfig = field(default_factory=CriticTrainConfig)
-    infer: CriticInferConfig = field(default_factory=CriticInferConfig)
-    server: CriticServerConfig = field(default_factory=CriticServerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    exp_dir: str = "results/critic"
-    seed: int = 1234
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how both models are split over the ranks
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the critic's optimizer
+    train: CriticTrainConfig = field(default_factory=CriticTrainConfig)  # how critic_train requests train
+    infer: CriticInferConfig = field(default_factory=CriticInferConfig)  # how critic_infer requests run
+    server: CriticServerConfig = field(default_factory=CriticServerConfig)  # the PyTriton server
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # the critic's checkpoints
+    exp_dir: str = "results/critic"  # the critic's logs and checkpoints
+    seed: int = 1234  # seed of initialisation
 
     # -- rules -------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -216,8 +216,8 @@ def load_critic_config(argv: Sequence[str], default_name: str = "ppo_critic") ->
 class CriticClientConfig:
     """The actor job's `critic` section: where the critic job listens and how long to wait for it."""
 
-    host: str = "127.0.0.1"
-    port: int = 5567
+    host: str = "127.0.0.1"  # the critic job's address (its server.host)
+    port: int = 5567  # the critic job's HTTP port (its server.port)
     connect_timeout: float = 120.0  # seconds to wait for the server to answer before failing with a clear error
     infer_timeout: float = 600.0  # seconds for one critic_infer request
     train_timeout: float = 3600.0  # seconds for one critic_train (or critic_save) request

@@ -139,8 +139,11 @@ def _wrap(exc: OmegaConfBaseException) -> ConfigError:
     return ConfigError(key, _explain(str(exc).split("\n")[0]))
 
 
-def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), config_dir: str | None = None) -> T:
-    """Build a `schema` instance from conf/<name>.yaml plus `key=value` overrides."""
+def merged_config(
+    schema: Type[T], name: str, overrides: Sequence[str] = (), config_dir: str | None = None
+) -> tuple[DictConfig, str]:
+    """The schema with conf/<name>.yaml, group choices and `key=value` overrides merged on top (not yet validated),
+    and the config file's path."""
     if not is_dataclass(schema):
         raise TypeError("schema must be a dataclass type")
     base = OmegaConf.structured(schema)
@@ -159,6 +162,15 @@ def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), confi
                 merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
             except OmegaConfBaseException as exc:
                 raise ConfigError(key, f"bad override {item!r}: {_explain(str(exc).splitlines()[0])}") from exc
+    except OmegaConfBaseException as exc:
+        raise _wrap(exc) from exc
+    return merged, path
+
+
+def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), config_dir: str | None = None) -> T:
+    """Build a `schema` instance from conf/<name>.yaml plus `key=value` overrides, and validate it."""
+    merged, _ = merged_config(schema, name, overrides, config_dir)
+    try:
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _wrap(exc) from exc

@@ -24,47 +24,47 @@ class ModelConfig:
     MLP, biases, positions, HF names), e.g. llama (also Mistral, Qwen2 with `add_qkv_bias`) or gpt2."""
 
     arch: str = "llama"  # a family name: aligner.families.names()
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
+    num_layers: int = 2  # transformer layers
+    hidden_size: int = 64  # model width
+    num_attention_heads: int = 4  # query heads per layer
     num_query_groups: Optional[int] = None  # grouped-query attention; None = one KV head per query head
     ffn_hidden_size: Optional[int] = None  # None = 4 * hidden_size
     vocab_size: int = 256  # the tokenizer's; padded up for TP (see make_vocab_size_divisible_by)
-    make_vocab_size_divisible_by: int = 128
-    max_position_embeddings: int = 2048
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-5
-    tie_embeddings: bool = False
+    make_vocab_size_divisible_by: int = 128  # embedding rows are padded to a multiple of this x TP
+    max_position_embeddings: int = 2048  # longest sequence (prompt + response) the model is built for
+    rotary_base: float = 10000.0  # RoPE theta (rotary families)
+    norm_epsilon: float = 1e-5  # epsilon of the RMSNorm / LayerNorm layers
+    tie_embeddings: bool = False  # the output layer shares the input embedding's weights
     add_qkv_bias: bool = False  # Qwen2
-    init_method_std: float = 0.02
-    params_dtype: Dtype = "float32"
-    attention_backend: Literal["auto", "sdpa", "unfused", "te"] = "auto"
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
+    init_method_std: float = 0.02  # std of the random initialisation (weights not loaded from a checkpoint)
+    params_dtype: Dtype = "float32"  # dtype of the parameters (training)
+    attention_backend: Literal["auto", "sdpa", "unfused", "te"] = "auto"  # auto: TE where installed, else sdpa
+    hidden_dropout: float = 0.0  # dropout after attention and MLP (0 for RL)
+    attention_dropout: float = 0.0  # dropout of the attention probabilities
     checkpoint: Optional[str] = None  # a dist checkpoint (e.g. from scripts/convert_hf_to_nemo.py) to load
     tokenizer: Optional[str] = None  # path to an HF tokenizer (directory or tokenizer.json)
 
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # TP: each layer's matrices split over this many ranks
+    pipeline_model_parallel_size: int = 1  # PP: the layers split into this many stages
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPU, gloo on CPU
     master_addr: Optional[str] = None  # default: from the launcher's environment
-    master_port: Optional[int] = None
+    master_port: Optional[int] = None  # default: from the launcher's environment (MASTER_PORT)
     timeout_minutes: float = 30.0  # a collective that does not complete in time is an error naming rank, group, op
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
+    lr: float = 1e-5  # peak learning rate (Adam)
+    min_lr: float = 0.0  # learning rate at the end of the cosine decay
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW)
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.95  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's epsilon
+    clip_grad: float = 1.0  # clip the global gradient norm to this (0 = no clipping)
+    warmup_steps: int = 0  # optimizer steps of linear warm-up to lr
     lr_decay_steps: Optional[int] = None  # None = constant after warm-up
     use_distributed_optimizer: bool = True  # megatron's, on GPU; ignored on CPU
 

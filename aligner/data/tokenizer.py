@@ -1,9 +1,13 @@
 """One tokenizer type for the jobs: `load_tokenizer(path)` from a tokenizer.json (HF `tokenizers`) or an HF tokenizer
 directory (transformers' AutoTokenizer, local files only). Nothing is downloaded.
 
-`Tokenizer.encode(text)` adds no special tokens; `Tokenizer.apply_chat_template(messages, add_generation_prompt)`
-renders a chat (a list of {"role", "content"} dicts) with the tokenizer's own template and returns its token ids, as
-`transformers` does (the template writes any BOS itself); a tokenizer without a template raises ValueError.
+`Tokenizer.encode(text)` adds no special tokens (pieces of text inside a sequence). `Tokenizer.encode_prompt(text)`
+tokenises a whole prompt exactly as the HF tokenizer does by default (`tokenizer(text)["input_ids"]`): its
+post-processor decides which special tokens to add (e.g. Llama's BOS; GPT-2's and Qwen2's add none), nothing else
+is added. `Tokenizer.apply_chat_template(messages, add_generation_prompt)` renders a chat (a list of
+{"role", "content"} dicts) with the tokenizer's own template and returns its token ids, as `transformers` does (the
+template writes any BOS itself, so the text is encoded without special tokens); a tokenizer without a template raises
+ValueError.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ class Tokenizer:
     eos_id: Optional[int]
     pad_id: int
     render_chat: Optional[Callable[[list, bool], str]] = None  # (messages, add_generation_prompt) -> text
+    encode_with_specials: Optional[Callable[[str], list[int]]] = None  # None: the tokenizer adds no special tokens
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`text` as a whole prompt: the tokenizer's post-processor adds its special tokens (BOS or none)."""
+        return (self.encode_with_specials or self.encode)(text)
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
         if self.render_chat is None:
@@ -52,6 +61,7 @@ def load_tokenizer(path: str) -> Tokenizer:
         pad = _find(vocab, ("<pad>", "[PAD]"))
         return Tokenizer(
             encode=lambda text: raw.encode(text, add_special_tokens=False).ids,
+            encode_with_specials=lambda text: raw.encode(text, add_special_tokens=True).ids,
             decode=lambda ids: raw.decode(list(ids), skip_special_tokens=True),
             vocab_size=raw.get_vocab_size(),
             bos_id=bos,
@@ -64,6 +74,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     pad = hf.pad_token_id if hf.pad_token_id is not None else (hf.eos_token_id or 0)
     return Tokenizer(
         encode=lambda text: hf.encode(text, add_special_tokens=False),
+        encode_with_specials=lambda text: hf.encode(text, add_special_tokens=True),
         decode=lambda ids: hf.decode(list(ids), skip_special_tokens=True),
         vocab_size=len(hf),
         bos_id=hf.bos_token_id,

@@ -61,12 +61,11 @@ class PPOTrainer:
                 f"{cfg.model.vocab_size}: they must match the checkpoint the policy was built from"
             )
         d, max_prompt = cfg.data, cfg.generation.max_prompt_length
-        self.train_data = PromptDataset(d.train_file, self.tokenizer, max_prompt, d.prompt_key, d.label_key, d.add_bos)
-        self.val_data = (
-            PromptDataset(d.val_file, self.tokenizer, max_prompt, d.prompt_key, d.label_key, d.add_bos)
-            if d.val_file
-            else None
+        keys = dict(
+            prompt_key=d.prompt_key, label_key=d.label_key, messages_key=d.messages_key, long_prompts=d.long_prompts
         )
+        self.train_data = PromptDataset(d.train_file, self.tokenizer, max_prompt, **keys)
+        self.val_data = PromptDataset(d.val_file, self.tokenizer, max_prompt, **keys) if d.val_file else None
         self.sampler = PromptSampler(len(self.train_data), d.seed, d.shuffle)
 
         self.policy = TrainableModel(cfg.model, cfg.optim, head="lm")

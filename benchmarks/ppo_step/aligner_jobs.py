@@ -39,13 +39,15 @@ class WorkloadMismatch(ValueError):
 # -- assets -------------------------------------------------------------------------------------------------
 def write_tokenizer(path: str, vocab_size: int) -> None:
     """A whitespace WordLevel tokenizer of exactly `vocab_size` ids: the specials, then 't0', 't1', ..."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     words = [f"t{i}" for i in range(vocab_size - len(SPECIALS))]
     vocab = {tok: i for i, tok in enumerate(list(SPECIALS) + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(SPECIALS))  # already in the vocabulary: marks them special
+    # The tokenizer adds <bos> to each prompt itself (the jobs add no special tokens), as Llama's does.
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     tok.save(path)
 
 

@@ -25,7 +25,7 @@ def _encode(texts):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(REPO, "conf", "demo", "tokenizer.json"))
-    return [tok.encode(t).ids for t in texts]
+    return [tok.encode(t, add_special_tokens=False).ids for t in texts]  # pieces: no <bos>
 
 
 def _demo_server(tmp_path, **kw) -> ServerProcess:

@@ -168,7 +168,7 @@ TOKENIZER = os.path.join(REPO, "conf", "demo", "tokenizer.json")
 def _encode(text):
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(TOKENIZER).encode(text).ids
+    return Tokenizer.from_file(TOKENIZER).encode(text, add_special_tokens=False).ids  # pieces: no <bos>
 
 
 def test_reward_function_decodes_prompt_and_response(tmp_path):

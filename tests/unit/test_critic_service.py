@@ -82,9 +82,9 @@ def test_reward_function_path(weights, tmp_path):
 
     service = _service(weights, tmp_path, reward="fn")
     tok = Tokenizer.from_file(os.path.join(REPO, "conf", "demo", "tokenizer.json"))
-    prompt_ids = tok.encode("say a: moon:").ids
+    prompt_ids = tok.encode("say a: moon:", add_special_tokens=False).ids  # pieces: no <bos>
     responses = ["aaaa", "a b", "xyz"]
-    rows = [prompt_ids + tok.encode(r).ids for r in responses]
+    rows = [prompt_ids + tok.encode(r, add_special_tokens=False).ids for r in responses]
     width = max(map(len, rows))
     tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     lengths = torch.tensor([len(r) for r in rows])
