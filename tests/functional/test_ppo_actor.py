@@ -176,7 +176,7 @@ def test_bad_config_names_the_key(tmp_path):
         (["parallel.tensor_model_parallel_size=2"], "launch a multiple of 2 ranks"),  # one process here
         (["data.train_file={bad_json}"], "not valid JSON"),
         (["data.train_file={empty}"], "no usable prompts"),
-        (["data.train_file={no_key}"], "needs a string field 'prompt'"),
+        (["data.train_file={no_key}"], "needs a string 'prompt' (data.prompt_key) or a list 'messages'"),
         (["data.train_file={tmp}"], "is a directory"),
         (["data.train_file={not_utf8}"], "is not UTF-8"),
     ],
