@@ -11,7 +11,7 @@ INSTALL_REQUIRES = [
     "megatron-core==0.16.1",
     "nvidia-pytriton==0.7.0",
     "numpy<2",  # PyTriton 0.7 returns empty tensors under numpy 2
-    "omegaconf>=2.3",
+    "omegaconf>=2.4",  # Literal-typed config fields (2.3 rejects them)
     "transformers>=4.45",
     "tokenizers>=0.20",
     "safetensors>=0.4",
