@@ -33,9 +33,18 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 2048
     rotary_base: float = 10000.0
+    # RoPE frequency scaling (rope families): None = plain RoPE; "llama3" = Llama 3.1+'s, with the four numbers below
+    # (defaults: Llama 3.1's; the converter copies them from config.json 'rope_parameters').
+    rope_scaling: Optional[Literal["llama3"]] = None
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    head_dim: Optional[int] = None  # per-head width (megatron's kv_channels); None = hidden_size / heads (Qwen3: set)
     norm_epsilon: float = 1e-5
     tie_embeddings: bool = False
     add_qkv_bias: bool = False  # Qwen2
+    qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
     init_method_std: float = 0.02
     params_dtype: Dtype = "float32"
     attention_backend: Literal["auto", "sdpa", "unfused", "te"] = "auto"
@@ -43,6 +52,11 @@ class ModelConfig:
     attention_dropout: float = 0.0
     checkpoint: Optional[str] = None  # a dist checkpoint (e.g. from scripts/convert_hf_to_nemo.py) to load
     tokenizer: Optional[str] = None  # path to an HF tokenizer (directory or tokenizer.json)
+
+    @property
+    def kv_channels(self) -> int:
+        """The width of one attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 @dataclass
@@ -86,11 +100,40 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
     )
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
         _check(getattr(model, name) > 0, f"{prefix}.{name}", "must be positive")
-    _check(
-        model.hidden_size % model.num_attention_heads == 0,
-        f"{prefix}.hidden_size",
-        f"{model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads}",
-    )
+    if model.head_dim is None:
+        _check(
+            model.hidden_size % model.num_attention_heads == 0,
+            f"{prefix}.hidden_size",
+            f"{model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads} "
+            f"(or set {prefix}.head_dim)",
+        )
+    else:
+        _check(model.head_dim > 0, f"{prefix}.head_dim", f"must be positive (or null), got {model.head_dim}")
+    rope = families.family(model.arch).rope
+    if rope:
+        _check(
+            model.kv_channels % 2 == 0,
+            f"{prefix}.head_dim",
+            f"RoPE rotates pairs of dimensions: the head width {model.kv_channels} must be even",
+        )
+    if model.rope_scaling is not None:
+        _check(rope, f"{prefix}.rope_scaling", f"the {model.arch} family has no RoPE to scale: set it to null")
+        _check(
+            model.rope_scaling_factor >= 1,
+            f"{prefix}.rope_scaling_factor",
+            f"must be >= 1, got {model.rope_scaling_factor}",
+        )
+        _check(
+            0 < model.rope_scaling_low_freq_factor < model.rope_scaling_high_freq_factor,
+            f"{prefix}.rope_scaling_low_freq_factor",
+            f"must be > 0 and below rope_scaling_high_freq_factor={model.rope_scaling_high_freq_factor}, "
+            f"got {model.rope_scaling_low_freq_factor}",
+        )
+        _check(
+            model.rope_scaling_original_max_position_embeddings > 0,
+            f"{prefix}.rope_scaling_original_max_position_embeddings",
+            "must be positive",
+        )
     groups = model.num_query_groups or model.num_attention_heads
     _check(
         model.num_attention_heads % groups == 0,
