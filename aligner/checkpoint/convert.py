@@ -345,6 +345,8 @@ def convert_hf_to_dist(
             try:
                 final_cfg = dataclasses.replace(cfg, checkpoint=out_dir, tokenizer=os.path.join(out_dir, "tokenizer"))
                 copy_tokenizer(tokenizer_src, os.path.join(tmp, "tokenizer"))
+                # generation_config.json's EOS ids (one or a list) next to the tokenizer: load_tokenizer's stop_ids
+                copy_extras(hf_dir, os.path.join(tmp, "tokenizer"))
                 # transformers picks a tokenizer class from the model's config.json too (e.g. Qwen2's adds
                 # <|endoftext|>): a copy beside the tokenizer files makes AutoTokenizer load the same tokenizer.
                 with open(os.path.join(tmp, "tokenizer", "config.json"), "w") as f:

@@ -21,7 +21,9 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 @dataclass
 class ModelConfig:
     """A decoder-only transformer as megatron-core builds it. `arch` names its family (aligner.families: norms,
-    MLP, biases, positions, HF names), e.g. llama (also Mistral, Qwen2 with `add_qkv_bias`) or gpt2."""
+    MLP, biases, positions, HF names), e.g. llama (also Llama 3.x with `rope_scaling`, Mistral, Qwen2 with
+    `add_qkv_bias`, Qwen3 with `qk_layernorm` and `head_dim`) or gpt2. With `checkpoint` set, the jobs fill every
+    key the config does not set from the checkpoint's model.yaml (aligner.config.from_checkpoint)."""
 
     arch: str = "llama"  # a family name: aligner.families.names()
     num_layers: int = 2
@@ -33,18 +35,9 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 2048
     rotary_base: float = 10000.0
-    # RoPE frequency scaling (rope families): None = plain RoPE; "llama3" = Llama 3.1+'s, with the four numbers below
-    # (defaults: Llama 3.1's; the converter copies them from config.json 'rope_parameters').
-    rope_scaling: Optional[Literal["llama3"]] = None
-    rope_scaling_factor: float = 8.0
-    rope_scaling_low_freq_factor: float = 1.0
-    rope_scaling_high_freq_factor: float = 4.0
-    rope_scaling_original_max_position_embeddings: int = 8192
-    head_dim: Optional[int] = None  # per-head width (megatron's kv_channels); None = hidden_size / heads (Qwen3: set)
     norm_epsilon: float = 1e-5
     tie_embeddings: bool = False
     add_qkv_bias: bool = False  # Qwen2
-    qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
     init_method_std: float = 0.02
     params_dtype: Dtype = "float32"
     attention_backend: Literal["auto", "sdpa", "unfused", "te"] = "auto"
@@ -52,6 +45,13 @@ class ModelConfig:
     attention_dropout: float = 0.0
     checkpoint: Optional[str] = None  # a dist checkpoint (e.g. from scripts/convert_hf_to_nemo.py) to load
     tokenizer: Optional[str] = None  # path to an HF tokenizer (directory or tokenizer.json)
+    rope_scaling: Optional[Literal["llama3"]] = None  # RoPE frequency scaling: null = plain; llama3 = Llama 3.1+'s
+    rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this (Llama 3.1: 8, 3.2: 32)
+    rope_scaling_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/this are scaled
+    rope_scaling_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/this are kept
+    rope_scaling_original_max_position_embeddings: int = 8192  # llama3 scaling: the pre-training context length
+    head_dim: Optional[int] = None  # width of one attention head (megatron's kv_channels); None = hidden / heads
+    qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
 
     @property
     def kv_channels(self) -> int:

@@ -8,6 +8,7 @@ renders a chat (a list of {"role", "content"} dicts) with the tokenizer's own te
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -21,6 +22,7 @@ class Tokenizer:
     bos_id: Optional[int]
     eos_id: Optional[int]
     pad_id: int
+    stop_ids: tuple[int, ...] = ()  # more ids that end a response: generation_config.json's eos_token_id
     render_chat: Optional[Callable[[list, bool], str]] = None  # (messages, add_generation_prompt) -> text
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
@@ -37,6 +39,17 @@ def _find(vocab: dict, names) -> Optional[int]:
         if name in vocab:
             return vocab[name]
     return None
+
+
+def generation_stop_ids(directory: str) -> tuple[int, ...]:
+    """The ids `generation_config.json` in `directory` (beside the tokenizer files; conversion puts a copy there)
+    ends generation with: its `eos_token_id`, one id or a list (Llama 3 instruct: <|end_of_text|> and <|eot_id|>)."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return tuple(int(i) for i in ([] if eos is None else [eos] if isinstance(eos, int) else eos))
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -57,6 +70,7 @@ def load_tokenizer(path: str) -> Tokenizer:
             bos_id=bos,
             eos_id=eos,
             pad_id=pad if pad is not None else (eos or 0),
+            stop_ids=generation_stop_ids(os.path.dirname(os.path.abspath(path))),
         )
     from transformers import AutoTokenizer
 
@@ -69,6 +83,7 @@ def load_tokenizer(path: str) -> Tokenizer:
         bos_id=hf.bos_token_id,
         eos_id=hf.eos_token_id,
         pad_id=pad,
+        stop_ids=generation_stop_ids(path),
         render_chat=(
             (lambda messages, gen: hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False))
             if getattr(hf, "chat_template", None)
