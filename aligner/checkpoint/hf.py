@@ -1,7 +1,8 @@
 """Hugging Face <-> megatron-core mappings: configs and weights, tensor by tensor (no model, no I/O here).
 
 Supported HF architectures (`SUPPORTED`) are those the family specs list (aligner.families): the Llama
-family (Llama 2/3, Mistral, Qwen2 with its q/k/v biases) and GPT-2, each as a causal LM (`policy`) or as
+family (Llama 2/3/3.x with llama3 RoPE scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its per-head q/k
+norms and head_dim) and GPT-2, each as a causal LM (`policy`) or as
 `*ForSequenceClassification` with one label (`reward`, the `score` head). Everything family-specific (config.json
 keys, what megatron cannot express, tensor names and layouts) is read off the spec; this module holds the generic
 rules.
@@ -16,9 +17,10 @@ Contract:
   layer numbers) with the unpadded vocabulary, the canonical form of aligner.models.sharding. `to_hf(part, read)`
   is the exact inverse (`read(megatron_name)`). Both only permute, transpose, split and concatenate, so a round
   trip is bit-identical. Callers stream part by part, so at most one layer is held twice.
-- megatron's fused QKV (per KV group g: the q heads of g, then k_g, then v_g) and gated fc1 ([gate; up]) are the
-  only non-trivial layouts; HF's q/k/v come as three tensors (Llama) or one [q | k | v] (GPT-2), and Conv1D
-  weights (GPT-2) are stored [in, out] and are transposed.
+- megatron's fused QKV (per KV group g: the q heads of g, then k_g, then v_g, each head `kv_channels` wide) and
+  gated fc1 ([gate; up]) are the only non-trivial layouts; Qwen3's q/k norms map one to one; HF's q/k/v come as
+  three tensors (Llama) or one [q | k | v] (GPT-2), and Conv1D weights (GPT-2) are stored [in, out] and are
+  transposed.
 """
 
 from __future__ import annotations
