@@ -173,3 +173,19 @@ def test_the_filled_config_builds_the_model_that_loads_strictly(converted):
     )
     load_backbone_weights(critic.model.checkpoint, [build_gpt(critic.model, head="scalar")])
     load_model_weights(critic.reward_model.checkpoint, [build_gpt(critic.reward_model, head="scalar")])
+
+
+def test_a_job_checkpoint_describes_itself_too(converted, tmp_path):
+    """A step directory the actor saved (dist_ckpt.save with model_cfg) is a checkpoint like a converted one: its
+    model.yaml gives the shape, the tokenizer it names is found, and the weights load strictly."""
+    from aligner.checkpoint import dist_ckpt
+    from aligner.models.gpt import build_gpt
+
+    actor = load_actor_config(["--config-name", "ppo_actor", f"model.checkpoint={converted['qwen3']}"])
+    model = build_gpt(actor.model)
+    dist_ckpt.load_model_weights(actor.model.checkpoint, [model])
+    step = dist_ckpt.save(str(tmp_path / "run"), 3, [model], model_cfg=actor.model)
+    again = load_actor_config(["--config-name", "ppo_actor", f"model.checkpoint={step}"])
+    assert again.model.checkpoint == step and again.model.tokenizer == actor.model.tokenizer
+    assert (again.model.head_dim, again.model.qk_layernorm, again.model.num_layers) == (24, True, 2)
+    dist_ckpt.load_model_weights(step, [build_gpt(again.model)])

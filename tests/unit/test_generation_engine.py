@@ -131,14 +131,16 @@ def test_greedy_equals_no_cache_reference(cfg, attention):
     torch.testing.assert_close(out.logprobs_BR, ref_logp, rtol=0, atol=2e-5)
 
 
-def test_compiled_elementwise_kernels_match_the_reference():
-    """The torch.compile'd norms/RoPE/activations (what GPUs with Triton run); on CPU inductor needs a C++ compiler."""
+@pytest.mark.parametrize("cfg", [LLAMA, QWEN3], ids=["llama", "qwen3"])
+def test_compiled_elementwise_kernels_match_the_reference(cfg):
+    """The torch.compile'd norms/RoPE/activations (what GPUs with Triton run; Qwen3: with the q/k norms); on CPU
+    inductor needs a C++ compiler."""
     import shutil
 
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
-    model = _model(LLAMA)
-    engine = build_engine(GenerationConfig(**{**GEN.__dict__, "compile_elementwise": "on"}), LLAMA, model)
+    model = _model(cfg)
+    engine = build_engine(GenerationConfig(**{**GEN.__dict__, "compile_elementwise": "on"}), cfg, model)
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True, max_new_tokens=6))
     assert _responses(out) == reference_greedy(model, PROMPTS, LENGTHS, 6, V)
     ref = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)
