@@ -55,7 +55,7 @@ def test_hf_to_ours_to_hf(kind, tmp_path):
     cfg = load_model_yaml(os.path.join(conv, "model.yaml"))
     assert cfg.checkpoint == conv and cfg.tokenizer == os.path.join(conv, "tokenizer") and cfg.vocab_size == VOCAB
     assert sorted(os.listdir(conv)) == sorted(
-        ["model", "model.yaml", "tokenizer", "hf_config.json", "conversion.json"]
+        ["model", "model.yaml", "tokenizer", "hf_config.json", "conversion.json", "manifest.json"]
         + (["generation_config.json"] if not reward else [])
     )
     expected = hf_outputs(hf)
