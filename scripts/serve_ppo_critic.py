@@ -62,6 +62,7 @@ def main(argv) -> int:
         master_port=cfg.parallel.master_port,
         timeout_minutes=cfg.parallel.timeout_minutes,
     )
+    from aligner.checkpoint.dist_ckpt import CheckpointError
     from aligner.utils.lock import LockError, hold_for_job
 
     code = 1  # an exception below: its traceback, then exit 1
@@ -70,7 +71,7 @@ def main(argv) -> int:
         from aligner.critic.service import CriticService
 
         code = serve(CriticService(cfg), cfg)
-    except (ConfigError, LockError) as exc:
+    except (ConfigError, LockError, CheckpointError) as exc:  # CheckpointError: e.g. one the config does not describe
         print(exc, file=sys.stderr)
         code = 2
     finally:

@@ -345,6 +345,8 @@ def convert_hf_to_dist(
             try:
                 final_cfg = dataclasses.replace(cfg, checkpoint=out_dir, tokenizer=os.path.join(out_dir, "tokenizer"))
                 copy_tokenizer(tokenizer_src, os.path.join(tmp, "tokenizer"))
+                # generation_config.json's EOS ids (one or a list) next to the tokenizer: load_tokenizer's stop_ids
+                copy_extras(hf_dir, os.path.join(tmp, "tokenizer"))
                 # transformers picks a tokenizer class from the model's config.json too (e.g. Qwen2's adds
                 # <|endoftext|>): a copy beside the tokenizer files makes AutoTokenizer load the same tokenizer.
                 with open(os.path.join(tmp, "tokenizer", "config.json"), "w") as f:
@@ -426,37 +428,6 @@ def detect_model_type(model_dir: str) -> str:
     return "reward" if dist_ckpt.head_kind(model_dir) == "scalar" else "policy"
 
 
-def _check_against_checkpoint(module, cfg: ModelConfig, stored: dict[str, tuple], yaml_path: str) -> None:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    expected = {}
-    for v in module.sharded_state_dict().values():
-        if isinstance(v, ShardedTensor):
-            expected[v.key] = v
-        elif hasattr(v, "key") and not v.key.endswith("_extra_state"):
-            expected[v.key] = None  # a factory (gated fc1): present, shape checked by megatron
-    missing = sorted(set(expected) - set(stored))
-    extra = sorted(set(stored) - set(expected))
-    if missing or extra:
-        raise CheckpointMismatchError(
-            f"the checkpoint does not match {yaml_path}: missing {missing[:4]}, unexpected {extra[:4]} (wrong arch, "
-            "num_layers, tie_embeddings or head?)"
-        )
-    for key, ten in expected.items():
-        if ten is None:
-            continue
-        have, want = stored[key], tuple(ten.global_shape)
-        if ten.allow_shape_mismatch and len(have) == len(want) and have[1:] == want[1:]:
-            # Vocabulary rows are padded per layout; the stored rows must still cover the real vocabulary.
-            if want[0] > 1 and have[0] < cfg.vocab_size:
-                raise CheckpointMismatchError(
-                    f"{key} stores {have[0]} rows but {yaml_path} has vocab_size={cfg.vocab_size}"
-                )
-            continue
-        if have != want:
-            raise CheckpointMismatchError(f"{key}: the checkpoint stores shape {have} but {yaml_path} implies {want}")
-
-
 def _hf_tensors(module, cfg: ModelConfig, wmap):
     """(hf_name, tensor) for the whole model, part by part, from a TP=1/PP=1 module (vocabulary padding cut)."""
     own = module.state_dict()
@@ -529,8 +500,8 @@ def convert_dist_to_hf(
     _initialize(1, 1)
 
     module = _build(cfg, model_type)
-    _check_against_checkpoint(module, cfg, dist_ckpt.stored_shapes(model_dir), yaml_path)
-    load_model_weights(ckpt_dir, [module])
+    dist_ckpt.check_matches(model_dir, [module], vocab_size=cfg.vocab_size, described_by=yaml_path)
+    load_model_weights(ckpt_dir, [module], vocab_size=cfg.vocab_size)
     if model_type == "reward":
         bias = float(module.output_layer.bias.detach().float().reshape(()))
         if bias != 0.0 and not drop_score_bias:

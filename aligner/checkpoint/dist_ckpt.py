@@ -15,6 +15,14 @@ aligner.checkpoint.run (the run's commit record), not here.
 
 Contract: `save(root, step, models, optimizer, state)` and `load(path, models, optimizer)` are collective over the
 whole world (every rank calls them); `models` is a list of megatron modules (the bare GPTModel slices).
+
+Loading is strict (`load`, `load_model_weights`, `load_backbone_weights`): before any data is read, the tensors the
+model holds (keys and global shapes of every rank's sharded state dict, gathered over the world) are compared with
+those the checkpoint stores (its metadata), and a missing, unexpected or mis-shaped tensor raises
+`CheckpointMismatchError` (a CheckpointError) naming it, on every rank alike (megatron's own default ignores tensors
+the model does not ask for, e.g. Qwen2's q/k/v biases under a config without add_qkv_bias). The one documented
+exception is `load_backbone_weights`, which leaves the output layer as built (a critic from a policy). Vocabulary
+rows are padded per layout, so those tensors may differ in their first dimension.
 """
 
 from __future__ import annotations
@@ -37,6 +45,21 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(ValueError):
     """A checkpoint that is incomplete, damaged or not the one expected; the message names the file."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A tensor is missing, unexpected or has a shape its config does not imply."""
+
+
+# A stored or expected tensor that usually means one ModelConfig key disagrees with the checkpoint.
+_HINTS = (
+    ("linear_qkv.bias", "model.add_qkv_bias"),
+    ("q_layernorm", "model.qk_layernorm"),
+    ("k_layernorm", "model.qk_layernorm"),
+    ("output_layer.weight", "model.tie_embeddings, or a policy vs a reward-model checkpoint"),
+    ("position_embeddings", "model.arch"),
+    ("layer_norm_bias", "model.arch"),
+)
 
 
 def _rank() -> int:
@@ -283,22 +306,14 @@ def read_state(path: str) -> dict:
 
 @torch.no_grad()  # megatron copies loaded optimizer state into views of leaf parameters
 def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
-    """Load a checkpoint written by `save` into `models` (any TP/PP layout) and `optimizer` (if given).
+    """Load a checkpoint written by `save` into `models` (any TP/PP layout) and `optimizer` (if given); strict.
 
     Returns the trainer state dict. Collective.
     """
-    from megatron.core import dist_checkpointing
-
     problem = verify(path)
     if problem:
         raise CheckpointError(problem)
-    sharded = _model_sharded_state(models)
-    loaded = _read(os.path.join(path, "model"), dist_checkpointing.load, sharded, os.path.join(path, "model"))
-    if len(models) == 1:
-        models[0].load_state_dict(loaded, strict=False)
-    else:
-        for i, m in enumerate(models):
-            m.load_state_dict(loaded[f"model{i}"], strict=False)
+    _load_strict(os.path.join(path, "model"), models)
     if optimizer is not None:
         _read(os.path.join(path, "optim"), optimizer.load, os.path.join(path, "optim"), _model_sharded_state(models))
     rng_file = os.path.join(path, "rng", f"rank_{_rank()}.pt")
@@ -343,39 +358,96 @@ def head_kind(path: str) -> str:
     return "scalar" if shape is not None and shape[0] == 1 else "lm"
 
 
-def load_model_weights(path: str, models) -> None:
-    """Load only the model weights (e.g. a converted HF checkpoint: `<path>/model` or `<path>` itself)."""
-    from megatron.core import dist_checkpointing
+def load_model_weights(path: str, models, vocab_size: int | None = None) -> None:
+    """Load only the model weights (e.g. a converted HF checkpoint: `<path>/model` or `<path>` itself); strict.
 
-    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
-    if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
-        raise FileNotFoundError(f"{model_dir} is not a megatron dist checkpoint (no metadata.json)")
-    sharded = _model_sharded_state(models)
-    loaded = _read(model_dir, dist_checkpointing.load, sharded, model_dir)
-    if len(models) == 1:
-        models[0].load_state_dict(loaded, strict=False)
-    else:
-        for i, m in enumerate(models):
-            m.load_state_dict(loaded[f"model{i}"], strict=False)
+    `vocab_size` (the real, unpadded vocabulary), when given, must fit in the stored embedding rows."""
+    _load_strict(_existing_model_dir(path), models, vocab_size=vocab_size)
 
 
 def load_backbone_weights(path: str, models) -> None:
     """Like `load_model_weights`, but leaves the output layer as built: initialises a model whose head differs from
     the checkpoint's, e.g. a critic (scalar head) from a converted policy (LM head), as NeMo-Aligner's
-    `load_base_model_only` does. The embedding, all layers and the final norm are loaded."""
+    `load_base_model_only` does. The embedding, all layers and the final norm are loaded, strictly."""
+    _load_strict(_existing_model_dir(path), models, skip=("output_layer.",))
+
+
+def _existing_model_dir(path: str) -> str:
+    directory = model_dir(path)
+    if not os.path.isfile(os.path.join(directory, "metadata.json")):
+        raise FileNotFoundError(f"{directory} is not a megatron dist checkpoint (no metadata.json)")
+    return directory
+
+
+def _expected_tensors(models, skip: tuple[str, ...]) -> dict[str, tuple[tuple, bool]]:
+    """{checkpoint key: (global shape, rows may differ)} of the tensors `models` hold on this rank."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded = _model_sharded_state(models)
+    apply_factories(sharded)  # a gated fc1 is a factory of two tensors: its real keys and shapes
+    out = {}
+    for v in nested_values(sharded):
+        if isinstance(v, ShardedTensor) and not v.key.endswith("_extra_state") and not v.key.startswith(skip):
+            out[v.key] = (tuple(v.global_shape), bool(v.allow_shape_mismatch))
+    return out
+
+
+def check_matches(
+    path: str, models, skip: tuple[str, ...] = (), vocab_size: int | None = None, described_by: str = "the config"
+) -> None:
+    """Raise CheckpointMismatchError (on every rank alike; collective) unless the dist checkpoint at `path` stores
+    exactly the tensors `models` hold, with their global shapes; keys starting with `skip` are left out of both."""
+    expected = _expected_tensors(models, skip)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, expected)
+        expected = {k: v for part in gathered for k, v in part.items()}
+    stored = {k: v for k, v in _read(path, stored_shapes, path).items() if not k.startswith(skip)}
+    problems = []  # (key, what is wrong)
+    for key in sorted(set(expected) - set(stored)):
+        problems.append((key, f"{key} is missing from the checkpoint"))
+    for key in sorted(set(stored) - set(expected)):
+        problems.append((key, f"the checkpoint has {key}, which {described_by} has no place for"))
+    for key in sorted(set(expected) & set(stored)):
+        (want, rows_may_differ), have = expected[key], stored[key]
+        if rows_may_differ and len(have) == len(want) and have[1:] == want[1:]:
+            if vocab_size is not None and want[0] > 1 and have[0] < vocab_size:
+                problems.append((key, f"{key} stores {have[0]} rows but {described_by} has vocab_size={vocab_size}"))
+            continue
+        if have != want:
+            problems.append((key, f"{key}: the checkpoint stores shape {have} but {described_by} implies {want}"))
+    if problems:
+        hints = sorted({hint for key, _ in problems for part, hint in _HINTS if part in key})
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointMismatchError(
+            f"{model_dir(path)} does not match the model {described_by} describes: "
+            + "; ".join(text for _, text in problems[:3])
+            + more
+            + (f"; check {'; '.join(hints)}" if hints else "")
+        )
+
+
+@torch.no_grad()
+def _load_strict(directory: str, models, skip: tuple[str, ...] = (), vocab_size: int | None = None) -> None:
     from megatron.core import dist_checkpointing
 
-    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
-    if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
-        raise FileNotFoundError(f"{model_dir} is not a megatron dist checkpoint (no metadata.json)")
-
-    def backbone(state: dict) -> dict:
-        return {k: v for k, v in state.items() if not k.startswith("output_layer.")}
-
-    sharded = [backbone(m.sharded_state_dict()) for m in models]
+    check_matches(directory, models, skip=skip, vocab_size=vocab_size)
+    sharded = [_without(m.sharded_state_dict(), skip) for m in models]
     if len(models) == 1:
-        models[0].load_state_dict(_read(model_dir, dist_checkpointing.load, sharded[0], model_dir), strict=False)
+        loaded = [_read(directory, dist_checkpointing.load, sharded[0], directory)]
     else:
-        loaded = _read(model_dir, dist_checkpointing.load, {f"model{i}": s for i, s in enumerate(sharded)}, model_dir)
-        for i, m in enumerate(models):
-            m.load_state_dict(loaded[f"model{i}"], strict=False)
+        both = _read(directory, dist_checkpointing.load, {f"model{i}": s for i, s in enumerate(sharded)}, directory)
+        loaded = [both[f"model{i}"] for i in range(len(models))]
+    for m, state in zip(models, loaded):
+        result = m.load_state_dict(state, strict=False)
+        # Transformer Engine's _extra_state may be absent (a checkpoint from the local spec): the only allowed gap.
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and not k.startswith(skip)]
+        if missing or result.unexpected_keys:
+            raise CheckpointMismatchError(
+                f"{directory}: loading left {missing[:4]} unfilled and {result.unexpected_keys[:4]} unused"
+            )
+
+
+def _without(state: dict, skip: tuple[str, ...]) -> dict:
+    return {k: v for k, v in state.items() if not k.startswith(skip)} if skip else state

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import ClassVar, Literal, Optional, Sequence
 
 from aligner.config.critic import CriticClientConfig, resolve_file
 from aligner.config.errors import ConfigError
@@ -122,6 +122,7 @@ class ValidationConfig:
 
 @dataclass
 class ActorJobConfig:
+    MODEL_SECTIONS: ClassVar[tuple[str, ...]] = ("model",)  # filled from their checkpoint's model.yaml at load
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy (and the reference: its initial weights)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the policy is split over the ranks
     optim: OptimConfig = field(default_factory=OptimConfig)  # the policy's optimizer

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 from aligner.config.errors import ConfigError
 from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
+from aligner.config.paths import resolve_file
 from aligner.config.rules import check_choices
 from aligner.config.schema import (
     CheckpointConfig,
@@ -27,8 +28,6 @@ from aligner.config.schema import (
     validate_model,
     validate_optim,
 )
-
-REPO_ROOT = os.path.dirname(REPO_CONF_DIR)
 
 
 @dataclass
@@ -72,6 +71,7 @@ class CriticServerConfig:
 
 @dataclass
 class CriticJobConfig:
+    MODEL_SECTIONS: ClassVar[tuple[str, ...]] = ("model", "reward_model")  # filled from their checkpoint's model.yaml
     model: ModelConfig = field(default_factory=ModelConfig)  # the critic (scalar head, one value per token)
     reward_model: Optional[ModelConfig] = None  # scalar head read at each sequence's last token
     reward_mean: float = 0.0  # reward-model scores are reported as (score - reward_mean) / reward_std
@@ -187,21 +187,6 @@ class CriticJobConfig:
             self.tokenizer = resolve_file(self.tokenizer, "tokenizer", config_dir)
         elif self.reward_fn is not None and self.model.tokenizer is not None:
             self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
-
-
-def resolve_file(path: Optional[str], key: str, config_dir: Optional[str] = None) -> Optional[str]:
-    if path is None:
-        return None
-    if os.path.isabs(path):
-        candidates = [path]
-    else:
-        candidates = [os.path.abspath(path), os.path.join(REPO_ROOT, path)]
-        if config_dir:
-            candidates.append(os.path.join(os.path.abspath(config_dir), path))
-    for candidate in candidates:
-        if os.path.exists(candidate):
-            return os.path.normpath(candidate)
-    raise ConfigError(key, f"{path!r} not found (looked in: {', '.join(dict.fromkeys(candidates))})")
 
 
 def load_critic_config(argv: Sequence[str], default_name: str = "ppo_critic") -> CriticJobConfig:

@@ -21,7 +21,9 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 @dataclass
 class ModelConfig:
     """A decoder-only transformer as megatron-core builds it. `arch` names its family (aligner.families: norms,
-    MLP, biases, positions, HF names), e.g. llama (also Mistral, Qwen2 with `add_qkv_bias`) or gpt2."""
+    MLP, biases, positions, HF names), e.g. llama (also Llama 3.x with `rope_scaling`, Mistral, Qwen2 with
+    `add_qkv_bias`, Qwen3 with `qk_layernorm` and `head_dim`) or gpt2. With `checkpoint` set, the jobs fill every
+    key the config does not set from the checkpoint's model.yaml (aligner.config.from_checkpoint)."""
 
     arch: str = "llama"  # a family name: aligner.families.names()
     num_layers: int = 2  # transformer layers
@@ -43,6 +45,18 @@ class ModelConfig:
     attention_dropout: float = 0.0  # dropout of the attention probabilities
     checkpoint: Optional[str] = None  # a dist checkpoint (e.g. from scripts/convert_hf_to_nemo.py) to load
     tokenizer: Optional[str] = None  # path to an HF tokenizer (directory or tokenizer.json)
+    rope_scaling: Optional[Literal["llama3"]] = None  # RoPE frequency scaling: null = plain; llama3 = Llama 3.1+'s
+    rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this (Llama 3.1: 8, 3.2: 32)
+    rope_scaling_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/this are scaled
+    rope_scaling_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/this are kept
+    rope_scaling_original_max_position_embeddings: int = 8192  # llama3 scaling: the pre-training context length
+    head_dim: Optional[int] = None  # width of one attention head (megatron's kv_channels); None = hidden / heads
+    qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
+
+    @property
+    def kv_channels(self) -> int:
+        """The width of one attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 @dataclass
@@ -86,11 +100,40 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
     )
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
         _check(getattr(model, name) > 0, f"{prefix}.{name}", "must be positive")
-    _check(
-        model.hidden_size % model.num_attention_heads == 0,
-        f"{prefix}.hidden_size",
-        f"{model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads}",
-    )
+    if model.head_dim is None:
+        _check(
+            model.hidden_size % model.num_attention_heads == 0,
+            f"{prefix}.hidden_size",
+            f"{model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads} "
+            f"(or set {prefix}.head_dim)",
+        )
+    else:
+        _check(model.head_dim > 0, f"{prefix}.head_dim", f"must be positive (or null), got {model.head_dim}")
+    rope = families.family(model.arch).rope
+    if rope:
+        _check(
+            model.kv_channels % 2 == 0,
+            f"{prefix}.head_dim",
+            f"RoPE rotates pairs of dimensions: the head width {model.kv_channels} must be even",
+        )
+    if model.rope_scaling is not None:
+        _check(rope, f"{prefix}.rope_scaling", f"the {model.arch} family has no RoPE to scale: set it to null")
+        _check(
+            model.rope_scaling_factor >= 1,
+            f"{prefix}.rope_scaling_factor",
+            f"must be >= 1, got {model.rope_scaling_factor}",
+        )
+        _check(
+            0 < model.rope_scaling_low_freq_factor < model.rope_scaling_high_freq_factor,
+            f"{prefix}.rope_scaling_low_freq_factor",
+            f"must be > 0 and below rope_scaling_high_freq_factor={model.rope_scaling_high_freq_factor}, "
+            f"got {model.rope_scaling_low_freq_factor}",
+        )
+        _check(
+            model.rope_scaling_original_max_position_embeddings > 0,
+            f"{prefix}.rope_scaling_original_max_position_embeddings",
+            "must be positive",
+        )
     groups = model.num_query_groups or model.num_attention_heads
     _check(
         model.num_attention_heads % groups == 0,

@@ -12,6 +12,7 @@ ValueError.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -25,6 +26,7 @@ class Tokenizer:
     bos_id: Optional[int]
     eos_id: Optional[int]
     pad_id: int
+    stop_ids: tuple[int, ...] = ()  # more ids that end a response: generation_config.json's eos_token_id
     render_chat: Optional[Callable[[list, bool], str]] = None  # (messages, add_generation_prompt) -> text
     encode_with_specials: Optional[Callable[[str], list[int]]] = None  # None: the tokenizer adds no special tokens
 
@@ -48,6 +50,17 @@ def _find(vocab: dict, names) -> Optional[int]:
     return None
 
 
+def generation_stop_ids(directory: str) -> tuple[int, ...]:
+    """The ids `generation_config.json` in `directory` (beside the tokenizer files; conversion puts a copy there)
+    ends generation with: its `eos_token_id`, one id or a list (Llama 3 instruct: <|end_of_text|> and <|eot_id|>)."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return tuple(int(i) for i in ([] if eos is None else [eos] if isinstance(eos, int) else eos))
+
+
 def load_tokenizer(path: str) -> Tokenizer:
     if not path or not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer {path!r} not found: give a tokenizer.json or an HF tokenizer directory")
@@ -67,6 +80,7 @@ def load_tokenizer(path: str) -> Tokenizer:
             bos_id=bos,
             eos_id=eos,
             pad_id=pad if pad is not None else (eos or 0),
+            stop_ids=generation_stop_ids(os.path.dirname(os.path.abspath(path))),
         )
     from transformers import AutoTokenizer
 
@@ -80,6 +94,7 @@ def load_tokenizer(path: str) -> Tokenizer:
         bos_id=hf.bos_token_id,
         eos_id=hf.eos_token_id,
         pad_id=pad,
+        stop_ids=generation_stop_ids(path),
         render_chat=(
             (lambda messages, gen: hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False))
             if getattr(hf, "chat_template", None)

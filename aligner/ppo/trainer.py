@@ -164,6 +164,7 @@ class PPOTrainer:
             sampling = SamplingParams(
                 **sampling_kw,
                 eos_token_id=self.tokenizer.eos_id,
+                stop_token_ids=self.tokenizer.stop_ids,
                 pad_token_id=self.tokenizer.pad_id,
                 seeds=sample_seeds(self.cfg.seed, step_seed, positions[lo : lo + chunk]),
             )
