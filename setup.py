@@ -27,11 +27,15 @@ EXTRAS = {
     # Parquet prompt files and saved HF `datasets` directories (aligner/data/rows.py; JSONL needs nothing). pyarrow 26
     # needs numpy 2 at import time and declares no numpy requirement, so pip cannot see the clash with numpy<2 above.
     "data": ["pyarrow>=14,<26"],
-    "dev": ["ruff>=0.6"],
+    "dev": ["ruff==0.17.6"],  # pinned: `ruff format --check` is part of the test command
 }
 # `datasets` only writes the saved-dataset fixtures of tests/unit/test_data.py (aligner reads them with pyarrow).
 EXTRAS["test"] = (
-    ["pytest>=8", "pytest-timeout>=2.3", "datasets>=2.16"] + EXTRAS["mpi"] + EXTRAS["plot"] + EXTRAS["data"]
+    ["pytest>=8", "pytest-timeout>=2.3", "datasets>=2.16"]
+    + EXTRAS["mpi"]
+    + EXTRAS["plot"]
+    + EXTRAS["data"]
+    + EXTRAS["dev"]
 )
 
 setup(
