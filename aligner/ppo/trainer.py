@@ -37,6 +37,7 @@ from aligner.generation import SamplingParams, build_engine
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
 from aligner.parallel import current_device, is_logging_rank, synchronize
+from aligner.parallel.watchdog import PhaseWatchdog
 from aligner.ppo.reference import build_reference
 from aligner.ppo.rollout import Rollout, assemble, concat, minibatch_positions, pad_to, sample_seeds
 from aligner.utils.metrics import MetricsWriter, Progress, Timer
@@ -51,7 +52,9 @@ class PPOTrainer:
         self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.device = current_device()
-        self.timer = Timer(synchronize)
+        rank = dist.get_rank()
+        self.watchdog = PhaseWatchdog(cfg.parallel.timeout_minutes * 60, lambda: f"rank {rank}, step {self.step}:")
+        self.timer = Timer(synchronize, watch=self.watchdog)
         self.stop_requested = False
 
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
@@ -401,6 +404,10 @@ class PPOTrainer:
     def save(self) -> None:
         """Checkpoint step `self.step` with the critic, then commit it (aligner.checkpoint.run): a step becomes a
         resume point only once both jobs have written it. A failed critic_save fails here, on every rank."""
+        with self.watchdog.phase("checkpoint"):
+            self._save()
+
+    def _save(self) -> None:
         cfg = self.cfg.checkpoint
         critic_saved = self.critic.save(self.step, self.run_id) if cfg.save_critic else None
         path = dist_ckpt.save(
