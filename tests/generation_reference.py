@@ -64,3 +64,20 @@ def training_logprobs(
         p, n = int(lengths_B[b]), int(response_lengths_B[b])
         out[b, :n] = logp_BT[b, p - 1 : p - 1 + n]
     return out
+
+
+def candidate_mask(logits_BV: torch.Tensor, temperature, top_k: int, top_p: float | None) -> torch.Tensor:
+    """Bool [B, V]: the tokens top-k / top-p allow (the reference for the engine's sorted-candidate sampling)."""
+    scaled = logits_BV.float() / temperature
+    order = scaled.argsort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(-1, order, positions)
+    allowed = torch.ones_like(scaled, dtype=torch.bool)
+    if top_k:
+        allowed &= ranks < top_k
+        scaled = scaled.masked_fill(~allowed, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        probs_sorted = torch.softmax(scaled.gather(-1, order), -1)
+        keep_sorted = (probs_sorted.cumsum(-1) - probs_sorted) < top_p
+        allowed &= keep_sorted.gather(-1, ranks)
+    return allowed

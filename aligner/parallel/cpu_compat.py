@@ -110,7 +110,3 @@ def install() -> bool:
     _CudaFactoriesToCpu().__enter__()
     _INSTALLED = True
     return True
-
-
-def is_active() -> bool:
-    return _INSTALLED

@@ -4,10 +4,11 @@ import math
 
 import pytest
 import torch
+from generation_reference import candidate_mask
 
 from aligner.config.errors import ConfigError
 from aligner.generation import GenerationConfig, SamplingParams, validate_generation
-from aligner.generation.native.sampling import candidate_mask, sample_tokens, token_logprobs, uniforms_for_seeds
+from aligner.generation.native.sampling import sample_tokens, token_logprobs, uniforms_for_seeds
 
 
 def _logits_of(probs):

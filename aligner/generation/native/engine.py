@@ -315,9 +315,6 @@ class NativeEngine:
             torch.cuda.empty_cache()
 
     # -- introspection (tests, benchmarks) -------------------------------------------------------------------
-    def weight_data_ptrs(self) -> dict[str, int]:
-        return self.weights.data_ptrs()
-
     def buffer_data_ptrs(self) -> dict[str, int]:
         """Every buffer a captured graph may address: weights, KV cache, step state."""
         ptrs = {f"weight:{k}": v for k, v in self.weights.data_ptrs().items()}
