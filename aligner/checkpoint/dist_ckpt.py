@@ -155,12 +155,20 @@ def _model_sharded_state(models) -> dict:
 
 
 def save(
-    root: str, step: int, models, optimizer=None, state: dict | None = None, keep: int | None = None, model_cfg=None
+    root: str,
+    step: int,
+    models,
+    optimizer=None,
+    state: dict | None = None,
+    keep: int | None = None,
+    model_cfg=None,
+    files: dict[str, str] | None = None,
 ) -> str:
     """Write `<root>/step_<step>` atomically; returns its path. Collective.
 
     With `model_cfg` (a ModelConfig), `model.yaml` describes the model, so the checkpoint converts to HF
-    (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments."""
+    (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments. `files` ({name: text}, rank 0's)
+    are written beside it, inside the same atomic rename (e.g. a reward model's `reward_stats.json`)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.join(root, step_dir_name(step))
@@ -183,6 +191,9 @@ def save(
 
             with open(os.path.join(tmp, "model.yaml"), "w") as f:
                 f.write(to_yaml(model_cfg))
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
         with open(os.path.join(tmp, "state.json"), "w") as f:  # last: its presence marks a complete checkpoint
             json.dump({"step": step, **(state or {})}, f, indent=1)
         if os.path.exists(final):

@@ -9,6 +9,7 @@ layout and batch sizes once the number of ranks is known. `load_critic_config(ar
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -29,6 +30,8 @@ from aligner.config.schema import (
 )
 
 REPO_ROOT = os.path.dirname(REPO_CONF_DIR)
+# Beside model.yaml in a reward-model checkpoint (written by aligner/train/reward_model.py).
+REWARD_STATS_FILE = "reward_stats.json"
 
 
 @dataclass
@@ -72,8 +75,10 @@ class CriticServerConfig:
 class CriticJobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # the critic (scalar head, one value per token)
     reward_model: Optional[ModelConfig] = None  # scalar head read at each sequence's last token
-    reward_mean: float = 0.0  # reward-model scores are reported as (score - reward_mean) / reward_std
-    reward_std: float = 1.0
+    # Reward-model scores are reported as (score - reward_mean) / reward_std. Unset (null): from the reward model
+    # checkpoint's reward_stats.json (written by scripts/train_reward_model.py), else 0 and 1 (`reward_scaling()`).
+    reward_mean: Optional[float] = None
+    reward_std: Optional[float] = None
     reward_fn: Optional[str] = None  # a .py file defining reward_fn(prompts, responses[, labels]) -> list[float]
     tokenizer: Optional[str] = None  # decodes tokens for reward_fn (tokenizer.json or an HF tokenizer directory)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -106,7 +111,7 @@ class CriticJobConfig:
                     f"{self.reward_model.vocab_size} != model.vocab_size="
                     f"{self.model.vocab_size}: both models read the same token ids",
                 )
-        if not self.reward_std > 0:
+        if self.reward_std is not None and not self.reward_std > 0:
             raise ConfigError("reward_std", f"must be > 0, got {self.reward_std}")
         if self.reward_fn is not None:
             if not self.reward_fn.endswith(".py"):
@@ -170,6 +175,24 @@ class CriticJobConfig:
     @property
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or os.path.join(self.exp_dir, "checkpoints")
+
+    def reward_scaling(self) -> tuple[float, float]:
+        """(mean, std) that standardise reward-model scores: the config's values where set, else those stored in
+        `<reward_model.checkpoint>/reward_stats.json` (a checkpoint of scripts/train_reward_model.py), else (0, 1)."""
+        stored = {}
+        ckpt = self.reward_model.checkpoint if self.reward_model is not None else None
+        if ckpt and (self.reward_mean is None or self.reward_std is None):
+            path = os.path.join(ckpt, REWARD_STATS_FILE)
+            if os.path.isfile(path):
+                try:
+                    with open(path) as f:
+                        stored = json.load(f)
+                    stored = {k: float(stored[k]) for k in ("reward_mean", "reward_std")}
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    raise ConfigError("reward_model.checkpoint", f"cannot read {path}: {exc}") from None
+        mean = self.reward_mean if self.reward_mean is not None else stored.get("reward_mean", 0.0)
+        std = self.reward_std if self.reward_std is not None else stored.get("reward_std", 1.0)
+        return mean, std
 
     @property
     def triton_log_file(self) -> str:

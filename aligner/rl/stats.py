@@ -4,7 +4,8 @@ A statistic is named; its reduction is part of its name, never its position in a
 - `sum_by_name({name: value})` sums each name over the ranks of `group`; `max_by_name` takes the max.
 - Loss statistics (`aligner.rl.losses`) are dicts per micro-batch of `tokens` (valid tokens), `<name>_sum` (sum over
   valid tokens) and `<name>_max`; `reduce_stats(list_of_dicts, group)` turns them into `<name>` = total sum / total
-  tokens, `<name>_max` and `tokens`.
+  tokens, `<name>_max` and `tokens`. Losses that average over another unit (preference pairs) name their count
+  accordingly and pass `count="pairs"`.
 Values may be 0-d tensors or floats. `group=None` means no collective (aligner.rl._dist); every rank of `group` must
 pass the same names. Each call makes at most one collective per reduction op, however many names there are.
 """
@@ -16,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from aligner.rl._dist import all_reduce_
+from aligner.rl._dist import all_reduce_, reduction_active
 
 
 def _reduce(values: Mapping, group, op) -> dict[str, float]:
@@ -25,6 +26,10 @@ def _reduce(values: Mapping, group, op) -> dict[str, float]:
     names = sorted(values)
     t = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).reshape(()).cpu() for k in names])
     device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), t.device)
+    if device.type == "cpu" and reduction_active(group) and dist.get_backend(group) == "nccl":
+        # Plain numbers (e.g. TrainableModel.step's stats, already floats) over an NCCL group: NCCL reduces device
+        # tensors only.
+        device = torch.device("cuda", torch.cuda.current_device())
     t = all_reduce_(t.to(device), group, op=op)
     return dict(zip(names, t.tolist(), strict=True))
 
@@ -39,9 +44,9 @@ def max_by_name(values: Mapping, group=None) -> dict[str, float]:
     return _reduce(values, group, dist.ReduceOp.MAX)
 
 
-def reduce_stats(stats: Mapping | Sequence[Mapping], group=None) -> dict[str, float]:
+def reduce_stats(stats: Mapping | Sequence[Mapping], group=None, count: str = "tokens") -> dict[str, float]:
     """Combine the loss statistics of several micro-batches (and of all ranks of `group`) into plain floats:
-    `tokens`, `<name>` = sum / tokens (NaN with no token) and `<name>_max`."""
+    `<count>`, `<name>` = sum / count (NaN when the count is 0) and `<name>_max`."""
     if isinstance(stats, Mapping):
         stats = [stats]
     if not stats:
@@ -55,9 +60,9 @@ def reduce_stats(stats: Mapping | Sequence[Mapping], group=None) -> dict[str, fl
             else:
                 sums[k] = sums[k] + v if k in sums else v
     totals = sum_by_name(sums, group)
-    tokens = totals.pop("tokens", None)
-    out = {"tokens": tokens}
+    n = totals.pop(count, None)
+    out = {count: n}
     for key, total in totals.items():
-        out[key.removesuffix("_sum")] = total / tokens if tokens else float("nan")
+        out[key.removesuffix("_sum")] = total / n if n else float("nan")
     out.update(max_by_name(maxes, group))
     return out
