@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.checkpoint import dist_ckpt
 from aligner.config.errors import ConfigError
 from aligner.config.train import TrainJobConfig
+from aligner.data.packing import collate_pairs, length_buckets
+from aligner.data.supervised import Pair
 from aligner.data.tokenizer import load_tokenizer
 from aligner.models.training import TrainableModel
 from aligner.parallel.device import current_device
@@ -66,6 +69,31 @@ class TaskBase:
         """Padding width per micro-batch from the lengths of its rows (one common width under PP)."""
         own = [max(g) for g in groups]
         return [max(own)] * len(own) if self.uniform_width and own else own
+
+    def pair_micro_batches(self, pairs: list[Pair], size: int, indices: list[int] | None = None) -> list[dict]:
+        """Preference pairs as micro-batches of up to `size` pairs of similar length (aligner.data.packing.
+        collate_pairs: chosen rows, then rejected rows). `real` holds the number of pairs; under PP a short last
+        micro-batch is filled up with copies of its last pair (one shape for the schedule), which `halves` drops.
+        With `indices` (the pairs' dataset indices), `index` holds them per micro-batch."""
+        groups = length_buckets([len(p) for p in pairs], size)
+        real = [len(g) for g in groups]
+        if self.uniform_width:
+            groups = [g + [g[-1]] * (size - len(g)) for g in groups]
+        widths = self.widths([[len(pairs[i]) for i in g] for g in groups])
+        out = []
+        for g, w, n in zip(groups, widths, real, strict=True):
+            mb = collate_pairs([pairs[i] for i in g], w, self.tokenizer.pad_id, self.device)
+            mb["real"] = n
+            if indices is not None:
+                mb["index"] = torch.tensor([indices[i] for i in g], dtype=torch.long, device=self.device)
+            out.append(mb)
+        return out
+
+    @staticmethod
+    def halves(mb: dict, values_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row values of a pair micro-batch [2m] -> (chosen [real], rejected [real])."""
+        m = values_R.shape[0] // 2
+        return values_R[: mb["real"]], values_R[m : m + mb["real"]]
 
     # -- weights -----------------------------------------------------------------------------------------
     def load_start_weights(self, model: TrainableModel, head: str) -> None:

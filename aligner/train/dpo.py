@@ -25,7 +25,6 @@ import torch
 
 from aligner import rl
 from aligner.config.dpo import DPOJobConfig
-from aligner.data.packing import collate_pairs, length_buckets
 from aligner.data.supervised import PreferenceDataset
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
@@ -55,16 +54,8 @@ class DPOTask(TaskBase):
 
     # -- micro-batches and log-probs -----------------------------------------------------------------------
     def micro_batches(self, data: PreferenceDataset, indices: list[int], size: int) -> list[dict]:
-        """Pairs `indices` of `data` as micro-batches (chosen rows, then rejected rows); `index` keeps the dataset
-        indices of the pairs, for the precomputed reference."""
-        groups = length_buckets([len(data[i]) for i in indices], size)
-        widths = self.widths([[len(data[indices[j]]) for j in g] for g in groups])
-        out = []
-        for g, w in zip(groups, widths, strict=True):
-            mb = collate_pairs([data[indices[j]] for j in g], w, self.tokenizer.pad_id, self.device)
-            mb["index"] = torch.tensor([indices[j] for j in g], dtype=torch.long, device=self.device)
-            out.append(mb)
-        return out
+        """Pairs `indices` of `data` as micro-batches; `index` keeps their dataset indices (precomputed reference)."""
+        return self.pair_micro_batches([data[i] for i in indices], size, indices)
 
     def _sequence_logps(self, batch: dict, logits_BTV: torch.Tensor) -> torch.Tensor:
         """[2m] log-probs of the rows' responses (chosen rows first)."""
@@ -82,7 +73,7 @@ class DPOTask(TaskBase):
         micro = self.micro_batches(data, list(range(lo, hi)), self.val_micro_batch_size)
         if micro:
             for mb, logps in zip(micro, self.model.forward(micro, self._sequence_logps), strict=True):
-                m = logps.shape[0] // 2
+                m = logps.shape[0] // 2  # copies that fill a PP micro-batch write the same values twice
                 table[mb["index"]] = torch.stack([logps[:m], logps[m:]], dim=1).float()
         return all_reduce_(table, self.dp_group)
 
@@ -136,10 +127,10 @@ class DPOTask(TaskBase):
         if micro:  # a rank without validation rows still joins the reduction below, with nothing
             self._attach_reference(micro, "val")
             for mb, policy in zip(micro, self.model.forward(micro, self._sequence_logps), strict=True):
-                m = policy.shape[0] // 2
                 for name, x in (("policy", policy), ("reference", mb["reference"])):
-                    halves[name][0].append(x[:m])
-                    halves[name][1].append(x[m:])
+                    chosen, rejected = self.halves(mb, x)
+                    halves[name][0].append(chosen)
+                    halves[name][1].append(rejected)
         pc, pr, rc, rr = (
             torch.cat(parts) if parts else torch.zeros(0, device=self.device)
             for name in ("policy", "reference")

@@ -27,7 +27,6 @@ import torch
 from aligner import rl
 from aligner.config.critic import REWARD_STATS_FILE
 from aligner.config.reward_model import RewardModelJobConfig
-from aligner.data.packing import collate_pairs, length_buckets
 from aligner.data.supervised import Pair, PreferenceDataset
 from aligner.models.training import TrainableModel
 from aligner.train.common import TaskBase, share
@@ -53,12 +52,6 @@ class RewardModelTask(TaskBase):
     def num_examples(self) -> int:
         return len(self.train_data)
 
-    def micro_batches(self, pairs: list[Pair], size: int) -> list[dict]:
-        groups = length_buckets([len(p) for p in pairs], size)
-        widths = self.widths([[len(pairs[i]) for i in g] for g in groups])
-        pad = self.tokenizer.pad_id
-        return [collate_pairs([pairs[i] for i in g], w, pad, self.device) for g, w in zip(groups, widths, strict=True)]
-
     def _loss(self, batch: dict, output_BT1: torch.Tensor, num_pairs: int):
         scores = last_token_scores(batch, output_BT1)
         m = scores.shape[0] // 2
@@ -66,7 +59,7 @@ class RewardModelTask(TaskBase):
 
     def train_step(self, indices: list[int]) -> dict:
         pairs = [self.train_data[i] for i in self.my_share(indices)]
-        micro = self.micro_batches(pairs, self.cfg.train.micro_batch_size)
+        micro = self.pair_micro_batches(pairs, self.cfg.train.micro_batch_size)
         result = self.model.step(micro, partial(self._loss, num_pairs=len(indices)))
         stats = rl.reduce_stats(result["stats"], group=self.dp_group, count="pairs")
         tokens = rl.sum_by_name({"tokens": float(sum(len(p.chosen) + len(p.rejected) for p in pairs))}, self.dp_group)
@@ -84,12 +77,11 @@ class RewardModelTask(TaskBase):
 
     def scores(self, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rewards (chosen [n], rejected [n]) of this rank's `pairs`, float32 on the device. Collective."""
-        micro = self.micro_batches(pairs, self.val_micro_batch_size)
+        micro = self.pair_micro_batches(pairs, self.val_micro_batch_size)
         if not micro:
             empty = torch.zeros(0, device=self.device)
             return empty, empty
-        outs = self.model.forward(micro, last_token_scores)
-        halves = [(o[: o.shape[0] // 2], o[o.shape[0] // 2 :]) for o in outs]
+        halves = [self.halves(mb, o) for mb, o in zip(micro, self.model.forward(micro, last_token_scores), strict=True)]
         return torch.cat([c for c, _ in halves]), torch.cat([r for _, r in halves])
 
     @torch.no_grad()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 
 from aligner import rl
@@ -57,6 +58,10 @@ class SFTTask(TaskBase):
             groups = [rows[i : i + size] for i in range(0, len(rows), size)]
         else:
             groups = [[plain_row(samples[i]) for i in g] for g in length_buckets(lengths, size)]
+        if self.uniform_width:  # PP: one shape for every micro-batch; an empty row adds nothing to loss or gradient
+            empty = Sample(np.array([self.tokenizer.pad_id]), np.array([False]))
+            filler = packed_row([empty]) if self.cfg.data.packing else plain_row(empty)
+            groups = [g + [filler] * (size - len(g)) for g in groups]
         widths = self.widths([[len(r["tokens"]) for r in g] for g in groups])
         pad = self.tokenizer.pad_id
         return [collate(g, w, pad, self.device) for g, w in zip(groups, widths, strict=True)]
