@@ -176,10 +176,11 @@ class CriticJobConfig:
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or os.path.join(self.exp_dir, "checkpoints")
 
-    def reward_scaling(self) -> tuple[float, float]:
-        """(mean, std) that standardise reward-model scores: the config's values where set, else those stored in
-        `<reward_model.checkpoint>/reward_stats.json` (a checkpoint of scripts/train_reward_model.py), else (0, 1)."""
-        stored = {}
+    def reward_scaling(self) -> tuple[float, float, str]:
+        """(mean, std, where from) that standardise reward-model scores: the config's values where set, else those
+        stored in `<reward_model.checkpoint>/reward_stats.json` (a checkpoint of scripts/train_reward_model.py),
+        else (0, 1)."""
+        stored, source = {}, "the config"
         ckpt = self.reward_model.checkpoint if self.reward_model is not None else None
         if ckpt and (self.reward_mean is None or self.reward_std is None):
             path = os.path.join(ckpt, REWARD_STATS_FILE)
@@ -190,9 +191,12 @@ class CriticJobConfig:
                     stored = {k: float(stored[k]) for k in ("reward_mean", "reward_std")}
                 except (OSError, ValueError, KeyError, TypeError) as exc:
                     raise ConfigError("reward_model.checkpoint", f"cannot read {path}: {exc}") from None
+                source = path
+            elif self.reward_mean is None and self.reward_std is None:
+                source = "defaults (no reward_stats.json in reward_model.checkpoint, no reward_mean/reward_std set)"
         mean = self.reward_mean if self.reward_mean is not None else stored.get("reward_mean", 0.0)
         std = self.reward_std if self.reward_std is not None else stored.get("reward_std", 1.0)
-        return mean, std
+        return mean, std, source
 
     @property
     def triton_log_file(self) -> str:

@@ -81,8 +81,9 @@ class CriticService:
                 dist_ckpt.load_model_weights(cfg.reward_model.checkpoint, [self.reward_model.module])
             else:
                 LOG.warning("reward_model.checkpoint is not set: the reward model has random weights")
-            self.reward_mean, self.reward_std = cfg.reward_scaling()
-            LOG.info("reward model scores standardised with mean %g, std %g", self.reward_mean, self.reward_std)
+            self.reward_mean, self.reward_std, source = cfg.reward_scaling()
+            mean, std = self.reward_mean, self.reward_std
+            LOG.warning("reward model scores standardised with mean %g, std %g, from %s", mean, std, source)
         # Loaded on every rank (a broken file fails everywhere at start-up), called on global rank 0 only.
         self.reward_function = RewardFunction(cfg.reward_fn, cfg.tokenizer_path) if cfg.reward_fn else None
         self.resumed_from = self._resume() if cfg.checkpoint.resume else None

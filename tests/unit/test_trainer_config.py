@@ -90,10 +90,13 @@ def _critic(tmp_path, stats=None, **values):
 def test_critic_reads_reward_stats_of_its_reward_model(tmp_path):
     cfg = _critic(tmp_path, {"reward_mean": 0.25, "reward_std": 4.0, "count": 10})
     cfg.validate()
-    assert cfg.reward_scaling() == (0.25, 4.0)
-    assert _critic(tmp_path, reward_mean=1.0).reward_scaling() == (1.0, 4.0), "a value set in the config wins"
-    assert _critic(tmp_path / "x", None).reward_scaling() == (0.0, 1.0), "no stats file: no standardisation"
-    assert CriticJobConfig(reward_model=ModelConfig()).reward_scaling() == (0.0, 1.0)
+    stats_file = str(tmp_path / "rm" / "reward_stats.json")
+    assert cfg.reward_scaling() == (0.25, 4.0, stats_file)
+    assert _critic(tmp_path, reward_mean=1.0).reward_scaling() == (1.0, 4.0, stats_file), "the config's value wins"
+    assert _critic(tmp_path, reward_mean=1.0, reward_std=2.0).reward_scaling() == (1.0, 2.0, "the config")
+    mean, std, source = _critic(tmp_path / "x", None).reward_scaling()
+    assert (mean, std) == (0.0, 1.0) and "no reward_stats.json" in source, "no stats file: no standardisation"
+    assert CriticJobConfig(reward_model=ModelConfig()).reward_scaling()[:2] == (0.0, 1.0)
     with pytest.raises(ConfigError, match="reward_stats.json"):
         _critic(tmp_path / "y", {"reward_mean": "x"}).reward_scaling()
 
