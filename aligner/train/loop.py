@@ -12,7 +12,8 @@ Contract
 - Every rank constructs `SupervisedLoop(cfg, task, job)` after building the task (so a DPO reference copies the
   starting weights before a resume overwrites the policy) and calls `fit()`.
 - Metrics: the task's (`train/*`, `val/*`), `timing/step` (the optimizer step), `timing/validation`, and
-  `train/tokens_per_s` = the step's `train/tokens` (non-padding tokens of the whole job) / `timing/step`.
+  `train/tokens_per_s` = the step's `train/tokens` (non-padding tokens of the whole job) / `timing/step`, and on
+  GPU `memory/peak_gb` (this rank's peak allocated memory so far).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from aligner.checkpoint import dist_ckpt
 from aligner.config.train import TrainJobConfig
 from aligner.data.prompts import PromptSampler
 from aligner.models.training import TrainableModel
-from aligner.parallel import current_device, is_logging_rank, synchronize
+from aligner.parallel import current_device, is_logging_rank, on_gpu, synchronize
 from aligner.utils.metrics import MetricsWriter, Progress, Timer
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class SupervisedLoop:
                         metrics.update(self.task.validate())
                 metrics.update(self.timer.pop())
                 metrics["train/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(metrics["timing/step"], 1e-9)
+                if on_gpu():
+                    metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
                 self.writer.log(self.step, metrics)
                 self.step += 1
                 bar.update(loss=f"{metrics['train/loss']:.4f}")
