@@ -6,7 +6,7 @@
 Defaults: the trainer's base config (conf/<trainer>.yaml: the ~1B Llama-style model, bf16, random weights) on rows
 of 256 prompt + 768 response tokens; KEY=VALUE overrides go to the trainer. Prints one table row (docs/PERF.md's
 format) and writes the JSON summary to --out. What is measured and how: benchmarks/trainers.py.
-    python scripts/bench_trainers.py --trainer sft --config sft_demo model.tokenizer=null --steps 4 --warmup 1   # CPU
+    python scripts/bench_trainers.py --trainer sft --config sft_demo --steps 4 --warmup 1 --rows 64   # CPU smoke
 """
 
 from __future__ import annotations
