@@ -108,3 +108,14 @@ def test_loading_a_trainer_config_imports_no_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_local_launcher_checks_the_config_before_starting_anything(tmp_path):
+    launcher = os.path.join(REPO, "launchers", "local", "train.py")
+    args = ["--trainer", "dpo", "--procs", "2", f"exp_dir={tmp_path}/exp", "train.global_batch_size=5"]
+    proc = subprocess.run([sys.executable, launcher, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "train.py: config error at 'train.global_batch_size': 5 is not divisible by the data-parallel size 2"
+    )
+    assert not (tmp_path / "exp").exists()
