@@ -251,12 +251,15 @@ def save(
     keep: int | None = None,
     model_cfg=None,
     replace: bool = True,
+    files: dict[str, str] | None = None,
 ) -> str:
     """Write `<root>/step_<step>` atomically; returns its path. Collective.
 
     With `model_cfg` (a ModelConfig), `model.yaml` describes the model, so the checkpoint converts to HF
     (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments. With `replace=False` an existing
-    complete checkpoint of that step is an error (FileExistsError, before anything is written)."""
+    complete checkpoint of that step is an error (FileExistsError, before anything is written). `files`
+    ({name: text}, rank 0's) are written beside it, inside the same atomic rename (e.g. a reward model's
+    `reward_stats.json`)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.join(root, step_dir_name(step))
@@ -281,6 +284,9 @@ def save(
 
             with open(os.path.join(tmp, "model.yaml"), "w") as f:
                 f.write(to_yaml(model_cfg))
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
         write_manifest(tmp)
         with open(os.path.join(tmp, "state.json"), "w") as f:  # last: its presence marks a complete checkpoint
             json.dump({"step": step, **(state or {})}, f, indent=1)

@@ -9,6 +9,7 @@ layout and batch sizes once the number of ranks is known. `load_critic_config(ar
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Sequence
@@ -28,6 +29,9 @@ from aligner.config.schema import (
     validate_model,
     validate_optim,
 )
+
+# Beside model.yaml in a reward-model checkpoint (written by aligner/train/reward_model.py).
+REWARD_STATS_FILE = "reward_stats.json"
 
 
 @dataclass
@@ -74,8 +78,8 @@ class CriticJobConfig:
     MODEL_SECTIONS: ClassVar[tuple[str, ...]] = ("model", "reward_model")  # filled from their checkpoint's model.yaml
     model: ModelConfig = field(default_factory=ModelConfig)  # the critic (scalar head, one value per token)
     reward_model: Optional[ModelConfig] = None  # scalar head read at each sequence's last token
-    reward_mean: float = 0.0  # reward-model scores are reported as (score - reward_mean) / reward_std
-    reward_std: float = 1.0  # see reward_mean
+    reward_mean: Optional[float] = None  # scores become (score - mean) / std; null: reward_stats.json of the RM, else 0
+    reward_std: Optional[float] = None  # see reward_mean; null: reward_stats.json of the reward model, else 1
     reward_fn: Optional[str] = None  # a .py file defining reward_fn(prompts, responses[, labels]) -> list[float]
     tokenizer: Optional[str] = None  # decodes tokens for reward_fn (tokenizer.json or an HF tokenizer directory)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how both models are split over the ranks
@@ -108,7 +112,7 @@ class CriticJobConfig:
                     f"{self.reward_model.vocab_size} != model.vocab_size="
                     f"{self.model.vocab_size}: both models read the same token ids",
                 )
-        if not self.reward_std > 0:
+        if self.reward_std is not None and not self.reward_std > 0:
             raise ConfigError("reward_std", f"must be > 0, got {self.reward_std}")
         if self.reward_fn is not None:
             if not self.reward_fn.endswith(".py"):
@@ -174,6 +178,28 @@ class CriticJobConfig:
     @property
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or os.path.join(self.exp_dir, "checkpoints")
+
+    def reward_scaling(self) -> tuple[float, float, str]:
+        """(mean, std, where from) that standardise reward-model scores: the config's values where set, else those
+        stored in `<reward_model.checkpoint>/reward_stats.json` (a checkpoint of scripts/train_reward_model.py),
+        else (0, 1)."""
+        stored, source = {}, "the config"
+        ckpt = self.reward_model.checkpoint if self.reward_model is not None else None
+        if ckpt and (self.reward_mean is None or self.reward_std is None):
+            path = os.path.join(ckpt, REWARD_STATS_FILE)
+            if os.path.isfile(path):
+                try:
+                    with open(path) as f:
+                        stored = json.load(f)
+                    stored = {k: float(stored[k]) for k in ("reward_mean", "reward_std")}
+                except (OSError, ValueError, KeyError, TypeError) as exc:
+                    raise ConfigError("reward_model.checkpoint", f"cannot read {path}: {exc}") from None
+                source = path
+            elif self.reward_mean is None and self.reward_std is None:
+                source = "defaults (no reward_stats.json in reward_model.checkpoint, no reward_mean/reward_std set)"
+        mean = self.reward_mean if self.reward_mean is not None else stored.get("reward_mean", 0.0)
+        std = self.reward_std if self.reward_std is not None else stored.get("reward_std", 1.0)
+        return mean, std, source
 
     @property
     def triton_log_file(self) -> str:

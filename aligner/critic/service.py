@@ -9,7 +9,8 @@ Contract
   all-reduce over the default group, where only one rank per slice (TP rank 0 of the last PP stage) contributes.
 - `infer(tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> (values_BT, rewards_B1)`: values[b, t] is the
   critic's output at position t (the actor decides which positions it uses), 0 at t >= lengths[b]. Rewards: the
-  reward model's scalar at position lengths[b] - 1, standardised by reward_mean/std; or `reward_fn` on decoded
+  reward model's scalar at position lengths[b] - 1, standardised by `cfg.reward_scaling()` (the config's
+  reward_mean/std, else the reward model checkpoint's reward_stats.json); or `reward_fn` on decoded
   text, computed on global rank 0 only and broadcast (see aligner.critic.reward_fn).
 - `train(tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> metrics`: `train.epochs` passes over the rows
   in order, one optimizer step per `train.global_batch_size` rows; clipped value loss (aligner.rl.value_loss)
@@ -96,6 +97,9 @@ class CriticService:
                 dist_ckpt.load_model_weights(cfg.reward_model.checkpoint, [self.reward_model.module])
             else:
                 LOG.warning("reward_model.checkpoint is not set: the reward model has random weights")
+            self.reward_mean, self.reward_std, source = cfg.reward_scaling()
+            mean, std = self.reward_mean, self.reward_std
+            LOG.warning("reward model scores standardised with mean %g, std %g, from %s", mean, std, source)
         # Loaded on every rank (a broken file fails everywhere at start-up), called on global rank 0 only.
         self.reward_function = RewardFunction(cfg.reward_fn, cfg.tokenizer_path) if cfg.reward_fn else None
         self.run_id: str | None = None  # set by resume(): the actor's run
@@ -145,7 +149,7 @@ class CriticService:
                 scores = self._forward_values(self.reward_model, tokens_dev[start:stop])
                 last = (lengths_dev[start:stop] - 1).unsqueeze(1)
                 rm_B = scores.gather(1, last).squeeze(1)
-                rewards_B[start:stop] = (rm_B - self.cfg.reward_mean) / self.cfg.reward_std
+                rewards_B[start:stop] = (rm_B - self.reward_mean) / self.reward_std
         self._sum_over_dp(out)
         values = torch.zeros(batch, seq, dtype=torch.float32)
         values[:, :width] = values_BT.cpu() * torch.from_numpy(valid_BT)

@@ -3,8 +3,11 @@
 megatron's local `DotProductAttention` materialises the [b, heads, s, s] score matrix; SDPA dispatches to
 flash / memory-efficient kernels on GPU (and a fused math path on CPU), without Transformer Engine.
 Same constructor and forward signature as `DotProductAttention`, so it drops into the local layer spec.
-Causal masking only (decoder-only LMs with right padding: padding sits after every real token, so the causal
-mask alone keeps real tokens from seeing it).
+Masking: causal by default (decoder-only LMs with right padding: padding sits after every real token, so the causal
+mask alone keeps real tokens from seeing it). An explicit `attention_mask` (megatron's convention: bool
+[b, 1, sq, sk], True = masked out) replaces it, e.g. the block-diagonal causal mask of packed sequences
+(aligner.data.packing); with a mask, grouped KV heads are expanded first, because the memory-efficient SDPA kernel
+takes a mask but not `enable_gqa` (the math fallback would materialise the full score matrix).
 """
 
 from __future__ import annotations
@@ -45,20 +48,32 @@ class SDPAttention(MegatronModule):
     ):
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np*hn]."""
         if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPAttention: packed sequences and attention bias are not supported")
+            raise NotImplementedError(
+                "SDPAttention: THD packed sequences and attention bias are not supported (pack with an attention_mask)"
+            )
         if query.shape[0] != key.shape[0] and query.shape[0] != 1:
             raise NotImplementedError("SDPAttention: chunked prefill over a cache (1 < sq != sk) is not supported")
         q_bhsd = query.permute(1, 2, 0, 3)
         k_bhsd = key.permute(1, 2, 0, 3)
         v_bhsd = value.permute(1, 2, 0, 3)
+        gqa = self.heads_per_partition != self.groups_per_partition
+        mask = None
+        if attention_mask is not None:
+            mask = ~attention_mask  # SDPA's bool mask says where attention IS allowed
+            if gqa:
+                repeat = self.heads_per_partition // self.groups_per_partition
+                k_bhsd = k_bhsd.repeat_interleave(repeat, dim=1)
+                v_bhsd = v_bhsd.repeat_interleave(repeat, dim=1)
+                gqa = False
         out_bhsd = F.scaled_dot_product_attention(
             q_bhsd,
             k_bhsd,
             v_bhsd,
-            is_causal=query.shape[0] > 1,  # one query over a cache needs no mask
+            attn_mask=mask,
+            is_causal=mask is None and query.shape[0] > 1,  # one query over a cache needs no mask
             dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.softmax_scale,
-            enable_gqa=self.heads_per_partition != self.groups_per_partition,
+            enable_gqa=gqa,
         )
         sq, b = query.shape[0], query.shape[1]
         return out_bhsd.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * self.head_dim)

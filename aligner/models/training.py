@@ -16,7 +16,11 @@ Contract:
   `<name>_max`). Returns {'grad_norm', 'lr', 'skipped', 'stats': [one dict of floats per micro-batch]}.
   A step whose gradients are not finite anywhere in the job is skipped on every rank (no weight changes; 'skipped'
   is 1, 'grad_norm' NaN): one poisoned batch must never reach the weights.
-- Micro-batches are dicts with at least `tokens` [mbs, T]; under PP > 1 all must share one shape.
+- Micro-batches are dicts with at least `tokens` [mbs, T]; under PP > 1 all must share one shape. Optional
+  `position_ids` [mbs, T] and `attention_mask` (bool [mbs, 1, T, T], True = masked out) reach the model as given
+  (packed sequences, aligner.data.packing); by default positions count from 0 and attention is causal.
+- `frozen`: names of parameters (e.g. `output_layer.bias`) that keep their initial or loaded values: no gradient,
+  no optimizer state.
 """
 
 from __future__ import annotations
@@ -48,9 +52,19 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
 
 
 class TrainableModel:
-    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, head: str = "lm", trainable: bool = True):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        optim_cfg: OptimConfig,
+        head: str = "lm",
+        trainable: bool = True,
+        frozen: tuple[str, ...] = (),
+    ):
         self.model_cfg, self.optim_cfg = model_cfg, optim_cfg
         module = build_gpt(model_cfg, head=head)
+        for name, p in module.named_parameters():  # before DDP and the optimizer: they see trainable ones only
+            if name in frozen:
+                p.requires_grad_(False)
         self.config = module.config
         # Losses arrive already divided by the global token count: the schedule must not divide by the number of
         # micro-batches, and DDP must sum (not average) over data-parallel ranks.
@@ -136,7 +150,12 @@ class TrainableModel:
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             tokens = batch["tokens"]
-            output = model(tokens, position_ids_like(tokens), attention_mask=None)
+            positions = batch.get("position_ids")
+            output = model(
+                tokens,
+                position_ids_like(tokens) if positions is None else positions,
+                attention_mask=batch.get("attention_mask"),
+            )
 
             def loss_func(batch, output):
                 if forward_only:

@@ -1,4 +1,5 @@
-"""Pure RL maths shared by the actor loop and the critic job: rewards, GAE, whitening, KL, PPO losses, baselines.
+"""Pure RL maths shared by the actor loop and the critic job: rewards, GAE, whitening, KL, PPO losses, baselines;
+and the supervised trainers' losses (SFT NLL, Bradley-Terry, DPO: supervised.py).
 
 Every function works on padded [B, T] tensors with `mask_BT` = 1 on response tokens (see each module's
 docstring for the contract); collectives happen only when a process group is passed explicitly.
@@ -22,9 +23,14 @@ from aligner.rl.losses import (
     value_loss,
 )
 from aligner.rl.stats import max_by_name, reduce_stats, sum_by_name
+from aligner.rl.supervised import bradley_terry_loss, dpo_loss, nll_loss, sequence_logprobs
 
 __all__ = [
     "AdaptiveKLController",
+    "bradley_terry_loss",
+    "dpo_loss",
+    "nll_loss",
+    "sequence_logprobs",
     "FixedKLController",
     "entropy_from_logits",
     "explained_variance",

@@ -4,7 +4,8 @@ A statistic is named; its reduction is part of its name, never its position in a
 - `sum_by_name({name: value})` sums each name over the ranks of `group`; `max_by_name` takes the max.
 - Loss statistics (`aligner.rl.losses`) are dicts per micro-batch of `tokens` (valid tokens), `<name>_sum` (sum over
   valid tokens) and `<name>_max`; `reduce_stats(list_of_dicts, group)` turns them into `<name>` = total sum / total
-  tokens, `<name>_max` and `tokens`.
+  tokens, `<name>_max` and `tokens`. Losses that average over another unit (preference pairs) name their count
+  accordingly and pass `count="pairs"`.
 Values may be 0-d tensors or floats. `group=None` means no collective (aligner.rl._dist); every rank of `group` must
 pass the same names. Each call makes at most one collective per reduction op, however many names there are.
 """
@@ -38,9 +39,9 @@ def max_by_name(values: Mapping, group=None) -> dict[str, float]:
     return _reduce(values, group, dist.ReduceOp.MAX)
 
 
-def reduce_stats(stats: Mapping | Sequence[Mapping], group=None) -> dict[str, float]:
+def reduce_stats(stats: Mapping | Sequence[Mapping], group=None, count: str = "tokens") -> dict[str, float]:
     """Combine the loss statistics of several micro-batches (and of all ranks of `group`) into plain floats:
-    `tokens`, `<name>` = sum / tokens (NaN with no token) and `<name>_max`."""
+    `<count>`, `<name>` = sum / count (NaN when the count is 0) and `<name>_max`."""
     if isinstance(stats, Mapping):
         stats = [stats]
     if not stats:
@@ -54,9 +55,9 @@ def reduce_stats(stats: Mapping | Sequence[Mapping], group=None) -> dict[str, fl
             else:
                 sums[k] = sums[k] + v if k in sums else v
     totals = sum_by_name(sums, group)
-    tokens = totals.pop("tokens", None)
-    out = {"tokens": tokens}
+    n = totals.pop(count, None)
+    out = {count: n}
     for key, total in totals.items():
-        out[key.removesuffix("_sum")] = total / tokens if tokens else float("nan")
+        out[key.removesuffix("_sum")] = total / n if n else float("nan")
     out.update(max_by_name(maxes, group))
     return out

@@ -1,0 +1,173 @@
+"""The loop the supervised trainers share (SFT, reward model, DPO): batches -> step -> log -> validate -> checkpoint
+-> stop.
+
+Contract
+- A trainer is a `Task` (below): it owns its data and model(s) and knows one optimizer step on a global batch of
+  dataset indices and one validation pass. The loop owns everything around them: which examples each step takes (a
+  seeded permutation per epoch: aligner.data.prompts.PromptSampler), metrics (`<exp_dir>/metrics.jsonl` with one
+  object per step, TensorBoard, a progress bar), validation every `train.val_every` steps and at the last one,
+  checkpoints (aligner.checkpoint.dist_ckpt: atomic, with `model.yaml`, the trainer state, the RNG and the task's
+  own files), exact resume from the latest checkpoint, and clean stops: on SIGTERM / SIGUSR1 or after `max_time`
+  every rank finishes its step, the job checkpoints and `fit()` returns normally (exit 0).
+- Every rank constructs `SupervisedLoop(cfg, task, job)` after building the task (so a DPO reference copies the
+  starting weights before a resume overwrites the policy) and calls `fit()`.
+- Metrics: the task's (`train/*`, `val/*`), `timing/step` (the optimizer step), `timing/validation`, and
+  `train/tokens_per_s` = the step's `train/tokens` (non-padding tokens of the whole job) / `timing/step`, and on
+  GPU `memory/peak_gb` (this rank's peak allocated memory so far).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from aligner.checkpoint import dist_ckpt
+from aligner.config.train import TrainJobConfig
+from aligner.data.prompts import PromptSampler
+from aligner.models.training import TrainableModel
+from aligner.parallel import current_device, is_logging_rank, on_gpu, synchronize
+from aligner.utils.metrics import MetricsWriter, Progress, Timer
+
+log = logging.getLogger(__name__)
+
+
+class Task(Protocol):
+    model: TrainableModel  # the trained model, checkpointed with its optimizer
+
+    def num_examples(self) -> int:
+        """Size of the training set (indices 0..n-1)."""
+        ...
+
+    def train_step(self, indices: list[int]) -> dict[str, float]:
+        """One optimizer step on the global batch `indices` (the same list on every rank); `train/*` metrics,
+        identical on every rank, including `train/tokens`. Collective."""
+        ...
+
+    def validate(self) -> dict[str, float]:
+        """`val/*` metrics over the validation set ({} without one). Collective."""
+        ...
+
+    def checkpoint_files(self) -> dict[str, str]:
+        """Files (name -> text) to store in the checkpoint being written. Collective."""
+        ...
+
+
+class SupervisedLoop:
+    def __init__(self, cfg: TrainJobConfig, task: Task, job: str):
+        self.cfg, self.task, self.job = cfg, task, job
+        self.timer = Timer(synchronize)
+        self.stop_requested = False
+        n = task.num_examples()
+        self.sampler = PromptSampler(n, cfg.data.seed, cfg.data.shuffle)
+        t = cfg.train
+        self.num_steps = t.max_steps or max(1, t.max_epochs * n // t.global_batch_size)
+        self.step = 0
+        if cfg.checkpoint.resume:
+            self._resume()
+        dist_ckpt.start_writer()
+        self.writer = MetricsWriter(
+            cfg.exp_dir, enabled=is_logging_rank(), tensorboard=cfg.logging.tensorboard, resume_step=self.step
+        )
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def fit(self) -> str | None:
+        """Train until `num_steps`, a stop signal or max_time; returns the metrics file's path (logging rank)."""
+        cfg = self.cfg
+        self._install_signal_handlers()
+        start = time.monotonic()
+        bar = Progress(self.num_steps, self.step, is_logging_rank() and cfg.logging.progress_bar, self.job)
+        last_saved = self.step if dist_ckpt.latest_checkpoint(cfg.checkpoint_dir) else None
+        try:
+            while self.step < self.num_steps:
+                metrics = self.train_step()
+                if self._validation_due():
+                    with self.timer("validation"):
+                        metrics.update(self.task.validate())
+                metrics.update(self.timer.pop())
+                metrics["train/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(metrics["timing/step"], 1e-9)
+                if on_gpu():
+                    metrics["memory/peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                self.writer.log(self.step, metrics)
+                self.step += 1
+                bar.update(loss=f"{metrics['train/loss']:.4f}")
+                out_of_time = cfg.max_time is not None and time.monotonic() - start > cfg.max_time
+                if self._agree(self.stop_requested or out_of_time):
+                    reason = "a stop signal" if self.stop_requested else "max_time"
+                    log.warning("stopping at step %d (%s): checkpointing", self.step, reason)
+                    self.save()
+                    last_saved = self.step
+                    break
+                if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
+                    self.save()
+                    last_saved = self.step
+            if cfg.checkpoint.save_at_end and last_saved != self.step and self.step >= self.num_steps:
+                self.save()
+        finally:
+            bar.close()
+            self.writer.close()
+        return self.writer.path if is_logging_rank() else None
+
+    def train_step(self) -> dict:
+        indices = self.sampler.next_batch(self.cfg.train.global_batch_size)
+        with self.timer("step"):
+            return self.task.train_step(indices)
+
+    def _validation_due(self) -> bool:
+        every = self.cfg.train.val_every
+        return self.step + 1 == self.num_steps or bool(every and (self.step + 1) % every == 0)
+
+    # -- checkpoints, signals -----------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        model = self.task.model
+        return {
+            "job": self.job,
+            "sampler": self.sampler.state_dict(),
+            "optimizer_steps": model.steps_taken,
+            "skipped_steps": model.skipped_steps,
+        }
+
+    def save(self) -> str:
+        files = self.task.checkpoint_files()
+        model = self.task.model
+        path = dist_ckpt.save(
+            self.cfg.checkpoint_dir,
+            self.step,
+            [model.module],
+            model.optimizer,
+            self.trainer_state(),
+            keep=self.cfg.checkpoint.keep,
+            model_cfg=self.cfg.model,
+            files=files,
+        )
+        log.info("checkpoint written: %s", path)
+        return path
+
+    def _resume(self) -> None:
+        path = dist_ckpt.latest_checkpoint(self.cfg.checkpoint_dir)
+        if path is None:
+            return
+        model = self.task.model
+        state = dist_ckpt.load(path, [model.module], model.optimizer)  # the optimizer's own state, main params too
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        model.steps_taken = int(state.get("optimizer_steps", 0))
+        model.skipped_steps = int(state.get("skipped_steps", 0))
+        log.warning("resumed from %s at step %d", path, self.step)
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self.stop_requested = True
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGUSR1, request_stop)  # the Slurm launcher's signal (srun forwards it to the tasks)
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank if any rank's flag is set (all ranks stop after the same step)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=current_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())

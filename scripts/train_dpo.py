@@ -1,0 +1,34 @@
+"""Direct preference optimisation (DPO / IPO) of a policy on preference pairs.
+
+    python scripts/train_dpo.py --config-name dpo_demo [key=value ...]     # the CPU demo
+    python scripts/train_dpo.py [key=value ...]                            # conf/dpo.yaml
+    torchrun --nproc-per-node N scripts/train_dpo.py ...      # or srun -n N / mpiexec -n N python ...
+    python launchers/local/train.py --trainer dpo --procs N ...
+    sbatch launchers/slurm/train.sbatch --trainer dpo ...
+
+Every key, its default and its meaning: aligner/config/dpo.py and aligner/config/train.py; docs/TRAINERS.md.
+Writes <exp_dir>/metrics.jsonl and checkpoints; prints `metrics: <path>` last. A config or data error is one
+line on stderr and exit code 2; SIGTERM (or max_time) checkpoints and exits 0; rerunning resumes.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from aligner.config.dpo import load_dpo_config  # noqa: E402
+from aligner.train.cli import run  # noqa: E402
+
+
+def build(cfg):
+    from aligner.train.dpo import DPOTask  # torch and megatron: only once the config is valid
+
+    return DPOTask(cfg)
+
+
+def main(argv) -> int:
+    return run("train_dpo", argv, load_dpo_config, build)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
