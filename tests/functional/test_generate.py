@@ -70,6 +70,14 @@ def test_greedy_generate_equals_hf_generate(tmp_path, converted, kind):
 
 def test_bad_input_exits_2_in_one_line_and_writes_nothing(tmp_path, converted):
     root = converted("llama")[0]
+    # the converted model with a model.yaml that wants q/k/v biases its weights lack: strict loading names them
+    mismatched = tmp_path / "mismatched"
+    mismatched.mkdir()
+    (mismatched / "model").symlink_to(root / "ckpt" / "model")
+    (mismatched / "tokenizer").symlink_to(root / "ckpt" / "tokenizer")
+    shape = (root / "ckpt" / "model.yaml").read_text()
+    assert "add_qkv_bias: false" in shape
+    (mismatched / "model.yaml").write_text(shape.replace("add_qkv_bias: false", "add_qkv_bias: true"))
     bad = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": 3}])
     out = tmp_path / "out.jsonl"
     common = ["--checkpoint", root / "ckpt", "--output", out, "--max-new-tokens", 4, "--prompts", bad]
@@ -78,6 +86,7 @@ def test_bad_input_exits_2_in_one_line_and_writes_nothing(tmp_path, converted):
         (["--temperature", "0"], "--temperature"),
         (["--max-new-tokens", 64], "leaves no room for a prompt"),  # the model has 64 positions
         (["--checkpoint", root / "hf"], "is not an aligner checkpoint"),
+        (["--checkpoint", mismatched, "--prompts", write_jsonl(tmp_path / "ok.jsonl", ROWS)], "linear_qkv.bias"),
     ]
     for extra, message in cases:
         proc = run("generate.py", *common, *extra)
