@@ -5,7 +5,8 @@
 
 IN: JSONL, Parquet or a saved HF dataset directory; each row a `prompt` string or a `messages` chat (docs/DATA.md).
 OUT: one JSON line per input line, in order: {"prompt", "response", "response_token_ids"} (written atomically).
-Greedy decoding in float32 equals HF `generate(do_sample=False)`. A bad option or prompt file: one line, exit 2.
+Greedy decoding in float32 equals HF `generate(do_sample=False)`. A bad option or prompt file, or a checkpoint whose
+tensors disagree with its model.yaml (loading is strict): one line, exit 2.
 """
 
 import argparse
@@ -62,6 +63,7 @@ def main(argv) -> int:
     except ConfigError as exc:
         print(f"generate: {exc}", file=sys.stderr)
         return 2
+    from aligner.checkpoint.dist_ckpt import CheckpointError
     from aligner.generation.offline import generate_file
 
     initialize(opts.tp, opts.pp, seed=opts.seed)
@@ -71,7 +73,7 @@ def main(argv) -> int:
         if is_logging_rank():
             print(f"wrote {os.path.abspath(opts.output)} ({n} responses)", flush=True)
         code = 0
-    except (ConfigError, DataError) as exc:  # every rank reads the same files: all stop alike
+    except (ConfigError, DataError, CheckpointError) as exc:  # every rank reads the same files: all stop alike
         print(f"generate: {exc}", file=sys.stderr)
         code = 2
     finally:

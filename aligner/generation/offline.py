@@ -3,9 +3,11 @@
 Contract
 - `generate_file(opts)` is collective: every rank of the job calls it after `aligner.parallel.initialize(opts.tp,
   opts.pp)`. The checkpoint is a converted HF model (`scripts/convert_hf_to_nemo.py`) or an actor job checkpoint
-  (`<exp>/checkpoints/step_N`); both carry `model.yaml`, which gives the model's shape. Prompts are read and rendered
-  exactly as the actor job's dataset does (`aligner.data.prompts`: plain prompts or chats, docs/DATA.md), by the
-  checkpoint's tokenizer (`opts.tokenizer`, else `<checkpoint>/tokenizer/`, else model.yaml's `tokenizer`).
+  (`<exp>/checkpoints/step_N`); both carry `model.yaml`, which gives the model's shape. The model and its tokenizer
+  are found as a job's `model.checkpoint` finds them (`aligner.config.from_checkpoint`): `opts.tokenizer`, else
+  `<checkpoint>/tokenizer/`, else the tokenizer model.yaml names (an actor checkpoint: its converted model's). Prompts
+  are read and rendered exactly as the actor job's dataset does (`aligner.data.prompts`: plain prompts or chats,
+  docs/DATA.md).
 - The world is split into data-parallel groups of TP x PP ranks; group d generates prompts d, d + DP, d + 2 DP, ...
   with the native engine (`aligner.generation.build_engine`) in batches of `opts.batch_size`. Sampled draws depend
   only on the prompt's position in the file (`seed + index`), never on the batch or the layout.
@@ -13,8 +15,9 @@ Contract
   "response_token_ids"}` (the rendered prompt text, the decoded response without special tokens, the generated ids
   with the ending EOS or stop token when one was generated). Written to a temporary file, then renamed: a failed run
   leaves no partial output.
-- Responses end at the tokenizer's EOS and at the `eos_token_id`s of the checkpoint's `generation_config.json` (as HF's
-  `generate` does), or after `max_new_tokens`. Greedy decoding in float32 equals HF `generate(do_sample=False)`.
+- Responses end at the tokenizer's EOS and its `stop_ids` (the `eos_token_id`s of the generation_config.json beside
+  the tokenizer files, which conversion copies there), as the actor's rollouts and HF's `generate` do, or after
+  `max_new_tokens`. Greedy decoding in float32 equals HF `generate(do_sample=False)`.
 - User mistakes raise ConfigError (a bad option, named by its flag) or DataError (a bad prompt file or row).
 """
 
@@ -78,7 +81,8 @@ class OfflineOptions:
 
 def _model_config(checkpoint: str):
     from aligner.checkpoint import dist_ckpt
-    from aligner.checkpoint.convert import find_model_yaml, load_model_yaml
+    from aligner.config.from_checkpoint import read_checkpoint_model
+    from aligner.config.schema import validate_model
 
     if not os.path.isfile(os.path.join(dist_ckpt.model_dir(checkpoint), "metadata.json")):
         raise ConfigError(
@@ -86,44 +90,37 @@ def _model_config(checkpoint: str):
             f"{checkpoint} is not an aligner checkpoint (no model/metadata.json): give the output of "
             "scripts/convert_hf_to_nemo.py or an actor checkpoint <exp>/checkpoints/step_N",
         )
-    try:
-        cfg = load_model_yaml(find_model_yaml(checkpoint))
-    except FileNotFoundError as exc:
-        raise ConfigError("--checkpoint", str(exc)) from None
+    found = read_checkpoint_model(checkpoint)
+    if found is None:
+        raise ConfigError("--checkpoint", f"{checkpoint} has no model.yaml: its model's shape is unknown")
     if dist_ckpt.head_kind(checkpoint) == "scalar":
         raise ConfigError(
             "--checkpoint", f"{checkpoint} holds a reward model or critic (a scalar head): generation needs a policy"
         )
-    return cfg
+    validate_model(found[1])
+    return found[1]
 
 
-def _tokenizer_path(opts: OfflineOptions, cfg) -> str:
-    if opts.tokenizer:
-        if not os.path.exists(opts.tokenizer):
-            raise ConfigError("--tokenizer", f"{opts.tokenizer} does not exist")
-        return opts.tokenizer
-    for candidate in (os.path.join(opts.checkpoint, "tokenizer"), cfg.tokenizer):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    raise ConfigError(
-        "--tokenizer",
-        f"{opts.checkpoint} has no tokenizer/ and its model.yaml names none that exists "
-        f"({cfg.tokenizer!r}): pass --tokenizer (a tokenizer.json or an HF tokenizer directory)",
-    )
+def _tokenizer(opts: OfflineOptions, cfg):
+    """The checkpoint's tokenizer, found as a job's `model.checkpoint` finds it, unless `--tokenizer` names one."""
+    from aligner.config.from_checkpoint import checkpoint_tokenizer
+    from aligner.data.tokenizer import load_tokenizer
 
-
-def end_token_ids(checkpoint: str, cfg, tokenizer) -> list[int]:
-    """The tokenizer's EOS and every `eos_token_id` of the generation_config.json beside the checkpoint (or of the
-    converted model an actor checkpoint started from, named by model.yaml's `checkpoint`)."""
-    ids = set() if tokenizer.eos_id is None else {tokenizer.eos_id}
-    for directory in (checkpoint, cfg.checkpoint):
-        path = os.path.join(directory, "generation_config.json") if directory else None
-        if path and os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-            break
-    return sorted(ids)
+    if opts.tokenizer and not os.path.exists(opts.tokenizer):
+        raise ConfigError("--tokenizer", f"{opts.tokenizer} does not exist")
+    path = opts.tokenizer or checkpoint_tokenizer(opts.checkpoint, cfg)
+    if path is None:
+        raise ConfigError(
+            "--tokenizer",
+            f"{opts.checkpoint} has no tokenizer/ and its model.yaml names none that exists "
+            f"({cfg.tokenizer!r}): pass --tokenizer (a tokenizer.json or an HF tokenizer directory)",
+        )
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ConfigError(
+            "--tokenizer", f"{path} has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size}: not this model's"
+        )
+    return tokenizer
 
 
 def _build(opts: OfflineOptions, cfg, longest_prompt: int, batch_size: int):
@@ -166,7 +163,6 @@ def generate_file(opts: OfflineOptions) -> int:
 
     from aligner.config.schema import ParallelConfig, validate_layout
     from aligner.data.prompts import PromptDataset, pad_prompts
-    from aligner.data.tokenizer import load_tokenizer
     from aligner.generation import SamplingParams
     from aligner.parallel import current_device
 
@@ -182,11 +178,7 @@ def generate_file(opts: OfflineOptions) -> int:
             "--max-new-tokens",
             f"{opts.max_new_tokens} leaves no room for a prompt in the model's {cfg.max_position_embeddings} positions",
         )
-    tokenizer = load_tokenizer(_tokenizer_path(opts, cfg))
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ConfigError(
-            "--tokenizer", f"has {tokenizer.vocab_size} tokens but the model {cfg.vocab_size}: not this model's"
-        )
+    tokenizer = _tokenizer(opts, cfg)
     data = PromptDataset(
         opts.prompts,
         tokenizer,
@@ -200,7 +192,7 @@ def generate_file(opts: OfflineOptions) -> int:
     mine = list(range(dp_rank, len(items), dp))
     batch_size = min(opts.batch_size, max(1, -(-len(items) // dp)))
     engine = _build(opts, cfg, max(len(p.ids) for p in items), batch_size)
-    device, ends = current_device(), end_token_ids(opts.checkpoint, cfg, tokenizer)
+    device = current_device()
     results: list[tuple[int, list[int]]] = []
     try:
         for lo in range(0, len(mine), batch_size):
@@ -212,7 +204,8 @@ def generate_file(opts: OfflineOptions) -> int:
                 top_k=opts.top_k,
                 top_p=opts.top_p,
                 max_new_tokens=opts.max_new_tokens,
-                eos_token_id=ends,
+                eos_token_id=tokenizer.eos_id,
+                stop_token_ids=tokenizer.stop_ids,
                 pad_token_id=tokenizer.pad_id,
                 seeds=[opts.seed + i for i in index],
             )
@@ -240,4 +233,4 @@ def generate_file(opts: OfflineOptions) -> int:
     return len(items)
 
 
-__all__ = ["OfflineOptions", "end_token_ids", "generate_file"]
+__all__ = ["OfflineOptions", "generate_file"]

@@ -1,7 +1,11 @@
-"""scripts/generate.py as a process, on models converted by scripts/convert_hf_to_nemo.py from tiny random HF models
-built here: greedy responses equal HF `generate(do_sample=False)` in float32 token for token (plain and chat prompts,
-the stop token included when generated), one output line per input line in order; bad input exits 2 in one line
-and writes nothing."""
+"""scripts/generate.py as a process, on tiny random HF models of every policy family built here and converted once per
+family: greedy responses equal HF `generate(do_sample=False)` in float32 token for token (plain and chat prompts,
+the stop token from generation_config.json included when generated), one output line per input line in order; bad
+input exits 2 in one line and writes nothing.
+
+The conversions run in this process (`convert_hf_to_dist`, what scripts/convert_hf_to_nemo.py calls; the script
+itself runs in test_generate_parallel.py, test_walkthrough.py and test_convert_scripts.py): one interpreter start
+per family saved, generate.py is the process under test."""
 
 import json
 import os
@@ -22,22 +26,24 @@ def run(script, *args, timeout=300):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """kind -> (directory with hf/ and ckpt/ (scripts/convert_hf_to_nemo.py's output), HF model, HF tokenizer, stop)."""
+    """kind -> (directory with hf/ and ckpt/ (the converted model), HF model, HF tokenizer, stop)."""
+    from aligner.checkpoint.convert import convert_hf_to_dist
+
     cache = {}
 
     def get(kind):
         if kind not in cache:
             root = tmp_path_factory.mktemp(kind)
             model, hf_tok, stop = make_source(kind, root / "hf")
-            conv = run("convert_hf_to_nemo.py", "--input", root / "hf", "--output", root / "ckpt")
-            assert conv.returncode == 0, conv.stderr[-3000:]
+            convert_hf_to_dist(str(root / "hf"), str(root / "ckpt"))
             cache[kind] = (root, model, hf_tok, stop)
         return cache[kind]
 
     return get
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2"])
+# llama3: Llama 3.2-style (llama3 RoPE scaling, tied embeddings); qwen3: per-head q/k norms, head_dim 24 != 64 / 4
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3"])
 def test_greedy_generate_equals_hf_generate(tmp_path, converted, kind):
     root, model, hf_tok, stop = converted(kind)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
@@ -64,6 +70,14 @@ def test_greedy_generate_equals_hf_generate(tmp_path, converted, kind):
 
 def test_bad_input_exits_2_in_one_line_and_writes_nothing(tmp_path, converted):
     root = converted("llama")[0]
+    # the converted model with a model.yaml that wants q/k/v biases its weights lack: strict loading names them
+    mismatched = tmp_path / "mismatched"
+    mismatched.mkdir()
+    (mismatched / "model").symlink_to(root / "ckpt" / "model")
+    (mismatched / "tokenizer").symlink_to(root / "ckpt" / "tokenizer")
+    shape = (root / "ckpt" / "model.yaml").read_text()
+    assert "add_qkv_bias: false" in shape
+    (mismatched / "model.yaml").write_text(shape.replace("add_qkv_bias: false", "add_qkv_bias: true"))
     bad = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"prompt": 3}])
     out = tmp_path / "out.jsonl"
     common = ["--checkpoint", root / "ckpt", "--output", out, "--max-new-tokens", 4, "--prompts", bad]
@@ -72,6 +86,7 @@ def test_bad_input_exits_2_in_one_line_and_writes_nothing(tmp_path, converted):
         (["--temperature", "0"], "--temperature"),
         (["--max-new-tokens", 64], "leaves no room for a prompt"),  # the model has 64 positions
         (["--checkpoint", root / "hf"], "is not an aligner checkpoint"),
+        (["--checkpoint", mismatched, "--prompts", write_jsonl(tmp_path / "ok.jsonl", ROWS)], "linear_qkv.bias"),
     ]
     for extra, message in cases:
         proc = run("generate.py", *common, *extra)

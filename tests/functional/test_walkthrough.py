@@ -1,7 +1,8 @@
 """docs/WALKTHROUGH.md, run as written: its bash blocks in order (each after the first, which sets the paths), for a
-tiny random Llama and Qwen2 built by the doc itself: HF directory -> convert -> PPO with a reward function (2 steps,
-both jobs through launchers/local/ppo.py) -> generate.py and export -> transformers loads and generates. Each
-stage's exit code and files are checked before the next runs."""
+tiny random Llama 3.2-style model (llama3 RoPE scaling, tied embeddings) and Qwen3 (q/k norms, head_dim 32 != 64/4)
+built by the doc itself: HF directory -> convert -> PPO with a reward function, both jobs configured by
+`model.checkpoint` alone (2 steps, through launchers/local/ppo.py) -> generate.py on the actor's checkpoint and export
+-> transformers loads and generates. Each stage's exit code and files are checked before the next runs."""
 
 import json
 import math
@@ -15,6 +16,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "WALKTHROUGH.md")
 STAGES = ["setup", "tiny model", "convert", "prompts and reward", "ppo", "generate and export", "transformers"]
+# model.yaml lines that only the family's own traits produce (the jobs' step checkpoints must carry them too)
+TRAITS = {
+    "llama3": ["arch: llama", "rope_scaling: llama3", "rope_scaling_factor: 32.0", "tie_embeddings: true"],
+    "qwen3": ["arch: llama", "qk_layernorm: true", "head_dim: 32", "tie_embeddings: false"],
+}
 
 
 def blocks() -> list[str]:
@@ -26,7 +32,7 @@ def test_the_doc_has_one_block_per_stage():
     assert len(blocks()) == len(STAGES), "a block was added to or removed from docs/WALKTHROUGH.md: update STAGES"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", sorted(TRAITS))
 def test_walkthrough(tmp_path, arch):
     work, shim = tmp_path / "work", tmp_path / "bin"
     shim.mkdir()
@@ -60,8 +66,8 @@ def test_walkthrough(tmp_path, arch):
             )
         elif stage == "convert":
             assert (work / "ckpt" / "model.yaml").is_file() and (work / "ckpt" / "tokenizer").is_dir()
-            shape = (work / "ckpt" / "model.yaml").read_text()
-            assert "arch: llama" in shape and f"add_qkv_bias: {str(arch == 'qwen2').lower()}" in shape
+            shape = (work / "ckpt" / "model.yaml").read_text().splitlines()
+            assert set(TRAITS[arch]) <= set(shape), shape
         elif stage == "prompts and reward":
             rows = [json.loads(line) for line in (work / "prompts.jsonl").read_text().splitlines()]
             assert len(rows) == 32 and sum("messages" in r for r in rows) == 16
@@ -73,7 +79,10 @@ def test_walkthrough(tmp_path, arch):
                 math.isfinite(m["rollout/reward_mean"]) and math.isfinite(m["critic/value_loss"]) for m in metrics
             )
             assert metrics[0]["ppo/kl"] == 0 and metrics[1]["ppo/kl"] != 0, "the policy was updated after step 0"
-            assert (work / "run" / "actor" / "checkpoints" / "step_000002" / "model.yaml").is_file()
+            # model.checkpoint alone gave both jobs the converted model's shape and tokenizer
+            for job in ("actor", "critic"):
+                shape = (work / "run" / job / "checkpoints" / "step_000002" / "model.yaml").read_text().splitlines()
+                assert set(TRAITS[arch]) <= set(shape) and f"tokenizer: {work}/ckpt/tokenizer" in shape, (job, shape)
             assert os.listdir(work / "run" / "critic" / "checkpoints") == ["step_000002"]
         elif stage == "generate and export":
             lines = [json.loads(line) for line in (work / "responses.jsonl").read_text().splitlines()]
