@@ -1,4 +1,5 @@
-"""Pure RL maths shared by the actor loop and the critic job: rewards, GAE, whitening, KL, PPO losses, baselines.
+"""Pure RL maths shared by the actor loop and the critic job: rewards, GAE, whitening, KL, PPO losses, baselines,
+advantage estimators.
 
 Every function works on padded [B, T] tensors with `mask_BT` = 1 on response tokens (see each module's
 docstring for the contract); collectives happen only when a process group is passed explicitly.
@@ -9,10 +10,25 @@ from aligner.rl.advantages import (
     last_token_index,
     masked_global_mean_var,
     masked_whiten,
+    overlong_penalty,
     per_token_rewards,
+    returns_to_go,
 )
-from aligner.rl.baselines import grpo_advantages, reinforce_pp_advantages, rloo_advantages, sample_to_tokens
-from aligner.rl.kl import AdaptiveKLController, FixedKLController, kl_estimate, make_kl_controller
+from aligner.rl.baselines import (
+    constant_groups,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    sample_to_tokens,
+)
+from aligner.rl.estimators import ESTIMATORS, AdvantageEstimator, make_estimator
+from aligner.rl.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    controller_kl,
+    kl_estimate,
+    make_kl_controller,
+)
 from aligner.rl.losses import (
     entropy_from_logits,
     explained_variance,
@@ -24,7 +40,14 @@ from aligner.rl.losses import (
 from aligner.rl.stats import max_by_name, reduce_stats, sum_by_name
 
 __all__ = [
+    "ESTIMATORS",
     "AdaptiveKLController",
+    "AdvantageEstimator",
+    "constant_groups",
+    "controller_kl",
+    "make_estimator",
+    "overlong_penalty",
+    "returns_to_go",
     "FixedKLController",
     "entropy_from_logits",
     "explained_variance",
