@@ -25,7 +25,6 @@ from aligner.rl.estimators import ESTIMATORS, AdvantageEstimator, make_estimator
 from aligner.rl.kl import (
     AdaptiveKLController,
     FixedKLController,
-    controller_kl,
     kl_estimate,
     make_kl_controller,
 )
@@ -44,7 +43,6 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageEstimator",
     "constant_groups",
-    "controller_kl",
     "make_estimator",
     "overlong_penalty",
     "returns_to_go",

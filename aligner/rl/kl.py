@@ -9,11 +9,12 @@ Contract
     k3 = exp(-Δ) - 1 + Δ      unbiased, non-negative (Schulman's "approximating KL")
   No mask is applied here: callers multiply by their response mask (padding log-probs may be anything).
 - Controllers hold the coefficient `value` (beta). `update(current_kl, n_steps)` is called once per PPO step
-  with the measured KL in the units of the controller's `target` and the number of samples of that step.
-  `controller_kl(kl_sum, tokens, samples, units)` gives that measure: per sample (the KL summed over a response's
-  tokens, averaged over the samples: Ziegler et al.'s unit, whose target of 6 nats is the config default) or per
-  token (averaged over response tokens). `state_dict`/`load_state_dict` save and restore the coefficient so that a
-  resumed run continues with the same beta.
+  with the measured KL in the units of the controller's `target` and the number of samples of that step: per
+  sample (the KL summed over a response's tokens, averaged over the samples: Ziegler et al.'s unit, whose target
+  of 6 nats is the config default) or per token (averaged over response tokens). A per-sample target fed a
+  per-token KL reads a KL ~response-length times too small, so beta could only shrink.
+  `state_dict`/`load_state_dict` save and restore the coefficient so that a resumed run continues with the same
+  beta.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
 ESTIMATORS = ("k1", "k2", "k3")
-KL_UNITS = ("sample", "token")
 
 
 def kl_estimate(
@@ -49,18 +49,6 @@ def kl_estimate(
     if use_absolute_kl:
         kl_BT = kl_BT.abs()
     return kl_BT
-
-
-def controller_kl(kl_sum: float, tokens: float, samples: float, units: str) -> float:
-    """The KL measured over a step in the controller's units: `kl_sum` is the per-token KL summed over every response
-    token of the step (`tokens` of them, in `samples` responses); per sample = kl_sum / samples, per token =
-    kl_sum / tokens. (A per-sample target fed per-token KL reads a KL ~response-length times too small: beta would
-    only ever shrink.)"""
-    if units == "sample":
-        return kl_sum / max(samples, 1.0)
-    if units == "token":
-        return kl_sum / max(tokens, 1.0)
-    raise ValueError(f"KL units must be one of {KL_UNITS}, got {units!r}")
 
 
 class FixedKLController:
@@ -86,7 +74,7 @@ class AdaptiveKLController:
 
     error = clip(current_kl / target - 1, -0.2, 0.2);  value *= 1 + error * n_steps / horizon.
     The clip bounds how fast beta moves when the measured KL is far from the target. `current_kl` must be in the
-    units of `target` (see `controller_kl`): the paper's are nats per sample.
+    units of `target`: the paper's are nats per sample (the KL summed over a response).
     """
 
     ERROR_CLIP = 0.2

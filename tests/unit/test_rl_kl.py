@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from aligner.rl import AdaptiveKLController, FixedKLController, controller_kl, kl_estimate, make_kl_controller
+from aligner.rl import AdaptiveKLController, FixedKLController, kl_estimate, make_kl_controller
 
 
 def test_estimators_hand_values():
@@ -97,32 +97,25 @@ def test_make_kl_controller():
 
 
 def test_adaptive_controller_trajectory_in_matching_units():
-    """Five steps of 8 responses of 20 tokens each; the KL summed over all response tokens is given per step.
-    Per sample (Ziegler et al.'s unit) the measured KL is kl_sum / 8 and beta moves as the hand-computed
-    trajectory; fed the per-token mean instead (kl_sum / 160, 20x smaller) against the same per-sample target, the
-    error is clipped at -0.2 every step and beta can only shrink."""
+    """Five steps of 8 responses of 20 tokens each, with hand-made KL sums over all 160 response tokens. Per sample
+    (Ziegler et al.'s unit, kl_sum / 8) beta follows the hand-computed trajectory; fed the per-token mean instead
+    (kl_sum / 160, 20x smaller) against the same per-sample target, the error is clipped at -0.2 every step and
+    beta can only shrink; a per-token target (0.3 = 6 / 20) fed per-token KL moves exactly as the per-sample one."""
     kl_sums = [48.0, 96.0, 24.0, 52.8, 0.0]  # per sample: 6, 12, 3, 6.6, 0 nats
     c = AdaptiveKLController(0.1, target=6.0, horizon=80)
     trajectory = []
     for kl_sum in kl_sums:
-        c.update(controller_kl(kl_sum, tokens=160.0, samples=8.0, units="sample"), 8)
+        c.update(kl_sum / 8, 8)
         trajectory.append(c.value)
     # errors 0, +0.2 (clipped from 1), -0.2 (clipped from -0.5), +0.1, -0.2 (clipped from -1); n / horizon = 0.1
-    expected, v = [], 0.1
-    for error in (0.0, 0.2, -0.2, 0.1, -0.2):
-        v *= 1 + error * 0.1
-        expected.append(v)
-    assert trajectory == pytest.approx(expected, rel=1e-12)
     assert trajectory == pytest.approx([0.1, 0.102, 0.09996, 0.1009596, 0.098940408], rel=1e-9)
 
     wrong = AdaptiveKLController(0.1, target=6.0, horizon=80)
     for kl_sum in kl_sums:
-        wrong.update(controller_kl(kl_sum, tokens=160.0, samples=8.0, units="token"), 8)
+        wrong.update(kl_sum / 160, 8)
     assert wrong.value == pytest.approx(0.1 * 0.98**5), "per-token KL against a per-sample target only shrinks beta"
 
-    per_token = AdaptiveKLController(0.1, target=0.3, horizon=80)  # the same run with a per-token target
+    per_token = AdaptiveKLController(0.1, target=0.3, horizon=80)
     for kl_sum in kl_sums:
-        per_token.update(controller_kl(kl_sum, tokens=160.0, samples=8.0, units="token"), 8)
+        per_token.update(kl_sum / 160, 8)
     assert per_token.value == pytest.approx(trajectory[-1], rel=1e-12)
-    with pytest.raises(ValueError, match="units"):
-        controller_kl(1.0, 1.0, 1.0, "batch")
