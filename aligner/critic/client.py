@@ -51,9 +51,15 @@ def _server_reason(message: str) -> str:
 
 class CriticClient:
     def __init__(
-        self, url: str, connect_timeout: float = 120.0, infer_timeout: float = 600.0, train_timeout: float = 3600.0
+        self,
+        url: str,
+        connect_timeout: float = 120.0,
+        infer_timeout: float = 600.0,
+        train_timeout: float = 3600.0,
+        endpoints: tuple[str, ...] = protocol.ENDPOINTS,
     ):
         self.url = url if "://" in url else f"http://{url}"
+        self.endpoints = endpoints  # the ones this client uses (and waits for): (INFER,) for a reward-only critic
         self.connect_timeout, self.infer_timeout, self.train_timeout = connect_timeout, infer_timeout, train_timeout
         # One worker: requests leave in submission order (see the module docstring).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-client")
@@ -61,12 +67,13 @@ class CriticClient:
         self._ready = False
 
     @classmethod
-    def from_config(cls, cfg) -> "CriticClient":
-        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout)
+    def from_config(cls, cfg, endpoints: tuple[str, ...] = protocol.ENDPOINTS) -> "CriticClient":
+        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout, endpoints)
 
     # -- public API --------------------------------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until every endpoint answers; CriticUnreachableError after `timeout` (default connect_timeout)."""
+        """Block until every endpoint of `self.endpoints` answers; CriticUnreachableError after `timeout` (default
+        connect_timeout)."""
         self._pool.submit(self._wait_ready, timeout).result()
 
     def infer_async(self, tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> Future:
@@ -137,7 +144,7 @@ class CriticClient:
         from pytriton.client.exceptions import PyTritonClientError
 
         timeout = self.connect_timeout if timeout is None else timeout
-        for name in protocol.ENDPOINTS:
+        for name in self.endpoints:
             try:
                 self._client(name).wait_for_model(timeout)
             except (PyTritonClientError, OSError) as exc:

@@ -191,6 +191,7 @@ class CriticServer:
     def __init__(self, service, cfg: CriticJobConfig, channel: CommandChannel):
         self.service, self.cfg, self.channel = service, cfg, channel
         self.url = public_url(cfg.server)
+        self.endpoints = (protocol.INFER,) if cfg.reward_only else protocol.ENDPOINTS
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._lock = threading.Lock()
         self._closing = False
@@ -312,24 +313,25 @@ class CriticServer:
                 Tensor(name="rewards", dtype=f32, shape=(-1, 1)),
             ],
         )
-        self._triton.bind(
-            protocol.TRAIN,
-            self._train_endpoint,
-            config=no_batching,
-            inputs=[
-                Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
-                Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
-                *(Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in ("returns", "prev_values", "mask")),
-            ],
-            outputs=[Tensor(name=n, dtype=f32, shape=(1,)) for n in protocol.TRAIN_METRICS],
-        )
-        self._triton.bind(
-            protocol.SAVE,
-            self._save_endpoint,
-            config=no_batching,
-            inputs=[Tensor(name="step", dtype=i64, shape=(1,))],
-            outputs=[Tensor(name="path", dtype=bytes, shape=(1,))],
-        )
+        if not self.cfg.reward_only:  # reward-only mode (no value model): critic_infer alone, values [B, 0]
+            self._triton.bind(
+                protocol.TRAIN,
+                self._train_endpoint,
+                config=no_batching,
+                inputs=[
+                    Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
+                    Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
+                    *(Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in ("returns", "prev_values", "mask")),
+                ],
+                outputs=[Tensor(name=n, dtype=f32, shape=(1,)) for n in protocol.TRAIN_METRICS],
+            )
+            self._triton.bind(
+                protocol.SAVE,
+                self._save_endpoint,
+                config=no_batching,
+                inputs=[Tensor(name="step", dtype=i64, shape=(1,))],
+                outputs=[Tensor(name="path", dtype=bytes, shape=(1,))],
+            )
         try:
             self._triton.run()
         except Exception as exc:
@@ -346,7 +348,7 @@ class CriticServer:
 
         url = self.url if self.cfg.server.host not in ("0.0.0.0", "") else f"http://127.0.0.1:{self.cfg.server.port}"
         timeout = self.cfg.server.ready_timeout
-        for name in protocol.ENDPOINTS:
+        for name in self.endpoints:
             try:
                 with ModelClient(url, name, init_timeout_s=timeout) as client:
                     client.wait_for_model(timeout)
@@ -375,7 +377,7 @@ class CriticServer:
             with contextlib.closing(
                 httpclient.InferenceServerClient(f"{host}:{self.cfg.server.port}", network_timeout=timeout)
             ) as client:
-                for name in protocol.ENDPOINTS:
+                for name in self.endpoints:
                     client.unload_model(name, headers=headers)
             # The unload call returns before the stubs have gone: wait for those processes themselves.
             deadline = time.monotonic() + timeout
@@ -458,7 +460,7 @@ class CriticServer:
             from megatron.core import parallel_state as ps
 
             print(
-                f"critic server ready at {self.url} (endpoints {', '.join(protocol.ENDPOINTS)}; {world} rank(s): "
+                f"critic server ready at {self.url} (endpoints {', '.join(self.endpoints)}; {world} rank(s): "
                 f"TP {ps.get_tensor_model_parallel_world_size()}, PP {ps.get_pipeline_model_parallel_world_size()},"
                 f" DP {ps.get_data_parallel_world_size()})",
                 flush=True,
