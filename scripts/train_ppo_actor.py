@@ -1,9 +1,11 @@
-"""The actor job: PPO on the policy, against a running critic job.
+"""The actor job: PPO, GRPO, RLOO or REINFORCE++ on the policy (ppo.advantage_estimator), scored by a running critic
+job or by a reward function it runs itself (reward.source).
 
     srun -n N python scripts/train_ppo_actor.py --config-name ppo_actor [key=value ...]
     torchrun --nproc-per-node N scripts/train_ppo_actor.py ...   |   mpiexec -n N python scripts/train_ppo_actor.py ...
 
-Prints `metrics: <path of metrics.jsonl>` last (rank 0). A config error is one line on stderr and exit code 2.
+Prints `metrics: <path of metrics.jsonl>` last (rank 0). A config error is one line on stderr and exit code 2; so is
+a reward function that fails (its line names the function and the sample; the function's traceback follows).
 """
 
 import os
@@ -14,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from aligner.config import ConfigError  # noqa: E402
 from aligner.config.actor import load_actor_config  # noqa: E402
 from aligner.data.rows import DataError  # noqa: E402
+from aligner.rewards.function import RewardFunctionError  # noqa: E402
 
 
 def main(argv) -> int:
@@ -51,7 +54,7 @@ def main(argv) -> int:
         if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):  # a launcher prints it last itself
             print(f"metrics: {os.path.abspath(metrics_path)}", flush=True)
         code = 0
-    except (ConfigError, DataError) as exc:  # every rank reads the same config and files: all stop alike
+    except (ConfigError, DataError, RewardFunctionError) as exc:  # every rank stops alike (the reward: at one call)
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
         code = 2
     finally:
