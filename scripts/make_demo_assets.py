@@ -1,5 +1,6 @@
-"""Write the CPU demo's assets into conf/demo/: a character-level tokenizer (made with the `tokenizers` library,
-nothing downloaded) and train/validation prompt files. Deterministic; the outputs are committed.
+"""Write the CPU demos' assets into conf/demo/: a character-level tokenizer (made with the `tokenizers` library,
+nothing downloaded), the PPO demo's train/validation prompts and the GRPO demo's sums (`a plus 1:`, label a + 1, for
+a = 0..8; validated greedily on the same prompts). Deterministic; the outputs are committed.
 
     python scripts/make_demo_assets.py [--out conf/demo]
 """
@@ -35,6 +36,10 @@ def prompts(n: int, seed: int) -> list[dict]:
     return out
 
 
+def plus_one() -> list[dict]:
+    return [{"prompt": f"{a} plus 1:", "label": str(a + 1)} for a in range(9)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "conf", "demo"))
@@ -45,8 +50,10 @@ def main():
         with open(os.path.join(args.out, name), "w") as f:
             for row in prompts(n, seed):
                 f.write(json.dumps(row) + "\n")
+    with open(os.path.join(args.out, "plus_one.jsonl"), "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in plus_one())
     vocab = len(SPECIALS) + len(CHARS)
-    print(f"wrote {args.out}/tokenizer.json (vocab {vocab}), prompts_train.jsonl, prompts_val.jsonl")
+    print(f"wrote {args.out}/tokenizer.json (vocab {vocab}), prompts_train.jsonl, prompts_val.jsonl, plus_one.jsonl")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Run PPO on one machine: start the critic job, wait until it answers, run the actor job, stop the critic.
 
     python launchers/local/ppo.py [--actor-procs N] [--critic-procs M] [--launcher torchrun|mpiexec]
-                                  [--actor-gpus LIST] [--critic-gpus LIST]
+                                  [--actor-gpus LIST] [--critic-gpus LIST] [--actor-only]
                                   [--actor-config NAME] [--critic-config NAME] [--exp-dir DIR] [--port P]
                                   [--actor KEY=VALUE ...] [--critic KEY=VALUE ...]
+
+--actor-only runs the actor job alone, for configs whose reward needs no critic job (reward.source=function with
+a critic-free estimator; launchers/local/grpo.sh); the --critic* options are then ignored.
 
 On a machine with several GPUs, --actor-gpus 0,1 --critic-gpus 2 gives each job its own devices
 (CUDA_VISIBLE_DEVICES per job; each rank takes the GPU of its local rank among them). Without them both jobs see
@@ -125,6 +128,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--actor-config", default="ppo_actor_demo")
     p.add_argument("--critic-config", default="ppo_critic_demo")
+    p.add_argument("--actor-only", action="store_true", help="no critic job (reward.source=function)")
     p.add_argument("--actor-procs", type=int, default=1)
     p.add_argument("--critic-procs", type=int, default=1)
     p.add_argument(
@@ -188,7 +192,17 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    actor_env = {**env, **actor_gpus, "ALIGNER_NO_METRICS_LINE": "1"}  # this launcher prints the metrics line
     try:
+        if args.actor_only:
+            print(f"[ppo] actor job (no critic job): {' '.join(actor_cmd)}", flush=True)
+            actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True)
+            actor_rc = actor.wait()
+            if actor_rc != 0:
+                print(f"[ppo] the actor job failed (status {actor_rc})", file=sys.stderr)
+                return actor_rc
+            print(f"metrics: {os.path.join(exp, 'actor', 'metrics.jsonl')}", flush=True)
+            return 0
         print(f"[ppo] critic job: {' '.join(critic_cmd)}\n[ppo] critic log: {critic_log}", flush=True)
         with open(critic_log, "ab") as logf:
             critic = subprocess.Popen(
@@ -205,7 +219,6 @@ def main(argv=None) -> int:
             print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
             return 1
         print(f"[ppo] critic ready at {url}\n[ppo] actor job: {' '.join(actor_cmd)}", flush=True)
-        actor_env = {**env, **actor_gpus, "ALIGNER_NO_METRICS_LINE": "1"}  # this launcher prints the metrics line
         actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True)
         while actor.poll() is None:
             if critic.poll() is not None:
