@@ -3,7 +3,7 @@
 `CriticJobConfig` composes the shared sections (model, parallel, optim) with the critic job's own: which reward
 (a reward model or a reward function, exactly one), how the value model trains, where the PyTriton server
 listens, and checkpointing. `model: null` is reward-only mode (`reward_only`): no value model, so the job serves
-critic_infer's rewards alone (values [B, 0]) and binds neither critic_train nor critic_save, for the actor's
+critic_infer's rewards alone (values: zeros [B, 1]) and binds neither critic_train nor critic_save, for the actor's
 critic-free estimators. `validate()` runs at load (rules a type cannot express); `resolve_paths(config_dir)`
 turns relative file paths into absolute ones and checks that they exist; `validate_world(world_size)` checks the
 layout and batch sizes once the number of ranks is known. `load_critic_config(argv)` does all three but the last.

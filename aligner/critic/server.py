@@ -313,7 +313,7 @@ class CriticServer:
                 Tensor(name="rewards", dtype=f32, shape=(-1, 1)),
             ],
         )
-        if not self.cfg.reward_only:  # reward-only mode (no value model): critic_infer alone, values [B, 0]
+        if not self.cfg.reward_only:  # reward-only mode (no value model): critic_infer alone, values zeros [B, 1]
             self._triton.bind(
                 protocol.TRAIN,
                 self._train_endpoint,

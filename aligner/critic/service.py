@@ -8,7 +8,7 @@ Contract
   slice process the same rows, pipeline stages pass activations); results are assembled on every rank with one
   all-reduce over the default group, where only one rank per slice (TP rank 0 of the last PP stage) contributes.
 - `infer(tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> (values_BT, rewards_B1)`: values[b, t] is the
-  critic's output at position t (the actor decides which positions it uses), 0 at t >= lengths[b]; [B, 0] in
+  critic's output at position t (the actor decides which positions it uses), 0 at t >= lengths[b]; zeros [B, 1] in
   reward-only mode (`model: null`: no value model; `train` and `save` then raise CriticRequestError). Rewards: the
   reward model's scalar at position lengths[b] - 1, standardised by reward_mean/std; or `reward_fn` on decoded
   text, computed on global rank 0 only and broadcast (see aligner.critic.reward_fn).
@@ -66,7 +66,7 @@ class CriticService:
         self.dp_group = ps.get_data_parallel_group()
         vocab = cfg.vocab_size if cfg.vocab_size is not None else 2**62
         self.limits = Limits(cfg.server.max_batch_size, cfg.max_seq_len, vocab, cfg.server.max_train_batch_size)
-        self.critic = None  # reward-only mode (model: null): no value model, values are [B, 0]
+        self.critic = None  # reward-only mode (model: null): no value model, values are zeros [B, 1]
         if cfg.model is not None:
             self.critic = TrainableModel(cfg.model, cfg.optim, head="scalar")
             if cfg.model.checkpoint:
@@ -131,7 +131,8 @@ class CriticService:
                 rm_B = scores.gather(1, last).squeeze(1)
                 rewards_B[start:stop] = (rm_B - self.cfg.reward_mean) / self.cfg.reward_std
         self._sum_over_dp(out)
-        values = torch.zeros(batch, seq if self.critic is not None else 0, dtype=torch.float32)
+        # Reward-only mode: zeros [B, 1] (PyTriton cannot carry a tensor with a zero dimension).
+        values = torch.zeros(batch, seq if self.critic is not None else 1, dtype=torch.float32)
         values[:, :vwidth] = values_BT.cpu() * torch.from_numpy(valid_BT[:, :vwidth])
         if self.reward_function is not None:
             rewards = self._rewards_from_fn(tokens, lengths, prompt_lengths, labels)
