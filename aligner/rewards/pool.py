@@ -56,7 +56,11 @@ def _worker_main(spec: str, conn) -> None:
         try:
             out = call(fn, takes_labels, prompts, responses, labels)
         except BaseException as exc:  # noqa: BLE001 - SystemExit (sys.exit) is the function's failure too
-            conn.send(("raised", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            tb = exc.__traceback__
+            for _ in range(2):  # this loop's frame and call()'s: ours, not the function's
+                tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+            trace = "".join(traceback.format_exception(type(exc), exc, tb))
+            conn.send(("raised", f"{type(exc).__name__}: {exc}", trace))
             continue
         try:
             scores = [float(x) for x in out]

@@ -174,13 +174,17 @@ def hangs(prompts, responses):
 """
 
 
-@pytest.mark.parametrize("kind", ["raises", "hangs"])
-def test_failing_reward_function_is_named_on_every_rank(tmp_path, kind):
-    """Two actor ranks: only the rank holding "4 plus 1:" sees its function fail; both stop at the same call with
-    exit 2 (the other rank points to it), and the message names the function and the sample."""
+def _named(err, spec):
+    assert f"reward function {spec} failed on sample" in err and "(prompt '4 plus 1:', response" in err, err[-3000:]
+    assert "Traceback (most recent call last):\n  File" not in err.split("reward function")[0], "no aligner traceback"
+
+
+def test_failing_reward_function_stops_every_rank(tmp_path):
+    """Two actor ranks: only the rank holding "4 plus 1:" sees the function raise; both stop at that call (no
+    hang; torchrun reports the failure), and the message names the function, the sample and the exception, with
+    the function's traceback."""
     fn = tmp_path / "judge.py"
     fn.write_text(FAILING)
-    spec = f"{fn}:{'reward_fn' if kind == 'raises' else 'hangs'}"
     cmd = [
         sys.executable,
         LAUNCHER,
@@ -192,19 +196,35 @@ def test_failing_reward_function_is_named_on_every_rank(tmp_path, kind):
         "--exp-dir",
         str(tmp_path / "run"),
         "--actor",
-        f"reward.fn={spec}",
+        f"reward.fn={fn}",
+        "ppo.num_steps=2",
+        "logging.progress_bar=false",
+    ]
+    proc = run(cmd, str(tmp_path))
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    _named(proc.stderr, f"{fn}:reward_fn")
+    assert "raised ValueError: cannot judge this one" in proc.stderr and 'raise ValueError("cannot judge' in proc.stderr
+    assert not left_behind(str(tmp_path))
+
+
+def test_hanging_reward_function_is_killed_and_named(tmp_path):
+    """One process: the call that does not return within reward.timeout is killed; exit 2 with one line naming the
+    function and the sample."""
+    fn = tmp_path / "judge.py"
+    fn.write_text(FAILING)
+    cmd = [
+        sys.executable,
+        ACTOR,
+        "--config-name",
+        "grpo_demo",
+        f"exp_dir={tmp_path / 'run'}",
+        f"reward.fn={fn}:hangs",
         "reward.timeout=3",
         "ppo.num_steps=2",
         "logging.progress_bar=false",
     ]
     proc = run(cmd, str(tmp_path))
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    err = proc.stderr
-    assert f"reward function {spec} failed on sample" in err and "prompt '4 plus 1:'" in err, err[-3000:]
-    if kind == "raises":
-        assert "raised ValueError: cannot judge this one" in err and 'raise ValueError("cannot judge' in err
-    else:
-        assert "no answer within reward.timeout=3 s" in err
-    assert "failed on another rank" in err, "the other rank stops at the same call, pointing to the error"
-    assert "Traceback (most recent call last):\n  File" not in err.split("reward function")[0], "no aligner traceback"
+    _named(proc.stderr, f"{fn}:hangs")
+    assert "no answer within reward.timeout=3 s" in proc.stderr
     assert not left_behind(str(tmp_path))
