@@ -38,7 +38,7 @@ def _train(rank, world, exp_dir, overrides):
     from aligner.ppo.trainer import PPOTrainer
 
     cfg = load_actor_config(["--config-name", "grpo_demo", *BASE, f"exp_dir={exp_dir}", *overrides])
-    initialize(1, 1, seed=cfg.seed)
+    initialize(cfg.parallel.tensor_model_parallel_size, 1, seed=cfg.seed)
     trainer = PPOTrainer(cfg)
     try:
         path = trainer.fit()
@@ -115,6 +115,22 @@ def test_two_ranks_match_one_process(tmp_path, one_process, digit_reward, run):
                 assert rb[key] < 1e-5, key
             else:
                 assert rb[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_tensor_parallel_ranks_share_the_first_ranks_scores(tmp_path, one_process, digit_reward):
+    """TP=2: the reward function runs on TP rank 0 alone (one pool per data-parallel slice) and both ranks get its
+    scores. The demo's padded vocabulary is the same at TP=1 and TP=2, so the first step matches one process up to
+    the rounding of TP reductions."""
+    a, _ = one_process["loss"]
+    b, _ = train(
+        tmp_path, "tp2", 2, *KL_IN_LOSS, *ADAPTIVE, "parallel.tensor_model_parallel_size=2", f"reward.fn={digit_reward}"
+    )
+    noise = ("ppo/logprob_mismatch", "ppo/logprob_mismatch_max", "ppo/ratio_error")
+    for key, value in _comparable(a[0]).items():
+        if key in noise:
+            assert b[0][key] < 1e-5, key
+        else:
+            assert b[0][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
 
 
 def test_dynamic_sampling_keeps_the_batch_size(one_process):
