@@ -11,7 +11,7 @@ INSTALL_REQUIRES = [
     "megatron-core==0.16.1",
     "nvidia-pytriton==0.7.0",
     "numpy<2",  # PyTriton 0.7 returns empty tensors under numpy 2
-    "omegaconf>=2.3",
+    "omegaconf>=2.4",  # Literal-typed config fields (2.3 rejects them)
     "transformers>=4.45",
     "tokenizers>=0.20",
     "safetensors>=0.4",
@@ -24,9 +24,19 @@ EXTRAS = {
     # MPI launch outside Slurm (`mpiexec -n N ...`); the mpich wheel brings mpiexec, no system MPI needed.
     "mpi": ["mpi4py>=4.0", "mpich>=4.2"],
     "plot": ["matplotlib>=3.7"],
-    "dev": ["ruff>=0.6"],
+    # Parquet prompt files and saved HF `datasets` directories (aligner/data/rows.py; JSONL needs nothing). pyarrow 26
+    # needs numpy 2 at import time and declares no numpy requirement, so pip cannot see the clash with numpy<2 above.
+    "data": ["pyarrow>=14,<26"],
+    "dev": ["ruff==0.17.6"],  # pinned: `ruff format --check` is part of the test command
 }
-EXTRAS["test"] = ["pytest>=8", "pytest-timeout>=2.3"] + EXTRAS["mpi"] + EXTRAS["plot"]
+# `datasets` only writes the saved-dataset fixtures of tests/unit/test_data.py (aligner reads them with pyarrow).
+EXTRAS["test"] = (
+    ["pytest>=8", "pytest-timeout>=2.3", "datasets>=2.16"]
+    + EXTRAS["mpi"]
+    + EXTRAS["plot"]
+    + EXTRAS["data"]
+    + EXTRAS["dev"]
+)
 
 setup(
     name="aligner",

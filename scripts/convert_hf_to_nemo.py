@@ -1,12 +1,13 @@
-"""Convert a Hugging Face checkpoint (Llama 2/3, Mistral, Qwen2, GPT-2; causal LM or one-label reward model) into
-aligner's format: a megatron-core dist checkpoint plus model.yaml, the tokenizer and the source config.
+"""Convert a Hugging Face checkpoint (Llama 2/3/3.1-3.3, Mistral, Qwen2/2.5, Qwen3 dense, GPT-2; causal LM or one-label
+reward model) into aligner's format: a megatron-core dist checkpoint plus model.yaml, the tokenizer and the source
+config.
 
     python scripts/convert_hf_to_nemo.py --input HF_DIR --output CKPT_DIR [--tp N --pp M] [--model-type policy|reward]
     torchrun --nproc-per-node N*M scripts/convert_hf_to_nemo.py --input HF_DIR --output CKPT_DIR --tp N --pp M
 
 One process builds the model at TP=1/PP=1 (--tp/--pp are validated and recorded: dist checkpoints reshard on
 load); exactly N*M ranks build the N x M layout, each rank holding only its slice. Point a job's `model.checkpoint`
-at CKPT_DIR (model.yaml there is the model section). See docs/CONVERSION.md.
+at CKPT_DIR: the job takes the model's shape (model.yaml) and tokenizer from there. See docs/CONVERSION.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import os
 import random
 import string
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.ascii_lowercase) + list(string.digits) + list(" .,:?!-'")
@@ -24,6 +24,10 @@ def build_tokenizer() -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)  # already in the vocabulary: marks them special (skipped when decoding)
+    # A prompt starts with <bos>, added by the tokenizer itself as Llama's does: the jobs add no special tokens.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
     return tok
 
 

@@ -15,10 +15,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from aligner.config import ConfigError  # noqa: E402
-from aligner.config.critic import load_critic_config  # noqa: E402
+from aligner.config.critic import CriticJobConfig, load_critic_config  # noqa: E402
+from aligner.config.help import config_help, wants_help  # noqa: E402
 
 
 def main(argv) -> int:
+    if wants_help(argv):  # every config key, its value and its meaning, from the schema
+        print(config_help(CriticJobConfig, argv, "ppo_critic", __doc__))
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         cfg = load_critic_config(argv, default_name="ppo_critic")
@@ -32,7 +36,15 @@ def main(argv) -> int:
     info = discover(master_addr=cfg.parallel.master_addr, master_port=cfg.parallel.master_port)
     try:
         cfg.validate_world(info.world_size)
-    except ConfigError as exc:
+        from aligner.critic.auth import AuthError, is_loopback, load_token
+
+        if load_token(cfg.server.token_file) is None and not is_loopback(cfg.server.host):
+            raise ConfigError(
+                "server.host",
+                f"{cfg.server.host!r} is reachable from other machines, and the critic's endpoints change its state: "
+                "give the run's secret in ALIGNER_CRITIC_TOKEN (the launchers do) or server.token_file",
+            )
+    except (ConfigError, AuthError) as exc:
         print(exc, file=sys.stderr)
         return 2
     if info.rank == 0:
@@ -50,12 +62,16 @@ def main(argv) -> int:
         master_port=cfg.parallel.master_port,
         timeout_minutes=cfg.parallel.timeout_minutes,
     )
+    from aligner.checkpoint.dist_ckpt import CheckpointError
+    from aligner.utils.lock import LockError, hold_for_job
+
     code = 1  # an exception below: its traceback, then exit 1
     try:
+        lock = hold_for_job(cfg.exp_dir, "the critic job")  # noqa: F841 - held until the process ends
         from aligner.critic.service import CriticService
 
         code = serve(CriticService(cfg), cfg)
-    except ConfigError as exc:
+    except (ConfigError, LockError, CheckpointError) as exc:  # CheckpointError: e.g. one the config does not describe
         print(exc, file=sys.stderr)
         code = 2
     finally:

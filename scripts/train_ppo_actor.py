@@ -14,12 +14,16 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from aligner.config import ConfigError  # noqa: E402
-from aligner.config.actor import load_actor_config  # noqa: E402
+from aligner.config.actor import ActorJobConfig, load_actor_config  # noqa: E402
+from aligner.config.help import config_help, wants_help  # noqa: E402
 from aligner.data.rows import DataError  # noqa: E402
 from aligner.rewards.function import RewardFunctionError  # noqa: E402
 
 
 def main(argv) -> int:
+    if wants_help(argv):  # every config key, its value and its meaning, from the schema
+        print(config_help(ActorJobConfig, argv, "ppo_actor", __doc__))
+        return 0
     from aligner.utils.logs import setup_logging
 
     setup_logging()
@@ -32,8 +36,14 @@ def main(argv) -> int:
     except ConfigError as exc:
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
         return 2
+    from aligner.checkpoint.dist_ckpt import CheckpointError
+    from aligner.critic.protocol import CriticCheckpointError
     from aligner.parallel import initialize, shutdown
     from aligner.ppo.trainer import PPOTrainer
+    from aligner.utils.lock import LockError, hold_for_job
+
+    # A user's mistake or a state to fix by hand: one line, exit 2 (anything else is a bug: traceback, exit 1).
+    user_errors = (ConfigError, DataError, CheckpointError, CriticCheckpointError, LockError, RewardFunctionError)
 
     initialize(
         p.tensor_model_parallel_size,
@@ -46,6 +56,7 @@ def main(argv) -> int:
     )
     code = 1  # an exception below: its traceback, then exit 1
     try:
+        lock = hold_for_job(cfg.exp_dir, "the actor job")  # noqa: F841 - held until the process ends
         trainer = PPOTrainer(cfg)
         try:
             metrics_path = trainer.fit()
@@ -54,7 +65,7 @@ def main(argv) -> int:
         if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):  # a launcher prints it last itself
             print(f"metrics: {os.path.abspath(metrics_path)}", flush=True)
         code = 0
-    except (ConfigError, DataError, RewardFunctionError) as exc:  # every rank stops alike (the reward: at one call)
+    except user_errors as exc:  # raised alike on every rank: all stop alike (a reward function: at one call)
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
         code = 2
     finally:

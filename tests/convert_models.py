@@ -13,8 +13,20 @@ import torch
 VOCAB = 100  # embedding rows; megatron pads them to 128 (TP=1) or 256 (TP=2)
 N_TOKENS = 90  # tokenizer ids: fewer than the embedding rows, as in many HF models
 TOKENS_BT = torch.randint(1, N_TOKENS, (2, 12), generator=torch.Generator().manual_seed(3))
-KINDS = ("llama", "mistral", "qwen2", "gpt2", "llama_reward")
-REWARD_KINDS = ("llama_reward", "gpt2_reward")
+KINDS = ("llama", "mistral", "qwen2", "gpt2", "llama_reward", "llama3", "llama3_reward", "qwen3", "qwen3_reward")
+REWARD_KINDS = ("llama_reward", "gpt2_reward", "llama3_reward", "qwen3_reward")
+# Llama 3.1's RoPE scaling with other numbers than megatron's hard-coded ones (1, 4, 8192), chosen so the tiny model's
+# 8 frequencies (head width 16, theta 10000: wavelengths 6.3 ... 2e4) fall in all three bands: kept (< 48/6 = 8),
+# smoothed (8 .. 32) and divided by the factor (> 48/1.5 = 32).
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 5.0,
+    "low_freq_factor": 1.5,
+    "high_freq_factor": 6.0,
+    "original_max_position_embeddings": 48,
+}
+QWEN3_HEAD_DIM = 24  # not hidden_size / heads = 16: q is [96, 64], o_proj [64, 96]
 
 
 def tiny_tokenizer(n_tokens: int = N_TOKENS):
@@ -50,6 +62,17 @@ def hf_config(kind: str):
         )
     if kind == "qwen2":
         return tf.Qwen2Config(**llama, tie_word_embeddings=True)
+    if kind in ("llama3", "llama3_reward"):  # Llama 3.2 1B/3B: llama3 RoPE scaling and tied embeddings
+        labels = {"num_labels": 1} if kind.endswith("reward") else {}
+        return tf.LlamaConfig(**llama, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=True, **labels)
+    if kind in ("qwen3", "qwen3_reward"):
+        labels = {"num_labels": 1} if kind.endswith("reward") else {}
+        return tf.Qwen3Config(
+            **llama,
+            head_dim=QWEN3_HEAD_DIM,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            **labels,
+        )
     gpt2 = dict(
         vocab_size=VOCAB,
         n_embd=64,
@@ -76,6 +99,10 @@ def hf_class(kind: str):
         "llama_reward": tf.LlamaForSequenceClassification,
         "mistral": tf.MistralForCausalLM,
         "qwen2": tf.Qwen2ForCausalLM,
+        "llama3": tf.LlamaForCausalLM,
+        "llama3_reward": tf.LlamaForSequenceClassification,
+        "qwen3": tf.Qwen3ForCausalLM,
+        "qwen3_reward": tf.Qwen3ForSequenceClassification,
         "gpt2": tf.GPT2LMHeadModel,
         "gpt2_reward": tf.GPT2ForSequenceClassification,
     }[kind]

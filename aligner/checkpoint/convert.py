@@ -122,7 +122,13 @@ def _tmp_path(final: str) -> str:
     return os.path.join(os.path.dirname(final), ".tmp-" + os.path.basename(final))
 
 
-def _check_output(final: str, overwrite: bool) -> None:
+def _check_output(final: str, overwrite: bool, source: str) -> None:
+    out, src = os.path.realpath(final), os.path.realpath(source)
+    if out == src or out.startswith(src + os.sep) or src.startswith(out + os.sep):
+        raise ValueError(
+            f"--output {final} {'is' if out == src else 'overlaps'} the input {source}: writing there would "
+            "delete the source; choose an output directory outside it"
+        )
     if os.path.exists(final) and not overwrite:
         raise FileExistsError(f"{final} exists: remove it or pass --overwrite")
     parent = os.path.dirname(final)
@@ -305,7 +311,7 @@ def convert_hf_to_dist(
             "first (model.resize_token_embeddings(len(tokenizer)))"
         )
     _validate_layout(cfg, tp, pp)
-    _check_output(out_dir, overwrite)
+    _check_output(out_dir, overwrite, hf_dir)
     world = _world_size()
     if world == 1:
         build_tp, build_pp = 1, 1
@@ -339,6 +345,8 @@ def convert_hf_to_dist(
             try:
                 final_cfg = dataclasses.replace(cfg, checkpoint=out_dir, tokenizer=os.path.join(out_dir, "tokenizer"))
                 copy_tokenizer(tokenizer_src, os.path.join(tmp, "tokenizer"))
+                # generation_config.json's EOS ids (one or a list) next to the tokenizer: load_tokenizer's stop_ids
+                copy_extras(hf_dir, os.path.join(tmp, "tokenizer"))
                 # transformers picks a tokenizer class from the model's config.json too (e.g. Qwen2's adds
                 # <|endoftext|>): a copy beside the tokenizer files makes AutoTokenizer load the same tokenizer.
                 with open(os.path.join(tmp, "tokenizer", "config.json"), "w") as f:
@@ -364,6 +372,7 @@ def convert_hf_to_dist(
                         f,
                         indent=1,
                     )
+                dist_ckpt.write_manifest(tmp)  # a later truncated file is named, not loaded
                 _commit(tmp, out_dir)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree below
                 error = exc
@@ -379,12 +388,16 @@ def convert_hf_to_dist(
 
 
 def _model_dir(ckpt_dir: str) -> str:
-    model_dir = os.path.join(ckpt_dir, "model") if os.path.isdir(os.path.join(ckpt_dir, "model")) else ckpt_dir
+    model_dir = dist_ckpt.model_dir(ckpt_dir)
     if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
         raise FileNotFoundError(
             f"{ckpt_dir} is not an aligner checkpoint: no megatron dist checkpoint (metadata.json) "
             "in it or in its model/ directory"
         )
+    problem = dist_ckpt.verify(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, "state.json")) else None
+    problem = problem or dist_ckpt.verify_files(ckpt_dir)
+    if problem:
+        raise dist_ckpt.CheckpointError(problem)
     return model_dir
 
 
@@ -413,37 +426,6 @@ def load_model_yaml(path: str) -> ModelConfig:
 def detect_model_type(model_dir: str) -> str:
     """'reward' for a scalar head (reward model or critic), 'policy' for an LM head (see dist_ckpt.head_kind)."""
     return "reward" if dist_ckpt.head_kind(model_dir) == "scalar" else "policy"
-
-
-def _check_against_checkpoint(module, cfg: ModelConfig, stored: dict[str, tuple], yaml_path: str) -> None:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    expected = {}
-    for v in module.sharded_state_dict().values():
-        if isinstance(v, ShardedTensor):
-            expected[v.key] = v
-        elif hasattr(v, "key") and not v.key.endswith("_extra_state"):
-            expected[v.key] = None  # a factory (gated fc1): present, shape checked by megatron
-    missing = sorted(set(expected) - set(stored))
-    extra = sorted(set(stored) - set(expected))
-    if missing or extra:
-        raise CheckpointMismatchError(
-            f"the checkpoint does not match {yaml_path}: missing {missing[:4]}, unexpected {extra[:4]} (wrong arch, "
-            "num_layers, tie_embeddings or head?)"
-        )
-    for key, ten in expected.items():
-        if ten is None:
-            continue
-        have, want = stored[key], tuple(ten.global_shape)
-        if ten.allow_shape_mismatch and len(have) == len(want) and have[1:] == want[1:]:
-            # Vocabulary rows are padded per layout; the stored rows must still cover the real vocabulary.
-            if want[0] > 1 and have[0] < cfg.vocab_size:
-                raise CheckpointMismatchError(
-                    f"{key} stores {have[0]} rows but {yaml_path} has vocab_size={cfg.vocab_size}"
-                )
-            continue
-        if have != want:
-            raise CheckpointMismatchError(f"{key}: the checkpoint stores shape {have} but {yaml_path} implies {want}")
 
 
 def _hf_tensors(module, cfg: ModelConfig, wmap):
@@ -509,7 +491,7 @@ def convert_dist_to_hf(
                 f"the tokenizer {tokenizer_src} has {n_tokens} tokens but the model's "
                 f"vocabulary has {cfg.vocab_size} rows: it is not this model's tokenizer"
             )
-    _check_output(out_dir, overwrite)
+    _check_output(out_dir, overwrite, ckpt_dir)
     if _world_size() != 1:
         raise ValueError(
             "run the megatron -> HF converter as one process: the checkpoint is resharded to TP=1/PP=1 "
@@ -518,8 +500,8 @@ def convert_dist_to_hf(
     _initialize(1, 1)
 
     module = _build(cfg, model_type)
-    _check_against_checkpoint(module, cfg, dist_ckpt.stored_shapes(model_dir), yaml_path)
-    load_model_weights(ckpt_dir, [module])
+    dist_ckpt.check_matches(model_dir, [module], vocab_size=cfg.vocab_size, described_by=yaml_path)
+    load_model_weights(ckpt_dir, [module], vocab_size=cfg.vocab_size)
     if model_type == "reward":
         bias = float(module.output_layer.bias.detach().float().reshape(()))
         if bias != 0.0 and not drop_score_bias:

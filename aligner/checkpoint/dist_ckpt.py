@@ -6,11 +6,23 @@ Layout of one checkpoint directory:
                                          on CPU one torch file per rank (same layout required to resume it)
     <root>/step_000012/state.json        trainer state (step, consumed samples, KL controller, ...), rank 0
     <root>/step_000012/rng/rank_K.pt     RNG states per global rank
-Every rank writes under `<root>/.tmp-step_000012`; after a barrier rank 0 writes `state.json` last and renames the
-directory into place, so a directory named `step_*` is always complete; `latest_checkpoint(root)` finds the newest.
+    <root>/step_000012/manifest.json     every other file's size, written just before state.json
+Every rank writes under `<root>/.tmp-step_000012`; after a barrier rank 0 writes the manifest, then `state.json` last,
+and renames the directory into place, so a directory named `step_*` is always complete when written.
+`verify(path)` tells whether it is still intact (a truncated or missing file is named); `latest_checkpoint(root)`
+finds the newest complete one. Which steps of a run the actor and the critic *both* completed is recorded by
+aligner.checkpoint.run (the run's commit record), not here.
 
 Contract: `save(root, step, models, optimizer, state)` and `load(path, models, optimizer)` are collective over the
 whole world (every rank calls them); `models` is a list of megatron modules (the bare GPTModel slices).
+
+Loading is strict (`load`, `load_model_weights`, `load_backbone_weights`): before any data is read, the tensors the
+model holds (keys and global shapes of every rank's sharded state dict, gathered over the world) are compared with
+those the checkpoint stores (its metadata), and a missing, unexpected or mis-shaped tensor raises
+`CheckpointMismatchError` (a CheckpointError) naming it, on every rank alike (megatron's own default ignores tensors
+the model does not ask for, e.g. Qwen2's q/k/v biases under a config without add_qkv_bias). The one documented
+exception is `load_backbone_weights`, which leaves the output layer as built (a critic from a policy). Vocabulary
+rows are padded per layout, so those tensors may differ in their first dimension.
 """
 
 from __future__ import annotations
@@ -28,6 +40,26 @@ import torch.distributed as dist
 from aligner.parallel.device import on_gpu
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, damaged or not the one expected; the message names the file."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A tensor is missing, unexpected or has a shape its config does not imply."""
+
+
+# A stored or expected tensor that usually means one ModelConfig key disagrees with the checkpoint.
+_HINTS = (
+    ("linear_qkv.bias", "model.add_qkv_bias"),
+    ("q_layernorm", "model.qk_layernorm"),
+    ("k_layernorm", "model.qk_layernorm"),
+    ("output_layer.weight", "model.tie_embeddings, or a policy vs a reward-model checkpoint"),
+    ("position_embeddings", "model.arch"),
+    ("layer_norm_bias", "model.arch"),
+)
 
 
 def _rank() -> int:
@@ -98,16 +130,72 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """The newest complete checkpoint under `root` (a `step_*` directory with a state.json), or None."""
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every `step_*` directory with a state.json under `root`, oldest first."""
     if not root or not os.path.isdir(root):
-        return None
-    steps = []
+        return []
+    out = []
     for name in os.listdir(root):
         m = _STEP_DIR.match(name)
         if m and os.path.isfile(os.path.join(root, name, "state.json")):
-            steps.append((int(m.group(1)), name))
-    return os.path.join(root, max(steps)[1]) if steps else None
+            out.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under `root` (a `step_*` directory with a state.json), or None."""
+    done = complete_checkpoints(root)
+    return done[-1][1] if done else None
+
+
+def _files(path: str) -> dict[str, int]:
+    out = {}
+    for here, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(here, name)
+            rel = os.path.relpath(full, path)
+            if rel not in (MANIFEST, "state.json"):
+                out[rel] = os.path.getsize(full)
+    return out
+
+
+def verify(path: str) -> str | None:
+    """None when the checkpoint at `path` is complete and intact; otherwise what is wrong, naming the file."""
+    state = os.path.join(path, "state.json")
+    if not os.path.isfile(state):
+        return f"{path} is not a complete checkpoint (no state.json)"
+    try:
+        with open(state) as f:
+            json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"{state} is unreadable ({exc})"
+    return verify_files(path)
+
+
+def write_manifest(path: str) -> None:
+    """Record the size of every file under `path` (call on the finished directory, before it is renamed)."""
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(_files(path), f, indent=0, sort_keys=True)
+
+
+def verify_files(path: str) -> str | None:
+    """None when every file the manifest of `path` lists is there with its size (or there is no manifest)."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest):
+        return None  # written before manifests existed: state.json is all there is to check
+    try:
+        with open(manifest) as f:
+            expected = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"{manifest} is unreadable ({exc})"
+    for rel, size in sorted(expected.items()):
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"{full} is missing"
+        actual = os.path.getsize(full)
+        if actual != size:
+            return f"{full} has {actual} bytes, {size} were written (truncated or replaced)"
+    return None
 
 
 def rng_state() -> dict:
@@ -155,16 +243,26 @@ def _model_sharded_state(models) -> dict:
 
 
 def save(
-    root: str, step: int, models, optimizer=None, state: dict | None = None, keep: int | None = None, model_cfg=None
+    root: str,
+    step: int,
+    models,
+    optimizer=None,
+    state: dict | None = None,
+    keep: int | None = None,
+    model_cfg=None,
+    replace: bool = True,
 ) -> str:
     """Write `<root>/step_<step>` atomically; returns its path. Collective.
 
     With `model_cfg` (a ModelConfig), `model.yaml` describes the model, so the checkpoint converts to HF
-    (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments."""
+    (scripts/convert_nemo_to_hf.py) or loads elsewhere without further arguments. With `replace=False` an existing
+    complete checkpoint of that step is an error (FileExistsError, before anything is written)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
+    if not replace and os.path.isfile(os.path.join(final, "state.json")):
+        raise FileExistsError(f"{final} exists and is complete: a checkpoint is never overwritten")
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
@@ -183,6 +281,7 @@ def save(
 
             with open(os.path.join(tmp, "model.yaml"), "w") as f:
                 f.write(to_yaml(model_cfg))
+        write_manifest(tmp)
         with open(os.path.join(tmp, "state.json"), "w") as f:  # last: its presence marks a complete checkpoint
             json.dump({"step": step, **(state or {})}, f, indent=1)
         if os.path.exists(final):
@@ -207,27 +306,33 @@ def read_state(path: str) -> dict:
 
 @torch.no_grad()  # megatron copies loaded optimizer state into views of leaf parameters
 def load(path: str, models, optimizer=None, restore_rng: bool = True) -> dict:
-    """Load a checkpoint written by `save` into `models` (any TP/PP layout) and `optimizer` (if given).
+    """Load a checkpoint written by `save` into `models` (any TP/PP layout) and `optimizer` (if given); strict.
 
     Returns the trainer state dict. Collective.
     """
-    from megatron.core import dist_checkpointing
-
-    if not os.path.isfile(os.path.join(path, "state.json")):
-        raise FileNotFoundError(f"{path} is not a complete aligner checkpoint (no state.json)")
-    sharded = _model_sharded_state(models)
-    loaded = dist_checkpointing.load(sharded, os.path.join(path, "model"))
-    if len(models) == 1:
-        models[0].load_state_dict(loaded, strict=False)
-    else:
-        for i, m in enumerate(models):
-            m.load_state_dict(loaded[f"model{i}"], strict=False)
+    problem = verify(path)
+    if problem:
+        raise CheckpointError(problem)
+    _load_strict(os.path.join(path, "model"), models)
     if optimizer is not None:
-        optimizer.load(os.path.join(path, "optim"), _model_sharded_state(models))
+        _read(os.path.join(path, "optim"), optimizer.load, os.path.join(path, "optim"), _model_sharded_state(models))
     rng_file = os.path.join(path, "rng", f"rank_{_rank()}.pt")
     if restore_rng and os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(_read(rng_file, lambda: torch.load(rng_file, weights_only=True)))
     return read_state(path)
+
+
+def _read(what: str, fn, *args):
+    """Run a megatron/torch checkpoint read; a failure becomes CheckpointError naming `what`."""
+    try:
+        return fn(*args)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any reader failure means the same thing to the user
+        raise CheckpointError(
+            f"cannot read {what}: {type(exc).__name__}: {str(exc)[:300]} (a damaged or truncated file, or a "
+            "checkpoint of another model shape)"
+        ) from exc
 
 
 def model_dir(path: str) -> str:
@@ -253,39 +358,96 @@ def head_kind(path: str) -> str:
     return "scalar" if shape is not None and shape[0] == 1 else "lm"
 
 
-def load_model_weights(path: str, models) -> None:
-    """Load only the model weights (e.g. a converted HF checkpoint: `<path>/model` or `<path>` itself)."""
-    from megatron.core import dist_checkpointing
+def load_model_weights(path: str, models, vocab_size: int | None = None) -> None:
+    """Load only the model weights (e.g. a converted HF checkpoint: `<path>/model` or `<path>` itself); strict.
 
-    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
-    if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
-        raise FileNotFoundError(f"{model_dir} is not a megatron dist checkpoint (no metadata.json)")
-    sharded = _model_sharded_state(models)
-    loaded = dist_checkpointing.load(sharded, model_dir)
-    if len(models) == 1:
-        models[0].load_state_dict(loaded, strict=False)
-    else:
-        for i, m in enumerate(models):
-            m.load_state_dict(loaded[f"model{i}"], strict=False)
+    `vocab_size` (the real, unpadded vocabulary), when given, must fit in the stored embedding rows."""
+    _load_strict(_existing_model_dir(path), models, vocab_size=vocab_size)
 
 
 def load_backbone_weights(path: str, models) -> None:
     """Like `load_model_weights`, but leaves the output layer as built: initialises a model whose head differs from
     the checkpoint's, e.g. a critic (scalar head) from a converted policy (LM head), as NeMo-Aligner's
-    `load_base_model_only` does. The embedding, all layers and the final norm are loaded."""
+    `load_base_model_only` does. The embedding, all layers and the final norm are loaded, strictly."""
+    _load_strict(_existing_model_dir(path), models, skip=("output_layer.",))
+
+
+def _existing_model_dir(path: str) -> str:
+    directory = model_dir(path)
+    if not os.path.isfile(os.path.join(directory, "metadata.json")):
+        raise FileNotFoundError(f"{directory} is not a megatron dist checkpoint (no metadata.json)")
+    return directory
+
+
+def _expected_tensors(models, skip: tuple[str, ...]) -> dict[str, tuple[tuple, bool]]:
+    """{checkpoint key: (global shape, rows may differ)} of the tensors `models` hold on this rank."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded = _model_sharded_state(models)
+    apply_factories(sharded)  # a gated fc1 is a factory of two tensors: its real keys and shapes
+    out = {}
+    for v in nested_values(sharded):
+        if isinstance(v, ShardedTensor) and not v.key.endswith("_extra_state") and not v.key.startswith(skip):
+            out[v.key] = (tuple(v.global_shape), bool(v.allow_shape_mismatch))
+    return out
+
+
+def check_matches(
+    path: str, models, skip: tuple[str, ...] = (), vocab_size: int | None = None, described_by: str = "the config"
+) -> None:
+    """Raise CheckpointMismatchError (on every rank alike; collective) unless the dist checkpoint at `path` stores
+    exactly the tensors `models` hold, with their global shapes; keys starting with `skip` are left out of both."""
+    expected = _expected_tensors(models, skip)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, expected)
+        expected = {k: v for part in gathered for k, v in part.items()}
+    stored = {k: v for k, v in _read(path, stored_shapes, path).items() if not k.startswith(skip)}
+    problems = []  # (key, what is wrong)
+    for key in sorted(set(expected) - set(stored)):
+        problems.append((key, f"{key} is missing from the checkpoint"))
+    for key in sorted(set(stored) - set(expected)):
+        problems.append((key, f"the checkpoint has {key}, which {described_by} has no place for"))
+    for key in sorted(set(expected) & set(stored)):
+        (want, rows_may_differ), have = expected[key], stored[key]
+        if rows_may_differ and len(have) == len(want) and have[1:] == want[1:]:
+            if vocab_size is not None and want[0] > 1 and have[0] < vocab_size:
+                problems.append((key, f"{key} stores {have[0]} rows but {described_by} has vocab_size={vocab_size}"))
+            continue
+        if have != want:
+            problems.append((key, f"{key}: the checkpoint stores shape {have} but {described_by} implies {want}"))
+    if problems:
+        hints = sorted({hint for key, _ in problems for part, hint in _HINTS if part in key})
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointMismatchError(
+            f"{model_dir(path)} does not match the model {described_by} describes: "
+            + "; ".join(text for _, text in problems[:3])
+            + more
+            + (f"; check {'; '.join(hints)}" if hints else "")
+        )
+
+
+@torch.no_grad()
+def _load_strict(directory: str, models, skip: tuple[str, ...] = (), vocab_size: int | None = None) -> None:
     from megatron.core import dist_checkpointing
 
-    model_dir = os.path.join(path, "model") if os.path.isdir(os.path.join(path, "model")) else path
-    if not os.path.isfile(os.path.join(model_dir, "metadata.json")):
-        raise FileNotFoundError(f"{model_dir} is not a megatron dist checkpoint (no metadata.json)")
-
-    def backbone(state: dict) -> dict:
-        return {k: v for k, v in state.items() if not k.startswith("output_layer.")}
-
-    sharded = [backbone(m.sharded_state_dict()) for m in models]
+    check_matches(directory, models, skip=skip, vocab_size=vocab_size)
+    sharded = [_without(m.sharded_state_dict(), skip) for m in models]
     if len(models) == 1:
-        models[0].load_state_dict(dist_checkpointing.load(sharded[0], model_dir), strict=False)
+        loaded = [_read(directory, dist_checkpointing.load, sharded[0], directory)]
     else:
-        loaded = dist_checkpointing.load({f"model{i}": s for i, s in enumerate(sharded)}, model_dir)
-        for i, m in enumerate(models):
-            m.load_state_dict(loaded[f"model{i}"], strict=False)
+        both = _read(directory, dist_checkpointing.load, {f"model{i}": s for i, s in enumerate(sharded)}, directory)
+        loaded = [both[f"model{i}"] for i in range(len(models))]
+    for m, state in zip(models, loaded):
+        result = m.load_state_dict(state, strict=False)
+        # Transformer Engine's _extra_state may be absent (a checkpoint from the local spec): the only allowed gap.
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and not k.startswith(skip)]
+        if missing or result.unexpected_keys:
+            raise CheckpointMismatchError(
+                f"{directory}: loading left {missing[:4]} unfilled and {result.unexpected_keys[:4]} unused"
+            )
+
+
+def _without(state: dict, skip: tuple[str, ...]) -> dict:
+    return {k: v for k, v in state.items() if not k.startswith(skip)} if skip else state

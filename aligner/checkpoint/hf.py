@@ -1,7 +1,8 @@
 """Hugging Face <-> megatron-core mappings: configs and weights, tensor by tensor (no model, no I/O here).
 
 Supported HF architectures (`SUPPORTED`) are those the family specs list (aligner.families): the Llama
-family (Llama 2/3, Mistral, Qwen2 with its q/k/v biases) and GPT-2, each as a causal LM (`policy`) or as
+family (Llama 2/3/3.x with llama3 RoPE scaling, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its per-head q/k
+norms and head_dim) and GPT-2, each as a causal LM (`policy`) or as
 `*ForSequenceClassification` with one label (`reward`, the `score` head). Everything family-specific (config.json
 keys, what megatron cannot express, tensor names and layouts) is read off the spec; this module holds the generic
 rules.
@@ -16,9 +17,10 @@ Contract:
   layer numbers) with the unpadded vocabulary, the canonical form of aligner.models.sharding. `to_hf(part, read)`
   is the exact inverse (`read(megatron_name)`). Both only permute, transpose, split and concatenate, so a round
   trip is bit-identical. Callers stream part by part, so at most one layer is held twice.
-- megatron's fused QKV (per KV group g: the q heads of g, then k_g, then v_g) and gated fc1 ([gate; up]) are the
-  only non-trivial layouts; HF's q/k/v come as three tensors (Llama) or one [q | k | v] (GPT-2), and Conv1D
-  weights (GPT-2) are stored [in, out] and are transposed.
+- megatron's fused QKV (per KV group g: the q heads of g, then k_g, then v_g, each head `kv_channels` wide) and
+  gated fc1 ([gate; up]) are the only non-trivial layouts; Qwen3's q/k norms map one to one; HF's q/k/v come as
+  three tensors (Llama) or one [q | k | v] (GPT-2), and Conv1D weights (GPT-2) are stored [in, out] and are
+  transposed.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 
+from aligner.checkpoint.dist_ckpt import CheckpointMismatchError
 from aligner.config.schema import ModelConfig
 from aligner.families import FamilySpec, HFVariant, UnsupportedModelError, families, family
+from aligner.families.spec import LLAMA3_ROPE_KEYS, hf_rope
 from aligner.families.spec import hf_get as _get
-from aligner.families.spec import hf_rope
 
 Read = Callable[[str], torch.Tensor]
 
@@ -44,10 +47,6 @@ SUPPORTED = {
     for arch, model_type in ((variant.causal_lm, "policy"), (variant.classifier, "reward"))
 }
 MODEL_TYPES = ("policy", "reward")
-
-
-class CheckpointMismatchError(ValueError):
-    """A tensor is missing or has a shape its config does not imply."""
 
 
 def architecture_of(hf_cfg) -> str:
@@ -130,12 +129,24 @@ def model_config_from_hf(
     else:
         fields["num_query_groups"] = None  # one KV head per query head
     fields["ffn_hidden_size"] = fields["ffn_hidden_size"] or 4 * fields["hidden_size"]
+    if fields.get("head_dim") == fields["hidden_size"] // heads:
+        fields["head_dim"] = None  # the default width: model.yaml says so by leaving it out
     fields["max_position_embeddings"] = max_position_embeddings or hf_max_pos
     fields["tie_embeddings"] = bool(_get(hf_cfg, keys["tie_embeddings"], spec.tie_embeddings))
     fields["init_method_std"] = _get(hf_cfg, keys["init_method_std"], ModelConfig.init_method_std)
     if spec.rope:
-        fields["rotary_base"], _ = hf_rope(hf_cfg)
-    cfg = ModelConfig(arch=spec.name, add_qkv_bias=variant.qkv_bias, params_dtype=params_dtype, **fields)
+        fields["rotary_base"], rope_type, params = hf_rope(hf_cfg)
+        if rope_type == "llama3":  # check_config accepted it: all four numbers are there
+            fields["rope_scaling"] = "llama3"
+            for key, field in LLAMA3_ROPE_KEYS:
+                fields[field] = type(getattr(ModelConfig, field))(params[key])
+    cfg = ModelConfig(
+        arch=spec.name,
+        add_qkv_bias=variant.qkv_bias,
+        qk_layernorm=variant.qk_layernorm,
+        params_dtype=params_dtype,
+        **fields,
+    )
     return cfg, spec.name, model_type
 
 
@@ -150,7 +161,7 @@ def hf_architecture(cfg: ModelConfig, model_type: str, source: dict | None = Non
                 f"hf_config.json describes a {source_arch}, not a {cfg.arch}-family model as model.yaml does"
             )
     else:
-        variant = hf.export_variant(cfg.add_qkv_bias)
+        variant = hf.export_variant(cfg.add_qkv_bias, cfg.qk_layernorm)
     return variant.causal_lm if model_type == "policy" else variant.classifier
 
 
@@ -183,6 +194,10 @@ def hf_config_for_export(cfg: ModelConfig, model_type: str, source: dict | None,
         "vocab_size",
         "tie_embeddings",
         "add_qkv_bias",
+        "qk_layernorm",
+        "kv_channels",
+        "rope_scaling",
+        *(field for _, field in LLAMA3_ROPE_KEYS if cfg.rope_scaling == "llama3"),
     ):
         if getattr(check, field) != getattr(cfg, field) and not (field == "tie_embeddings" and model_type == "reward"):
             raise CheckpointMismatchError(
@@ -198,13 +213,17 @@ def _config_from_model(cfg: ModelConfig) -> dict:
     import transformers
 
     spec = family(cfg.arch)
-    variant = spec.hf.export_variant(cfg.add_qkv_bias)
+    variant = spec.hf.export_variant(cfg.add_qkv_bias, cfg.qk_layernorm)
     values = dataclasses.asdict(cfg)
     values["num_query_groups"] = cfg.num_query_groups or cfg.num_attention_heads
+    values["head_dim"] = cfg.kv_channels
     kwargs = {key: values[field] for field, key in spec.hf.config_keys}
     kwargs.update(spec.hf.export_extras)
     if spec.rope:
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+        if cfg.rope_scaling == "llama3":
+            kwargs["rope_parameters"].update({"rope_type": "llama3"})
+            kwargs["rope_parameters"].update({key: values[field] for key, field in LLAMA3_ROPE_KEYS})
     hf = getattr(transformers, variant.config_class)(**kwargs)
     hf.architectures = [variant.causal_lm]
     out = hf.to_dict()
@@ -254,7 +273,7 @@ class WeightMap:
 
     @property
     def head_dim(self) -> int:
-        return self.cfg.hidden_size // self.cfg.num_attention_heads
+        return self.cfg.kv_channels
 
     def parts(self) -> list:
         return ["pre", *range(self.cfg.num_layers), "post"]
@@ -288,7 +307,14 @@ class WeightMap:
                 "mlp.linear_fc1": ((self.ffn * (2 if spec.gated_mlp else 1), h), spec.linear_bias),
                 "mlp.linear_fc2": ((h, self.ffn), spec.linear_bias),
             }
-            modules = [(_layer(part, m), names, *layout[m]) for m, names in hf.layer_modules]
+            named = list(hf.layer_modules)
+            if cfg.qk_layernorm:
+                if not hf.qk_norm_modules:
+                    raise UnsupportedModelError(f"the {cfg.arch} family's HF format has no per-head q/k norms")
+                for module, name in hf.qk_norm_modules:  # one [head_dim] norm shared by every head
+                    layout[module] = ((self.head_dim,), spec.norm_bias)
+                    named.append((module, (name,)))
+            modules = [(_layer(part, m), names, *layout[m]) for m, names in named]
             within = self.prefix + hf.layer.format(i=part)
         out = []
         for module, names, shape, bias in modules:

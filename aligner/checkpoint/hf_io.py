@@ -74,9 +74,7 @@ class HFReader:
                     )
                 return fmt, dict(weight_map)
         if os.path.isfile(os.path.join(directory, SAFE_SINGLE)):
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(directory, SAFE_SINGLE), "pt") as f:
+            with _open_safetensors(os.path.join(directory, SAFE_SINGLE)) as f:
                 return "safetensors", {k: SAFE_SINGLE for k in f.keys()}
         if os.path.isfile(os.path.join(directory, BIN_SINGLE)):
             state = _load_bin(os.path.join(directory, BIN_SINGLE))
@@ -96,9 +94,7 @@ class HFReader:
         if file not in self._handles:
             path = os.path.join(self.directory, file)
             if self.format == "safetensors":
-                from safetensors import safe_open
-
-                self._handles[file] = safe_open(path, "pt")
+                self._handles[file] = _open_safetensors(path)
             else:
                 self._handles[file] = _load_bin(path)
         return self._handles[file]
@@ -113,18 +109,44 @@ class HFReader:
 
     def get(self, name: str) -> torch.Tensor:
         h = self._handle(name)
-        return h.get_tensor(name) if self.format == "safetensors" else h[name]
+        try:
+            return h.get_tensor(name) if self.format == "safetensors" else h[name]
+        except Exception as exc:  # noqa: BLE001 - a file damaged past its header
+            raise _unreadable(os.path.join(self.directory, self._file_of[name]), exc) from exc
 
     def close(self) -> None:
         self._handles.clear()
 
 
+class HFFileError(ValueError):
+    """A weights file that cannot be read (truncated, damaged, not what its name says)."""
+
+
+def _unreadable(path: str, exc: BaseException) -> HFFileError:
+    return HFFileError(
+        f"{path} cannot be read ({str(exc)[:200] or type(exc).__name__}): a truncated or damaged file? "
+        "Copy or download it again"
+    )
+
+
+def _open_safetensors(path: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, "pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise _unreadable(path, exc) from exc
+
+
 def _load_bin(path: str) -> dict:
     try:
-        # mmap keeps the file's pages out of resident memory until a tensor is touched.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # legacy (non-zip) serialization cannot be memory-mapped
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            # mmap keeps the file's pages out of resident memory until a tensor is touched.
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) serialization cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
+        raise _unreadable(path, exc) from exc
 
 
 def parse_size(text: str | int) -> int:

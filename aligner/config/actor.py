@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import ClassVar, Literal, Optional, Sequence
 
-from aligner.config.critic import CriticClientConfig, resolve_file, resolve_function
+from aligner.config.critic import CriticClientConfig
 from aligner.config.errors import ConfigError
 from aligner.config.generation import GenerationConfig, validate_generation
 from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
+from aligner.config.paths import resolve_file, resolve_function
 from aligner.config.rules import check, check_choices
 from aligner.config.schema import (
     CheckpointConfig,
@@ -37,23 +38,27 @@ from aligner.config.schema import (
 
 @dataclass
 class DataConfig:
-    train_file: str = "conf/demo/prompts_train.jsonl"  # JSONL, one object per line with `prompt` (and `label`)
-    val_file: Optional[str] = None
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    """Prompt files (formats and examples: docs/DATA.md): JSONL, Parquet or a saved HF dataset directory; each row a
+    plain prompt or a chat (rendered with the tokenizer's chat template), and an optional label."""
+
+    train_file: str = "conf/demo/prompts_train.jsonl"  # prompts: a .jsonl or .parquet file, or a saved HF dataset dir
+    val_file: Optional[str] = None  # held-out prompts for validation (same format); None = no validation set
+    prompt_key: str = "prompt"  # the row field holding a plain prompt (tokenised as the HF tokenizer does)
+    messages_key: str = "messages"  # the row field holding a chat: [{"role", "content"}, ...] for the chat template
+    label_key: str = "label"  # the row field passed to the reward function as its label (optional in each row)
+    long_prompts: Literal["skip", "truncate_left", "error"] = "skip"  # prompts over generation.max_prompt_length
     tokenizer: Optional[str] = None  # None = model.tokenizer; tokenizer.json or an HF tokenizer directory
-    add_bos: bool = True  # prepend the tokenizer's BOS token (when it has one)
-    shuffle: bool = True
-    seed: int = 1234
+    shuffle: bool = True  # a new seeded permutation of the prompts every epoch
+    seed: int = 1234  # seed of the prompt order
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
+    temperature: float = 1.0  # divides the logits before sampling (and training's log-probs)
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
-    greedy: bool = False
-    min_new_tokens: int = 0
+    greedy: bool = False  # argmax instead of sampling
+    min_new_tokens: int = 0  # EOS and stop tokens cannot end a response shorter than this
     max_new_tokens: Optional[int] = None  # None = generation.max_response_length
     ignore_eos: bool = False  # EOS and stop tokens end nothing: every response has max_new_tokens (benchmarks)
 
@@ -67,12 +72,12 @@ class SamplingConfig:
 class KLConfig:
     coef: float = 0.02  # beta: of the per-token -beta * KL reward, or of the KL loss term (placement: loss)
     placement: Literal["reward", "loss"] = "reward"  # reward: PPO's penalty in the rewards | loss: GRPO's loss term
-    estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimate (aligner.rl.kl); GRPO's loss uses k3
-    use_absolute_kl: bool = False
-    adaptive: bool = False  # Ziegler et al.'s controller moves beta towards `target`
+    estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator (Schulman's k1, k2, k3); GRPO's loss: k3
+    use_absolute_kl: bool = False  # use |k1| (NeMo-Aligner's option)
+    adaptive: bool = False  # adapt coef towards the target KL (Ziegler et al.'s controller)
     target: float = 6.0  # the KL the adaptive controller aims for, in `target_units`
     target_units: Literal["sample", "token"] = "sample"  # sample: summed over a response (Ziegler's) | token: mean
-    horizon: int = 10000
+    horizon: int = 10000  # horizon (in samples) of the adaptive controller
 
 
 @dataclass
@@ -81,8 +86,8 @@ class DynamicSamplingConfig:
     dropped and more prompts drawn until the step has `ppo.rollout_batch_size` groups, at most `max_draws` draws
     of `ppo.rollout_batch_size` prompts each; if the cap is reached, dropped groups fill the rest (in draw order)."""
 
-    enabled: bool = False
-    max_draws: int = 4
+    enabled: bool = False  # drop groups whose rewards are all equal and draw again (grpo, rloo)
+    max_draws: int = 4  # at most this many draws of ppo.rollout_batch_size prompts per step
 
 
 @dataclass
@@ -91,34 +96,34 @@ class OverlongConfig:
     their score, linearly, reaching -penalty at max_new_tokens. buffer 0 = off. (DAPO's overlong filtering is
     `ppo.zero_unended`.)"""
 
-    buffer: int = 0
-    penalty: float = 1.0
+    buffer: int = 0  # tokens before max_new_tokens where the penalty starts (0 = off)
+    penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
 
 
 @dataclass
 class PPOConfig:
-    num_steps: int = 100
+    num_steps: int = 100  # RL steps (rollout + update) to run
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"  # aligner.rl.estimators
     rollout_batch_size: int = 64  # prompts per step, whole job
     n_samples_per_prompt: int = 1  # responses per prompt, generated together and kept together (grpo/rloo: >= 2)
     normalize_group_std: bool = True  # grpo: divide by the group's std (false: Dr. GRPO's mean-only baseline)
     num_mini_batches: int = 1  # optimizer steps per epoch over the rollouts
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # rows per forward/backward pass of the policy update
     forward_micro_batch_size: Optional[int] = None  # rows per forward-only pass (log-probs); None = micro_batch_size
-    epochs: int = 1
-    clip_eps: float = 0.2
+    epochs: int = 1  # passes over each step's rollouts
+    clip_eps: float = 0.2  # PPO ratio clip: 1 - clip_eps .. 1 + clip_eps
     clip_eps_high: Optional[float] = None  # asymmetric upper clip (None = clip_eps)
     dual_clip: Optional[float] = None  # c > 1 enables dual-clip PPO
-    entropy_coef: float = 0.0
-    gamma: float = 1.0
-    lam: float = 0.95  # gae only
-    whiten_advantages: bool = True  # gae only (reinforce_pp always whitens; grpo and rloo normalise per group)
+    entropy_coef: float = 0.0  # weight of the entropy bonus in the policy loss
+    gamma: float = 1.0  # discount of the returns
+    lam: float = 0.95  # lambda of GAE (gae only)
+    whiten_advantages: bool = True  # gae: advantages to mean 0, std 1 over the step's tokens (reinforce_pp always)
     zero_unended: bool = False  # samples cut at the length limit get no policy gradient (DAPO's overlong filter)
     score_clip: Optional[float] = None  # clip the reward score to +-score_clip
     critic_warmup_steps: int = 0  # steps that train only the critic (gae)
-    kl: KLConfig = field(default_factory=KLConfig)
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    kl: KLConfig = field(default_factory=KLConfig)  # the KL to the reference policy: in the reward or in the loss
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # DAPO: drop constant groups
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO's soft overlong punishment
 
 
 @dataclass
@@ -127,7 +132,7 @@ class RewardConfig:
     with gae also its values). function: `fn` run by the actor job itself, in `num_workers` processes on the first
     tensor/pipeline-parallel rank of each data-parallel slice (aligner.rewards; critic-free estimators only)."""
 
-    source: Literal["critic", "function"] = "critic"
+    source: Literal["critic", "function"] = "critic"  # critic: the critic job's critic_infer | function: reward.fn
     fn: Optional[str] = None  # path.py or path.py:name (default name reward_fn); docs/REWARDS.md
     num_workers: int = 2  # worker processes per data-parallel slice
     timeout: float = 60.0  # seconds one call may take before its worker is killed and the run stops
@@ -141,43 +146,44 @@ class ReferenceConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    tensorboard: bool = True  # also write metrics to <exp_dir>/tensorboard
     samples_every: int = 5  # write decoded samples every N steps (0 = never)
-    num_samples: int = 4
-    progress_bar: bool = True
+    num_samples: int = 4  # samples written each time
+    progress_bar: bool = True  # a progress bar on the logging rank
 
 
 @dataclass
 class ActorCheckpointConfig(CheckpointConfig):
     save_every: int = 0  # steps between checkpoints (0 = only at the end / on SIGTERM / max_time)
-    save_critic: bool = True  # the critic job checkpoints the same step (critic_save; with gae, the trained critic)
-    save_at_end: bool = True
+    save_critic: bool = True  # gae: the critic job checkpoints the same step (critic_save); critic-free: unused
+    save_at_end: bool = True  # checkpoint after the last step
 
 
 @dataclass
 class ValidationConfig:
     every: int = 0  # steps between validations (0 = never)
-    greedy: bool = True
-    max_prompts: int = 64
+    greedy: bool = True  # greedy responses for validation (else sampled as in training)
+    max_prompts: int = 64  # validate on the first N prompts of data.val_file
 
 
 @dataclass
 class ActorJobConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    critic: CriticClientConfig = field(default_factory=CriticClientConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: ActorCheckpointConfig = field(default_factory=ActorCheckpointConfig)
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    MODEL_SECTIONS: ClassVar[tuple[str, ...]] = ("model",)  # filled from their checkpoint's model.yaml at load
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy (and the reference: its initial weights)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the policy is split over the ranks
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the policy's optimizer
+    generation: GenerationConfig = field(default_factory=GenerationConfig)  # the engine that samples responses
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how response tokens are drawn
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # batch sizes, groups, the advantage estimator and the loss
+    reward: RewardConfig = field(default_factory=RewardConfig)  # where the scores come from (docs/REWARDS.md)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # where the frozen reference policy lives
+    data: DataConfig = field(default_factory=DataConfig)  # prompt files (docs/DATA.md) and the tokenizer
+    critic: CriticClientConfig = field(default_factory=CriticClientConfig)  # where the critic job listens
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # metrics, samples, progress
+    checkpoint: ActorCheckpointConfig = field(default_factory=ActorCheckpointConfig)  # saving and resuming
+    validation: ValidationConfig = field(default_factory=ValidationConfig)  # scores on held-out prompts
     exp_dir: str = "results/ppo_actor"  # metrics.jsonl, samples, TensorBoard, checkpoints
-    seed: int = 1234
+    seed: int = 1234  # seed of initialisation, sampling and mini-batch order
     max_time: Optional[float] = None  # seconds; checkpoint and stop cleanly once exceeded
 
     def validate(self) -> None:
@@ -231,6 +237,11 @@ class ActorJobConfig:
         check(self.logging.samples_every >= 0, "logging.samples_every", "must be >= 0")
         check(self.validation.every >= 0, "validation.every", "must be >= 0")
         check(self.checkpoint.save_every >= 0, "checkpoint.save_every", "must be >= 0")
+        check(
+            self.data.prompt_key != self.data.messages_key,
+            "data.messages_key",
+            f"must differ from data.prompt_key (both are {self.data.prompt_key!r}): a row holds a prompt or a chat",
+        )
 
     def _validate_algorithm(self) -> None:
         """The estimator, groups, reward source and DAPO options fit together."""

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 from aligner.config.errors import ConfigError
 from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
+from aligner.config.paths import resolve_file, resolve_function, split_spec
 from aligner.config.rules import check_choices
 from aligner.config.schema import (
     CheckpointConfig,
@@ -30,17 +31,15 @@ from aligner.config.schema import (
     validate_optim,
 )
 
-REPO_ROOT = os.path.dirname(REPO_CONF_DIR)
-
 
 @dataclass
 class CriticTrainConfig:
     """How one `critic_train` request is consumed: `epochs` passes over the request's rows in order, one optimizer
     step per `global_batch_size` rows (the last global batch may be smaller), `micro_batch_size` rows per forward."""
 
-    global_batch_size: int = 64
-    micro_batch_size: int = 4
-    epochs: int = 1
+    global_batch_size: int = 64  # rows per optimizer step
+    micro_batch_size: int = 4  # rows per forward/backward pass on each data-parallel rank
+    epochs: int = 1  # passes over each critic_train request
     value_clip_eps: Optional[float] = 0.2  # None = unclipped value loss
 
 
@@ -61,6 +60,8 @@ class CriticServerConfig:
     ready_timeout: float = 120.0  # seconds to wait for Triton and the endpoints to answer at start-up
     heartbeat_s: float = 30.0  # idle rank 0 pings the other ranks this often so their collectives never time out
     log_file: Optional[str] = None  # tritonserver's log; None = <exp_dir>/tritonserver.log
+    token_file: Optional[str] = None  # the run's secret (else env ALIGNER_CRITIC_TOKEN); required off loopback
+    idle_timeout_s: Optional[float] = None  # exit after this long without a request (a dead actor); None: never
 
     def resolved_ports(self) -> dict[str, int]:
         return {
@@ -72,20 +73,21 @@ class CriticServerConfig:
 
 @dataclass
 class CriticJobConfig:
-    model: Optional[ModelConfig] = field(default_factory=ModelConfig)  # the value model; null = reward-only mode
+    MODEL_SECTIONS: ClassVar[tuple[str, ...]] = ("model", "reward_model")  # filled from their checkpoint's model.yaml
+    model: Optional[ModelConfig] = field(default_factory=ModelConfig)  # the value model; null: reward-only mode
     reward_model: Optional[ModelConfig] = None  # scalar head read at each sequence's last token
     reward_mean: float = 0.0  # reward-model scores are reported as (score - reward_mean) / reward_std
-    reward_std: float = 1.0
-    reward_fn: Optional[str] = None  # a .py file defining reward_fn(prompts, responses[, labels]) -> list[float]
+    reward_std: float = 1.0  # see reward_mean
+    reward_fn: Optional[str] = None  # path.py[:name] (default name reward_fn), as the actor's reward.fn: REWARDS.md
     tokenizer: Optional[str] = None  # decodes tokens for reward_fn (tokenizer.json or an HF tokenizer directory)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: CriticTrainConfig = field(default_factory=CriticTrainConfig)
-    infer: CriticInferConfig = field(default_factory=CriticInferConfig)
-    server: CriticServerConfig = field(default_factory=CriticServerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    exp_dir: str = "results/critic"
-    seed: int = 1234
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how both models are split over the ranks
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the critic's optimizer
+    train: CriticTrainConfig = field(default_factory=CriticTrainConfig)  # how critic_train requests train
+    infer: CriticInferConfig = field(default_factory=CriticInferConfig)  # how critic_infer requests run
+    server: CriticServerConfig = field(default_factory=CriticServerConfig)  # the PyTriton server
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # the critic's checkpoints
+    exp_dir: str = "results/critic"  # the critic's logs and checkpoints
+    seed: int = 1234  # seed of initialisation
 
     # -- rules -------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -98,7 +100,7 @@ class CriticJobConfig:
             raise ConfigError(
                 "reward_model",
                 "set exactly one of reward_model (a scalar-head model) or reward_fn "
-                "(a .py file defining reward_fn); "
+                "(path.py[:name], a Python reward function); "
                 + ("both are set" if self.reward_model is not None else "neither is set"),
             )
         if self.reward_model is not None:
@@ -112,8 +114,8 @@ class CriticJobConfig:
         if not self.reward_std > 0:
             raise ConfigError("reward_std", f"must be > 0, got {self.reward_std}")
         if self.reward_fn is not None:
-            if not self.reward_fn.endswith(".py"):
-                raise ConfigError("reward_fn", f"must name a Python file (.py), got {self.reward_fn!r}")
+            if not split_spec(self.reward_fn)[0].endswith(".py"):
+                raise ConfigError("reward_fn", f"must name a Python file (path.py[:name]), got {self.reward_fn!r}")
             if self.tokenizer_path is None:
                 raise ConfigError(
                     "tokenizer",
@@ -148,6 +150,8 @@ class CriticJobConfig:
             )
         if first is None and s.max_seq_len is None:
             raise ConfigError("server.max_seq_len", "with neither model nor reward_model, set the longest row accepted")
+        if s.idle_timeout_s is not None and not s.idle_timeout_s > 0:
+            raise ConfigError("server.idle_timeout_s", f"must be > 0 seconds (or null: never), got {s.idle_timeout_s}")
         if s.ready_timeout <= 0 or s.heartbeat_s <= 0:
             raise ConfigError("server.ready_timeout", "server.ready_timeout and server.heartbeat_s must be > 0")
 
@@ -202,39 +206,11 @@ class CriticJobConfig:
     def resolve_paths(self, config_dir: Optional[str] = None) -> None:
         """Make `reward_fn` and `tokenizer` absolute: a relative path is looked up in the working directory, the
         repository root, then `config_dir` (the config file's directory). Raises ConfigError if not found."""
-        self.reward_fn = resolve_file(self.reward_fn, "reward_fn", config_dir)
+        self.reward_fn = resolve_function(self.reward_fn, "reward_fn", config_dir)
         if self.tokenizer is not None:
             self.tokenizer = resolve_file(self.tokenizer, "tokenizer", config_dir)
         elif self.reward_fn is not None and self.model is not None and self.model.tokenizer is not None:
             self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
-
-
-def resolve_file(path: Optional[str], key: str, config_dir: Optional[str] = None) -> Optional[str]:
-    if path is None:
-        return None
-    if os.path.isabs(path):
-        candidates = [path]
-    else:
-        candidates = [os.path.abspath(path), os.path.join(REPO_ROOT, path)]
-        if config_dir:
-            candidates.append(os.path.join(os.path.abspath(config_dir), path))
-    for candidate in candidates:
-        if os.path.exists(candidate):
-            return os.path.normpath(candidate)
-    raise ConfigError(key, f"{path!r} not found (looked in: {', '.join(dict.fromkeys(candidates))})")
-
-
-def resolve_function(spec: Optional[str], key: str, config_dir: Optional[str] = None) -> Optional[str]:
-    """`path.py[:name]` with the path resolved as `resolve_file` does; the name is kept."""
-    from aligner.rewards.function import split_spec  # torch-free leaf module: the one home of the spec's syntax
-
-    if spec is None:
-        return None
-    path, name = split_spec(spec)
-    if not path.endswith(".py"):
-        raise ConfigError(key, f"must name a Python file, path.py or path.py:function; got {spec!r}")
-    path = resolve_file(path, key, config_dir)
-    return f"{path}:{name}"
 
 
 def load_critic_config(argv: Sequence[str], default_name: str = "ppo_critic") -> CriticJobConfig:
@@ -249,11 +225,12 @@ def load_critic_config(argv: Sequence[str], default_name: str = "ppo_critic") ->
 class CriticClientConfig:
     """The actor job's `critic` section: where the critic job listens and how long to wait for it."""
 
-    host: str = "127.0.0.1"
-    port: int = 5567
+    host: str = "127.0.0.1"  # the critic job's address (its server.host)
+    port: int = 5567  # the critic job's HTTP port (its server.port)
     connect_timeout: float = 120.0  # seconds to wait for the server to answer before failing with a clear error
     infer_timeout: float = 600.0  # seconds for one critic_infer request
     train_timeout: float = 3600.0  # seconds for one critic_train (or critic_save) request
+    token_file: Optional[str] = None  # the run's secret (else env ALIGNER_CRITIC_TOKEN; the launchers set it)
 
     @property
     def url(self) -> str:

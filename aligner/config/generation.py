@@ -18,8 +18,8 @@ DtypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 class GenerationConfig:
     backend: Literal["native", "trtllm"] = "native"  # native (our engine) | trtllm (TensorRT-LLM, where installed)
     max_batch_size: int = 64  # prompts per generate() call on this rank
-    max_prompt_length: int = 128
-    max_response_length: int = 256
+    max_prompt_length: int = 128  # longest prompt in tokens (longer ones: data.long_prompts)
+    max_response_length: int = 256  # most tokens generated per response
     dtype: DtypeChoice = "auto"  # engine weights: auto = bfloat16 on GPU, the policy's dtype on CPU
     kv_dtype: DtypeChoice = "auto"  # auto = the engine's dtype
     cuda_graphs: bool = True  # capture the decode step on GPU (ignored on CPU)

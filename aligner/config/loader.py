@@ -8,6 +8,9 @@ choice: `{model: llama_1b}` merges `<conf>/model/llama_1b.yaml` into the `model`
 line: `model=llama_1b` or `model@reward_model=tiny` (a bare name, where `<conf>/<group>/` exists); it is applied
 after the files and before the `key=value` overrides.
 Merging onto the dataclass schema rejects unknown keys and values of the wrong type; the error names the key.
+A schema whose class attribute `MODEL_SECTIONS` names model sections (ModelConfig) gets each of them filled from
+its checkpoint's model.yaml (aligner.config.from_checkpoint): under the config file's own keys and the command line
+("explicit"), over what `defaults:` brought in.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from aligner.config.errors import ConfigError
+from aligner.config.from_checkpoint import fill_from_checkpoint
 
 T = TypeVar("T")
 
@@ -101,6 +105,12 @@ def is_group_choice(item: str, config_dir: str | None) -> bool:
 
 
 def _load_yaml_with_defaults(path: str, seen: tuple = ()) -> DictConfig:
+    defaults, body = _load_yaml_parts(path, seen)
+    return OmegaConf.merge(defaults, body)
+
+
+def _load_yaml_parts(path: str, seen: tuple = ()) -> tuple[DictConfig, DictConfig]:
+    """(what the file's `defaults:` list brings, merged in order; the file's own keys)."""
     if path in seen:
         raise ConfigError("defaults", f"circular defaults: {' -> '.join(seen + (path,))}")
     try:
@@ -121,7 +131,7 @@ def _load_yaml_with_defaults(path: str, seen: tuple = ()) -> DictConfig:
         merged = OmegaConf.merge(
             merged, _load_yaml_with_defaults(_resolve_path(str(base), os.path.dirname(path)), seen + (path,))
         )
-    return OmegaConf.merge(merged, node)
+    return merged, node
 
 
 def _explain(msg: str) -> str:
@@ -139,26 +149,44 @@ def _wrap(exc: OmegaConfBaseException) -> ConfigError:
     return ConfigError(key, _explain(str(exc).split("\n")[0]))
 
 
-def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), config_dir: str | None = None) -> T:
-    """Build a `schema` instance from conf/<name>.yaml plus `key=value` overrides."""
+def merged_config(
+    schema: Type[T], name: str, overrides: Sequence[str] = (), config_dir: str | None = None
+) -> tuple[DictConfig, str]:
+    """The schema with conf/<name>.yaml, group choices and `key=value` overrides merged on top (not yet validated),
+    and the config file's path."""
     if not is_dataclass(schema):
         raise TypeError("schema must be a dataclass type")
     base = OmegaConf.structured(schema)
     path = _resolve_path(name, config_dir)
-    file_cfg = _load_yaml_with_defaults(path)
+    defaults_cfg, body = _load_yaml_parts(path)
     choices = [o for o in overrides if is_group_choice(o, config_dir)]
     overrides = [o for o in overrides if o not in choices]
+    explicit = body  # the file's own keys and the command line, untyped: which keys the user wrote
     try:
-        merged = OmegaConf.merge(base, file_cfg)
+        merged = OmegaConf.merge(base, defaults_cfg, body)
         for item in choices:
             spec, _, option = item.partition("=")
-            merged = OmegaConf.merge(merged, _group_choice(spec, option, config_dir))
+            choice = _group_choice(spec, option, config_dir)
+            merged, explicit = OmegaConf.merge(merged, choice), OmegaConf.merge(explicit, choice)
         for item in overrides:
             key, _, _ = item.partition("=")
             try:
                 merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+                explicit = OmegaConf.merge(explicit, OmegaConf.from_dotlist([item]))
             except OmegaConfBaseException as exc:
                 raise ConfigError(key, f"bad override {item!r}: {_explain(str(exc).splitlines()[0])}") from exc
+        sections = getattr(schema, "MODEL_SECTIONS", ())
+        if sections:
+            merged = fill_from_checkpoint(merged, explicit, sections, config_dir or REPO_CONF_DIR)
+    except OmegaConfBaseException as exc:
+        raise _wrap(exc) from exc
+    return merged, path
+
+
+def load_config(schema: Type[T], name: str, overrides: Sequence[str] = (), config_dir: str | None = None) -> T:
+    """Build a `schema` instance from conf/<name>.yaml plus `key=value` overrides, and validate it."""
+    merged, _ = merged_config(schema, name, overrides, config_dir)
+    try:
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _wrap(exc) from exc

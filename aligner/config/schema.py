@@ -21,50 +21,64 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 @dataclass
 class ModelConfig:
     """A decoder-only transformer as megatron-core builds it. `arch` names its family (aligner.families: norms,
-    MLP, biases, positions, HF names), e.g. llama (also Mistral, Qwen2 with `add_qkv_bias`) or gpt2."""
+    MLP, biases, positions, HF names), e.g. llama (also Llama 3.x with `rope_scaling`, Mistral, Qwen2 with
+    `add_qkv_bias`, Qwen3 with `qk_layernorm` and `head_dim`) or gpt2. With `checkpoint` set, the jobs fill every
+    key the config does not set from the checkpoint's model.yaml (aligner.config.from_checkpoint)."""
 
     arch: str = "llama"  # a family name: aligner.families.names()
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
+    num_layers: int = 2  # transformer layers
+    hidden_size: int = 64  # model width
+    num_attention_heads: int = 4  # query heads per layer
     num_query_groups: Optional[int] = None  # grouped-query attention; None = one KV head per query head
     ffn_hidden_size: Optional[int] = None  # None = 4 * hidden_size
     vocab_size: int = 256  # the tokenizer's; padded up for TP (see make_vocab_size_divisible_by)
-    make_vocab_size_divisible_by: int = 128
-    max_position_embeddings: int = 2048
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-5
-    tie_embeddings: bool = False
+    make_vocab_size_divisible_by: int = 128  # embedding rows are padded to a multiple of this x TP
+    max_position_embeddings: int = 2048  # longest sequence (prompt + response) the model is built for
+    rotary_base: float = 10000.0  # RoPE theta (rotary families)
+    norm_epsilon: float = 1e-5  # epsilon of the RMSNorm / LayerNorm layers
+    tie_embeddings: bool = False  # the output layer shares the input embedding's weights
     add_qkv_bias: bool = False  # Qwen2
-    init_method_std: float = 0.02
-    params_dtype: Dtype = "float32"
-    attention_backend: Literal["auto", "sdpa", "unfused", "te"] = "auto"
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
+    init_method_std: float = 0.02  # std of the random initialisation (weights not loaded from a checkpoint)
+    params_dtype: Dtype = "float32"  # dtype of the parameters (training)
+    attention_backend: Literal["auto", "sdpa", "unfused", "te"] = "auto"  # auto: TE where installed, else sdpa
+    hidden_dropout: float = 0.0  # dropout after attention and MLP (0 for RL)
+    attention_dropout: float = 0.0  # dropout of the attention probabilities
     checkpoint: Optional[str] = None  # a dist checkpoint (e.g. from scripts/convert_hf_to_nemo.py) to load
     tokenizer: Optional[str] = None  # path to an HF tokenizer (directory or tokenizer.json)
+    rope_scaling: Optional[Literal["llama3"]] = None  # RoPE frequency scaling: null = plain; llama3 = Llama 3.1+'s
+    rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this (Llama 3.1: 8, 3.2: 32)
+    rope_scaling_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/this are scaled
+    rope_scaling_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/this are kept
+    rope_scaling_original_max_position_embeddings: int = 8192  # llama3 scaling: the pre-training context length
+    head_dim: Optional[int] = None  # width of one attention head (megatron's kv_channels); None = hidden / heads
+    qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
+
+    @property
+    def kv_channels(self) -> int:
+        """The width of one attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # TP: each layer's matrices split over this many ranks
+    pipeline_model_parallel_size: int = 1  # PP: the layers split into this many stages
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPU, gloo on CPU
     master_addr: Optional[str] = None  # default: from the launcher's environment
-    master_port: Optional[int] = None
+    master_port: Optional[int] = None  # default: from the launcher's environment (MASTER_PORT)
     timeout_minutes: float = 30.0  # a collective that does not complete in time is an error naming rank, group, op
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
+    lr: float = 1e-5  # peak learning rate (Adam)
+    min_lr: float = 0.0  # learning rate at the end of the cosine decay
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW)
+    adam_beta1: float = 0.9  # Adam's first-moment decay
+    adam_beta2: float = 0.95  # Adam's second-moment decay
+    adam_eps: float = 1e-8  # Adam's epsilon
+    clip_grad: float = 1.0  # clip the global gradient norm to this (0 = no clipping)
+    warmup_steps: int = 0  # optimizer steps of linear warm-up to lr
     lr_decay_steps: Optional[int] = None  # None = constant after warm-up
     use_distributed_optimizer: bool = True  # megatron's, on GPU; ignored on CPU
 
@@ -86,11 +100,40 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
     )
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
         _check(getattr(model, name) > 0, f"{prefix}.{name}", "must be positive")
-    _check(
-        model.hidden_size % model.num_attention_heads == 0,
-        f"{prefix}.hidden_size",
-        f"{model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads}",
-    )
+    if model.head_dim is None:
+        _check(
+            model.hidden_size % model.num_attention_heads == 0,
+            f"{prefix}.hidden_size",
+            f"{model.hidden_size} is not divisible by num_attention_heads={model.num_attention_heads} "
+            f"(or set {prefix}.head_dim)",
+        )
+    else:
+        _check(model.head_dim > 0, f"{prefix}.head_dim", f"must be positive (or null), got {model.head_dim}")
+    rope = families.family(model.arch).rope
+    if rope:
+        _check(
+            model.kv_channels % 2 == 0,
+            f"{prefix}.head_dim",
+            f"RoPE rotates pairs of dimensions: the head width {model.kv_channels} must be even",
+        )
+    if model.rope_scaling is not None:
+        _check(rope, f"{prefix}.rope_scaling", f"the {model.arch} family has no RoPE to scale: set it to null")
+        _check(
+            model.rope_scaling_factor >= 1,
+            f"{prefix}.rope_scaling_factor",
+            f"must be >= 1, got {model.rope_scaling_factor}",
+        )
+        _check(
+            0 < model.rope_scaling_low_freq_factor < model.rope_scaling_high_freq_factor,
+            f"{prefix}.rope_scaling_low_freq_factor",
+            f"must be > 0 and below rope_scaling_high_freq_factor={model.rope_scaling_high_freq_factor}, "
+            f"got {model.rope_scaling_low_freq_factor}",
+        )
+        _check(
+            model.rope_scaling_original_max_position_embeddings > 0,
+            f"{prefix}.rope_scaling_original_max_position_embeddings",
+            "must be positive",
+        )
     groups = model.num_query_groups or model.num_attention_heads
     _check(
         model.num_attention_heads % groups == 0,

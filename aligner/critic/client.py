@@ -1,14 +1,18 @@
 """Client of the critic job (used by the actor): non-blocking calls that return futures.
 
 Contract
-- `CriticClient(url, connect_timeout, infer_timeout, train_timeout)` (or `CriticClient.from_config(cfg.critic)`
-  with an `aligner.config.critic.CriticClientConfig`). Requests go out from one worker thread in the order they
-  were submitted, so a `train_async` submitted before an `infer_async` reaches the server first (and the server
-  makes that infer wait until the training is done: the next rollout sees the updated critic). The caller never
-  blocks on training: it holds a Future and asks for the result when it needs it.
+- `CriticClient(url, connect_timeout, infer_timeout, train_timeout, token=None, endpoints=ENDPOINTS)` (or
+  `CriticClient.from_config(cfg.critic)` with an `aligner.config.critic.CriticClientConfig`); `endpoints`: the ones
+  it uses and waits for (`(INFER,)` for a critic job in reward-only mode, which serves nothing else). Requests go
+  out from one worker thread in the order they were submitted, so a `train_async` submitted before an `infer_async`
+  reaches the server first (and the server makes that infer wait until the training is done: the next rollout sees
+  the updated critic). The caller never blocks on training: it holds a Future and asks for the result when it
+  needs it.
 - `infer_async(tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> Future[(values_BT, rewards_B1)]`,
   `train_async(tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> Future[dict of float metrics]`,
-  `save(step) -> checkpoint path` (blocking; `save_async` returns a Future), `wait_ready(timeout)`.
+  `save(step, run_id) -> checkpoint path` (blocking; `save_async` returns a Future), `resume_async(step, run_id)`
+  (see aligner.critic.service.CriticService.resume), `wait_ready(timeout)`. With `token` (the run's secret,
+  aligner.critic.auth), every request carries it.
   Inputs are torch tensors or numpy arrays; results are CPU torch tensors (float32).
 - Arguments are checked here first (CriticRequestError at the call site); errors from the server come back as
   CriticRequestError (the server's reason first); a server that does not answer within `connect_timeout` gives a
@@ -30,7 +34,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from aligner.critic import protocol
+from aligner.critic import auth, protocol
+from aligner.critic.auth import load_token
 from aligner.critic.protocol import CriticRequestError, Limits
 
 # The server checks the real limits (batch, length, vocabulary); here only the structure of the request.
@@ -56,6 +61,7 @@ class CriticClient:
         connect_timeout: float = 120.0,
         infer_timeout: float = 600.0,
         train_timeout: float = 3600.0,
+        token: str | None = None,
         endpoints: tuple[str, ...] = protocol.ENDPOINTS,
     ):
         self.url = url if "://" in url else f"http://{url}"
@@ -64,11 +70,13 @@ class CriticClient:
         # One worker: requests leave in submission order (see the module docstring).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-client")
         self._clients = {}  # endpoint -> ModelClient; used only by the worker thread
+        self._parameters = {auth.PARAMETER: token} if token else None
         self._ready = False
 
     @classmethod
     def from_config(cls, cfg, endpoints: tuple[str, ...] = protocol.ENDPOINTS) -> "CriticClient":
-        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout, endpoints)
+        token = load_token(cfg.token_file)
+        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout, token=token, endpoints=endpoints)
 
     # -- public API --------------------------------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -100,12 +108,17 @@ class CriticClient:
         }
         return self._pool.submit(self._train, inputs)
 
-    def save_async(self, step: int) -> Future:
-        step = protocol.check_step(step)
-        return self._pool.submit(self._save, step)
+    def save_async(self, step: int, run_id: str) -> Future:
+        step, run_id = protocol.check_step(step), protocol.check_run_id(run_id)
+        return self._pool.submit(self._checkpoint, protocol.SAVE, step, run_id)
 
-    def save(self, step: int) -> str:
-        return self.save_async(step).result()
+    def save(self, step: int, run_id: str) -> str:
+        return self.save_async(step, run_id).result()
+
+    def resume_async(self, step: int | None, run_id: str) -> Future:
+        """critic_resume: run `run_id` resumes at committed `step` (None: a fresh run); Future[path or '']."""
+        step = protocol.check_step(-1 if step is None else step, allow_fresh=True)
+        return self._pool.submit(self._checkpoint, protocol.RESUME, step, protocol.check_run_id(run_id))
 
     def close(self) -> None:
         self._pool.submit(self._close_clients).result()
@@ -161,7 +174,7 @@ class CriticClient:
         if not self._ready:
             self._wait_ready()
         try:
-            return self._client(name).infer_sample(**inputs)
+            return self._client(name).infer_sample(**inputs, parameters=self._parameters)
         except PyTritonClientInferenceServerError as exc:
             reason = _server_reason(str(exc))
             if "is not healthy" in reason:  # Triton's python backend: the endpoint's stub did not run for ~1 s
@@ -197,8 +210,9 @@ class CriticClient:
         out = self._call(protocol.TRAIN, inputs)
         return {k: float(out[k].reshape(-1)[0]) for k in protocol.TRAIN_METRICS}
 
-    def _save(self, step: int) -> str:
-        out = self._call(protocol.SAVE, {"step": np.array([step], dtype=np.int64)})
+    def _checkpoint(self, endpoint: str, step: int, run_id: str) -> str:
+        inputs = {"step": np.array([step], dtype=np.int64), "run_id": np.array([run_id.encode()], dtype=object)}
+        out = self._call(endpoint, inputs)
         path = out["path"].reshape(-1)[0]
         return path.decode() if isinstance(path, bytes) else str(path)
 

@@ -10,17 +10,26 @@ Endpoints (Triton models without server-side batching: every shape below include
                   rewards float32 [B, 1]
 - `critic_train`  in: tokens, lengths, returns float32 [B, T], prev_values float32 [B, T], mask float32 [B, T]
                   out: one float32 [1] tensor per name in TRAIN_METRICS
-- `critic_save`   in: step int64 [1]; out: path BYTES [1] (the checkpoint directory written)
+- `critic_save`   in: step int64 [1], run_id BYTES [1]; out: path BYTES [1] (the checkpoint directory written)
+- `critic_resume` in: step int64 [1] (-1: a fresh run), run_id BYTES [1]; out: path BYTES [1] (the checkpoint
+                  loaded; empty for a fresh run). Sent once by the actor before anything else of a run (see
+                  aligner.checkpoint.run and CriticService.resume).
+Every request carries the run's shared secret as the request parameter `token` when the critic job has one
+(always when it listens on an address other machines can reach): see aligner.critic.auth.
+Labels are at most LABEL_MAX_BYTES each (UTF-8).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
-INFER, TRAIN, SAVE = "critic_infer", "critic_train", "critic_save"
-ENDPOINTS = (INFER, TRAIN, SAVE)
+INFER, TRAIN, SAVE, RESUME = "critic_infer", "critic_train", "critic_save", "critic_resume"
+ENDPOINTS = (INFER, TRAIN, SAVE, RESUME)
+LABEL_MAX_BYTES = 65536
+_RUN_ID = re.compile(r"^[0-9a-f]{1,64}$")
 TRAIN_METRICS = (
     "loss",
     "value_clipfrac",
@@ -36,6 +45,10 @@ TRAIN_METRICS = (
 
 class CriticRequestError(ValueError):
     """A malformed request: the message names the tensor, the problem and the fix."""
+
+
+class CriticCheckpointError(CriticRequestError):
+    """A critic_save or critic_resume the critic cannot honour (wrong run or step, missing or damaged checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -142,9 +155,16 @@ def decode_labels(labels, batch: int) -> list:
     if len(items) != batch:
         raise CriticRequestError(f"labels has {len(items)} rows but tokens has {batch}: one label per sequence")
     out = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, bytes):
-            item = item.decode("utf-8")
+            if len(item) > LABEL_MAX_BYTES:
+                raise CriticRequestError(f"labels[{i}] has {len(item)} bytes; at most {LABEL_MAX_BYTES} are accepted")
+            try:
+                item = item.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CriticRequestError(f"labels[{i}] is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        elif isinstance(item, str) and len(item.encode("utf-8")) > LABEL_MAX_BYTES:
+            raise CriticRequestError(f"labels[{i}] is longer than {LABEL_MAX_BYTES} bytes")
         out.append(None if item is None or item == "" else str(item))
     return out
 
@@ -184,8 +204,22 @@ def check_train(tokens, lengths, returns, prev_values, mask, limits: Limits):
     return tokens, lengths, floats["returns"], floats["prev_values"], mask
 
 
-def check_step(step) -> int:
+def check_step(step, allow_fresh: bool = False) -> int:
+    """One non-negative integer (or -1, "a fresh run", with `allow_fresh`)."""
     arr = _as_array("step", step, np.int64).reshape(-1)
-    if arr.size != 1 or int(arr[0]) < 0:
-        raise CriticRequestError(f"step must be one non-negative integer, got {arr.tolist()}")
+    low = -1 if allow_fresh else 0
+    if arr.size != 1 or not low <= int(arr[0]) < 2**40:
+        raise CriticRequestError(f"step must be one integer in {low}..2^40, got {arr.tolist()[:4]}")
     return int(arr[0])
+
+
+def check_run_id(run_id) -> str:
+    """A run id (lower-case hex, as aligner.checkpoint.run.new_run_id makes); BYTES [1], bytes or str."""
+    if isinstance(run_id, (np.ndarray, list, tuple)):
+        flat = np.asarray(run_id, dtype=object).reshape(-1)
+        run_id = flat[0] if flat.size == 1 else None
+    if isinstance(run_id, bytes):
+        run_id = run_id.decode("ascii", errors="replace")
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise CriticRequestError("run_id must be one lower-case hex string (the actor's run id)")
+    return run_id

@@ -13,12 +13,17 @@ Contract
   `with_values=False` (nothing but the scores is broadcast). `score(rollout)` is `infer(rollout)`: the reward-source
   interface of aligner.rewards, of which RemoteCritic is the critic-with-values member.
 - `RemoteCritic(..., reward_only=True)` talks to a critic job in reward-only mode: it waits for critic_infer alone
-  (the job binds no critic_train/critic_save).
+  (the job binds no critic_train, critic_save or critic_resume: it has no state to train, save or resume, and its
+  caller, aligner.rewards.sources.CriticJobReward, sends only critic_infer).
 - `train(rollout, returns_BS, values_BS) -> Pending[dict]`: `critic_train` on the rollout's returns and old values
   (shifted grid [B, T-1] here; the critic's [B, T] grid gets an empty last position); metrics
   `critic/value_loss`, `critic/explained_var`, `critic/value_clipfrac`, `critic/grad_norm`,
   `critic/skipped_steps` on every rank.
-- `save(step) -> Pending[str | None]`: `critic_save`; the critic's checkpoint path on rank 0, None elsewhere.
+- `resume(step, run_id) -> str | None` (blocking, collective): `critic_resume`, once, before the run's first
+  request: the critic loads its checkpoint of committed step `step` of run `run_id` (None: a fresh run). Raises
+  `CriticCheckpointError` on every rank when the critic cannot (missing, damaged, another run).
+- `save(step, run_id) -> Pending[str | None]`: `critic_save`; the critic's checkpoint path on rank 0, None
+  elsewhere; `result()` raises on every rank when the save failed.
 - `close()` ends rank 0's client.
 Rollouts are `aligner.ppo.rollout.Rollout`-like: `tokens_BT`, `lengths_B`, `prompt_lengths_B`, `labels`, and
 `positions` (each row's position in the step's global batch).
@@ -34,9 +39,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from aligner.critic.protocol import CriticCheckpointError
 from aligner.parallel.device import current_device
 
 T = TypeVar("T")
+
+
+class CriticCallError(RuntimeError):
+    """A critic request of global rank 0 failed (raised on the other ranks; rank 0 raises the original error)."""
+
+
 TRAIN_METRICS = {
     "critic/value_loss": "loss",
     "critic/explained_var": "explained_variance",
@@ -95,8 +107,9 @@ class RemoteCritic:
         def finish():
             values = torch.zeros(B * self.dp, T if with_values else 0, dtype=torch.float32)
             scores = torch.zeros(B * self.dp, dtype=torch.float32)
-            if future is not None:
-                v, r = future.result()
+            answer = self._settle(future)
+            if answer is not None:
+                v, r = answer
                 if with_values:
                     values.copy_(torch.as_tensor(np.asarray(v, dtype=np.float32)))
                 scores.copy_(torch.as_tensor(np.asarray(r, dtype=np.float32)).reshape(-1))
@@ -124,8 +137,8 @@ class RemoteCritic:
 
         def finish():
             out = torch.zeros(len(TRAIN_METRICS), dtype=torch.float64)
-            if future is not None:
-                result = future.result()
+            result = self._settle(future)
+            if result is not None:
                 out = torch.tensor([float(result[k]) for k in TRAIN_METRICS.values()], dtype=torch.float64)
             out = out.to(self.device)
             dist.broadcast(out, src=0)
@@ -133,9 +146,33 @@ class RemoteCritic:
 
         return Pending(finish)
 
-    def save(self, step: int) -> Pending[str | None]:
-        future: Future | None = self.client.save_async(step) if self.rank == 0 else None
-        return Pending(lambda: future.result() if future is not None else None)
+    def resume(self, step: int | None, run_id: str) -> str | None:
+        future = self.client.resume_async(step, run_id) if self.rank == 0 else None
+        return self._settle(future)
+
+    def save(self, step: int, run_id: str) -> Pending[str | None]:
+        future: Future | None = self.client.save_async(step, run_id) if self.rank == 0 else None
+        return Pending(lambda: self._settle(future))
+
+    def _settle(self, future: Future | None):
+        """Rank 0 waits for its request; a failure is raised on every rank (rank 0: the original exception; the
+        others: the same kind for a checkpoint refusal, else CriticCallError), so no rank is left waiting in a
+        collective for an answer that never comes."""
+        result, failure, original = None, None, None
+        if future is not None:
+            try:
+                result = future.result()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+                failure = (isinstance(exc, CriticCheckpointError), f"{type(exc).__name__}: {exc}")
+                original = exc
+        box = [failure]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        if box[0] is None:
+            return result
+        if original is not None:
+            raise original
+        is_checkpoint, message = box[0]
+        raise (CriticCheckpointError if is_checkpoint else CriticCallError)(f"on global rank 0: {message}")
 
     def close(self) -> None:
         if self.client is not None:

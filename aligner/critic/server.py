@@ -2,9 +2,10 @@
 
 Contract
 - `serve(service, cfg) -> exit code` is called on every rank after the service is built. Global rank 0 starts
-  Triton with the endpoints of aligner.critic.protocol and runs `CriticServer`; the other ranks run `run_worker`,
-  which waits for a command from rank 0 and runs the same service call. Only the default process group (made by
-  aligner.parallel.initialize) is used: rank 0 broadcasts a 5-integer header (op, B, T, flags, arg), then the tensors.
+  Triton with the endpoints of aligner.critic.protocol (reward-only mode: critic_infer alone) and runs
+  `CriticServer`; the other ranks run `run_worker`, which waits for a command from rank 0 and runs the same service
+  call. Only the default process group (made by aligner.parallel.initialize) is used: rank 0 broadcasts a 5-integer
+  header (op, B, T, flags, arg), then the tensors.
 - Threads: PyTriton calls the endpoint callables in its own threads. A callable validates its request (a bad one is
   answered at once with the reason), then queues a job for the main thread and waits for the result. Only the main
   thread broadcasts and runs models: the CPU compatibility layer's TorchFunctionMode is thread-local, collectives
@@ -29,6 +30,7 @@ import sysconfig
 import threading
 import time
 import traceback
+import urllib.request
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -38,14 +40,16 @@ import torch.distributed as dist
 
 from aligner.config.critic import CriticJobConfig, CriticServerConfig
 from aligner.critic import protocol
-from aligner.critic.protocol import CriticRequestError, check_infer, check_step, check_train
+from aligner.critic.auth import authorised, load_token
+from aligner.critic.protocol import CriticRequestError, check_infer, check_run_id, check_step, check_train
 from aligner.critic.reward_fn import RewardFunctionError
 from aligner.parallel.device import on_gpu
 
 LOG = logging.getLogger(__name__)
 
-OP_NOOP, OP_INFER, OP_TRAIN, OP_SAVE, OP_STOP = range(5)
+OP_NOOP, OP_INFER, OP_TRAIN, OP_SAVE, OP_STOP, OP_RESUME = range(6)
 _FLAG_PROMPT_LENGTHS = 1
+_RUN_ID_BYTES = 64  # a run id travels to the other ranks as a fixed-size uint8 tensor
 
 
 class PortInUseError(RuntimeError):
@@ -141,6 +145,17 @@ class CommandChannel:
         return t
 
 
+def _run_id_tensor(run_id: str) -> torch.Tensor:
+    t = torch.zeros(_RUN_ID_BYTES, dtype=torch.uint8)
+    raw = run_id.encode("ascii")
+    t[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return t
+
+
+def _run_id_from(t: torch.Tensor) -> str:
+    return bytes(v for v in t.cpu().tolist() if v).decode("ascii")
+
+
 def _infer_tensors(tokens, lengths, prompt_lengths):
     return [torch.from_numpy(tokens), torch.from_numpy(lengths)] + (
         [torch.from_numpy(prompt_lengths)] if prompt_lengths is not None else []
@@ -155,8 +170,12 @@ def run_worker(service, channel: CommandChannel) -> int:
             return arg
         if op == OP_NOOP:
             continue
-        if op == OP_SAVE:
-            service.save(arg)
+        if op in (OP_SAVE, OP_RESUME):
+            run_id = _run_id_from(channel.recv_tensor((_RUN_ID_BYTES,), torch.uint8))
+            try:
+                service.save(arg, run_id) if op == OP_SAVE else service.resume(arg, run_id)
+            except CriticRequestError:
+                pass  # raised identically on rank 0, which answers the client; all ranks stay in step
             continue
         tokens = channel.recv_tensor((batch, seq), torch.int64)
         lengths = channel.recv_tensor((batch,), torch.int64)
@@ -185,6 +204,46 @@ class _ShuttingDown(RuntimeError):
     pass
 
 
+class _NoTraceback:
+    """Mixed into what a refused request raises to PyTriton: PyTriton formats the exception with its traceback for
+    the client, and a client must see the reason, not the server's code and file paths (the job's log has them)."""
+
+    @property
+    def __traceback__(self):
+        return None
+
+    @__traceback__.setter
+    def __traceback__(self, value):
+        pass
+
+
+_REPLY_TYPES: dict[type, type] = {}
+
+
+def _reply(exc: BaseException) -> BaseException:
+    """`exc` as the client should see it: same class name and message, no traceback, no chained causes."""
+    if not isinstance(exc, (CriticRequestError, RewardFunctionError, _ShuttingDown)):
+        exc = RuntimeError(f"the critic job failed on this request ({type(exc).__name__}); see its log")
+    cls = type(exc)
+    if cls not in _REPLY_TYPES:
+        _REPLY_TYPES[cls] = type(cls.__name__, (_NoTraceback, cls), {"__module__": "critic"})
+    reply = _REPLY_TYPES[cls](*exc.args)
+    reply.__suppress_context__ = True
+    return reply
+
+
+def _answers(endpoint):
+    """An endpoint callable for PyTriton whose errors reach the client as `_reply` makes them."""
+
+    def call(requests):
+        try:
+            return endpoint(requests)
+        except Exception as exc:  # noqa: BLE001 - every error leaves through _reply
+            raise _reply(exc) from None
+
+    return call
+
+
 class CriticServer:
     """Rank 0: Triton endpoints -> FIFO queue -> main thread (broadcast, then the service)."""
 
@@ -197,6 +256,7 @@ class CriticServer:
         self._closing = False
         self._signal = None
         self._triton = None
+        self.token = load_token(cfg.server.token_file)
 
     # Triton threads ---------------------------------------------------------------------------------------
     def _submit(self, op: int, args: tuple) -> dict:
@@ -207,10 +267,18 @@ class CriticServer:
             self._jobs.put(job)
         return job.future.result()
 
+    def _authorise(self, request) -> None:
+        if not authorised(request.parameters, self.token):
+            raise CriticRequestError(
+                "unauthorized: this critic job requires the run's secret (the actor reads it from "
+                "ALIGNER_CRITIC_TOKEN or critic.token_file; the launchers set it)"
+            )
+
     def _infer_endpoint(self, requests):
         limits = self.service.limits
         out = []
         for r in requests:
+            self._authorise(r)
             d = r.data
             args = check_infer(d.get("tokens"), d.get("lengths"), d.get("prompt_lengths"), d.get("labels"), limits)
             out.append(self._submit(OP_INFER, args))
@@ -220,6 +288,7 @@ class CriticServer:
         limits = self.service.limits
         out = []
         for r in requests:
+            self._authorise(r)
             d = r.data
             args = check_train(
                 d.get("tokens"), d.get("lengths"), d.get("returns"), d.get("prev_values"), d.get("mask"), limits
@@ -228,7 +297,20 @@ class CriticServer:
         return out
 
     def _save_endpoint(self, requests):
-        return [self._submit(OP_SAVE, (check_step(r.data.get("step")),)) for r in requests]
+        out = []
+        for r in requests:
+            self._authorise(r)
+            args = (check_step(r.data.get("step")), check_run_id(r.data.get("run_id")))
+            out.append(self._submit(OP_SAVE, args))
+        return out
+
+    def _resume_endpoint(self, requests):
+        out = []
+        for r in requests:
+            self._authorise(r)
+            args = (check_step(r.data.get("step"), allow_fresh=True), check_run_id(r.data.get("run_id")))
+            out.append(self._submit(OP_RESUME, args))
+        return out
 
     # main thread ------------------------------------------------------------------------------------------
     def _run(self, job: _Job) -> dict:
@@ -249,9 +331,12 @@ class CriticServer:
             )
             metrics = self.service.train(tokens, lengths, returns, prev_values, mask)
             return {k: np.array([metrics[k]], dtype=np.float32) for k in protocol.TRAIN_METRICS}
-        (step,) = job.args
-        self.channel.send(OP_SAVE, arg=step)
-        path = self.service.save(step)
+        step, run_id = job.args
+        self.channel.send(job.op, arg=step, tensors=[_run_id_tensor(run_id)])
+        if job.op == OP_SAVE:
+            path = self.service.save(step, run_id)
+        else:
+            path = self.service.resume(step, run_id) or ""
         return {"path": np.array([path.encode()], dtype=object)}
 
     def _execute(self, job: _Job) -> None:
@@ -300,7 +385,7 @@ class CriticServer:
         no_batching = ModelConfig(batching=False)  # shapes include B; the server checks B itself, with clear errors
         self._triton.bind(
             protocol.INFER,
-            self._infer_endpoint,
+            _answers(self._infer_endpoint),
             config=no_batching,
             inputs=[
                 Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
@@ -316,7 +401,7 @@ class CriticServer:
         if not self.cfg.reward_only:  # reward-only mode (no value model): critic_infer alone, values zeros [B, 1]
             self._triton.bind(
                 protocol.TRAIN,
-                self._train_endpoint,
+                _answers(self._train_endpoint),
                 config=no_batching,
                 inputs=[
                     Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
@@ -325,13 +410,17 @@ class CriticServer:
                 ],
                 outputs=[Tensor(name=n, dtype=f32, shape=(1,)) for n in protocol.TRAIN_METRICS],
             )
-            self._triton.bind(
-                protocol.SAVE,
-                self._save_endpoint,
-                config=no_batching,
-                inputs=[Tensor(name="step", dtype=i64, shape=(1,))],
-                outputs=[Tensor(name="path", dtype=bytes, shape=(1,))],
-            )
+            for name, endpoint in ((protocol.SAVE, self._save_endpoint), (protocol.RESUME, self._resume_endpoint)):
+                self._triton.bind(
+                    name,
+                    _answers(endpoint),
+                    config=no_batching,
+                    inputs=[
+                        Tensor(name="step", dtype=i64, shape=(1,)),
+                        Tensor(name="run_id", dtype=bytes, shape=(1,)),
+                    ],
+                    outputs=[Tensor(name="path", dtype=bytes, shape=(1,))],
+                )
         try:
             self._triton.run()
         except Exception as exc:
@@ -357,6 +446,23 @@ class CriticServer:
                     f"endpoint {name} did not answer at {url} within server.ready_timeout="
                     f"{timeout} s ({exc!r}); see {self.cfg.triton_log_file}"
                 ) from exc
+        # "Ready" means every port is ours: a port taken between the free-port check and Triton's start makes
+        # tritonserver exit (or leaves another program answering there), and a launcher must not start the actor.
+        ports = self.cfg.server.resolved_ports()
+        host = url.split("://", 1)[1].rsplit(":", 1)[0]
+        try:
+            with urllib.request.urlopen(f"http://{host}:{ports['metrics']}/metrics", timeout=10) as resp:
+                ours = resp.status == 200 and b"nv_" in resp.read(1 << 16)
+        except OSError:
+            ours = False
+        if not self._triton.is_alive():
+            check_ports_free(self.cfg.server)  # names a port another program took (PortInUseError)
+            raise TritonStartError(self._triton_death_reason())
+        if not ours:
+            raise TritonStartError(
+                f"Triton's metrics port {ports['metrics']} does not answer as Triton (taken by another program "
+                f"since the port check?); see {self.cfg.triton_log_file}"
+            )
 
     def _unload_endpoints(self, log_level: int = logging.WARNING, timeout: float = 30.0) -> None:
         """Unload the endpoints while Triton still runs, so that their python stubs exit cleanly.
@@ -407,10 +513,19 @@ class CriticServer:
 
     def _loop(self) -> int:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        last_command = time.monotonic()
+        last_command = last_request = time.monotonic()
+        idle_limit = self.cfg.server.idle_timeout_s
         while True:
             if self._signal is not None:
                 return 0
+            if idle_limit is not None and time.monotonic() - last_request > idle_limit:
+                print(
+                    f"critic server: no request for {idle_limit:g} s (server.idle_timeout_s): the actor job is gone; "
+                    "stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
             if not self._triton.is_alive():
                 if self._signalled(1.0):  # tritonserver got the same signal (same process group) and went first
                     return 0
@@ -430,7 +545,7 @@ class CriticServer:
                     last_command = time.monotonic()
                 continue
             self._execute(job)
-            last_command = time.monotonic()
+            last_command = last_request = time.monotonic()
 
     def _shutdown(self, code: int) -> None:
         with self._lock:
@@ -489,4 +604,9 @@ def serve(service, cfg: CriticJobConfig) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         return CriticServer(service, cfg, channel).serve()
+    # A launcher stops the job by signalling every rank: the others wait for rank 0's OP_STOP (rank 0 stops Triton
+    # first), so that all ranks exit 0 and torchrun/mpiexec report a clean stop. A dead rank 0 ends their wait with an
+    # error in the broadcast.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
     return run_worker(service, channel)

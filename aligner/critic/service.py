@@ -9,14 +9,22 @@ Contract
   all-reduce over the default group, where only one rank per slice (TP rank 0 of the last PP stage) contributes.
 - `infer(tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> (values_BT, rewards_B1)`: values[b, t] is the
   critic's output at position t (the actor decides which positions it uses), 0 at t >= lengths[b]; zeros [B, 1] in
-  reward-only mode (`model: null`: no value model; `train` and `save` then raise CriticRequestError). Rewards: the
-  reward model's scalar at position lengths[b] - 1, standardised by reward_mean/std; or `reward_fn` on decoded
-  text, computed on global rank 0 only and broadcast (see aligner.critic.reward_fn).
+  reward-only mode (`model: null`: no value model, no state; `train`, `resume` and `save` then raise
+  CriticRequestError, and the server binds none of them). Rewards: the reward model's scalar at position
+  lengths[b] - 1, standardised by reward_mean/std; or `reward_fn` on decoded text, computed on global rank 0 only
+  and broadcast (see aligner.critic.reward_fn).
 - `train(tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> metrics`: `train.epochs` passes over the rows
   in order, one optimizer step per `train.global_batch_size` rows; clipped value loss (aligner.rl.value_loss)
   normalised by the global number of masked tokens of each global batch. `explained_variance` is that of the
   rollout values (`prev_values`) against the returns, i.e. how well the critic predicted before this update.
-- `save(step) -> path`: a dist checkpoint of the critic and its optimizer under `checkpoint.dir`.
+- `resume(step, run_id) -> path | None` (once, before anything else of a run): the actor says which run this is and
+  which committed step it resumes (step < 0: a fresh run). The critic loads its own `step_<step>` (weights,
+  optimizer, RNG), checks that it belongs to `run_id`, and removes its checkpoints of that run past `step` (saved
+  by a `critic_save` whose actor checkpoint was never committed). `CriticCheckpointError` when it cannot: the step
+  is missing or damaged (the actor may try an older committed step), or belongs to another run.
+- `save(step, run_id) -> path`: a dist checkpoint of the critic and its optimizer under `checkpoint.dir`. Only the
+  actor's next step is accepted (the resumed step plus the `train` calls since, one per PPO step), only for the
+  run of `resume`, and a complete checkpoint is never overwritten.
 - Bad inputs raise `CriticRequestError` (from aligner.critic.protocol) before any collective, identically on every
   rank, so a rejected request leaves the ranks in step.
 """
@@ -24,6 +32,8 @@ Contract
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from functools import partial
 
 import numpy as np
@@ -33,7 +43,15 @@ from megatron.core import parallel_state as ps
 
 from aligner.checkpoint import dist_ckpt
 from aligner.config.critic import CriticJobConfig
-from aligner.critic.protocol import CriticRequestError, Limits, check_infer, check_step, check_train
+from aligner.critic.protocol import (
+    CriticCheckpointError,
+    CriticRequestError,
+    Limits,
+    check_infer,
+    check_run_id,
+    check_step,
+    check_train,
+)
 from aligner.critic.reward_fn import RewardFunction, RewardFunctionError
 from aligner.parallel.device import current_device
 from aligner.rl import explained_variance, global_token_count, reduce_stats, value_loss
@@ -83,7 +101,10 @@ class CriticService:
                 LOG.warning("reward_model.checkpoint is not set: the reward model has random weights")
         # Loaded on every rank (a broken file fails everywhere at start-up), called on global rank 0 only.
         self.reward_function = RewardFunction(cfg.reward_fn, cfg.tokenizer_path) if cfg.reward_fn else None
-        self.resumed_from = self._resume() if cfg.checkpoint.resume and self.critic is not None else None
+        self.run_id: str | None = None  # set by resume(): the actor's run
+        self.base_step = 0  # the step the critic's state corresponds to (resumed or last saved)
+        self.trains_since_base = 0
+        self.resumed_from: str | None = None
         dist_ckpt.start_writer()  # not inside the first critic_save request
 
     # -- layout helpers ----------------------------------------------------------------------------------
@@ -173,6 +194,7 @@ class CriticService:
         tokens, lengths, returns, prev_values, mask = check_train(
             tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT, self.limits
         )
+        self.trains_since_base += 1  # one critic_train per PPO step: critic_save checks the step against it
         batch = tokens.shape[0]
         width = int(lengths.max())
         valid_BT = np.arange(width)[None, :] < lengths[:, None]
@@ -238,32 +260,90 @@ class CriticService:
         return loss, stats
 
     def _require_value_model(self, what: str) -> None:
-        if self.critic is None:  # the server binds neither endpoint in this mode: a direct call is a caller's bug
+        if self.critic is None:  # the server binds none of these endpoints in this mode: a direct call is a bug
             raise CriticRequestError(f"critic_{what}: this critic job is in reward-only mode (model: null)")
 
     # -- checkpoints -------------------------------------------------------------------------------------
-    def save(self, step) -> str:
-        """Write `<checkpoint.dir>/step_<step>` (critic weights, optimizer, RNG); returns its path. Collective."""
-        self._require_value_model("save")
-        step = check_step(step)
-        return dist_ckpt.save(
-            self.cfg.checkpoint_dir,
-            step,
-            [self.critic.module],
-            self.critic.optimizer,
-            state={"optimizer_steps": self.critic.steps_taken, "job": "critic"},
-            keep=self.cfg.checkpoint.keep,
-            model_cfg=self.cfg.model,
-        )
-
-    def _resume(self) -> str | None:
-        path = dist_ckpt.latest_checkpoint(self.cfg.checkpoint_dir)
-        if path is None:
-            LOG.warning("checkpoint.resume: no checkpoint under %s yet; starting fresh", self.cfg.checkpoint_dir)
+    def resume(self, step: int, run_id: str) -> str | None:
+        """Start run `run_id` at its committed `step` (< 0: fresh); see the module docstring. Collective."""
+        self._require_value_model("resume")
+        step, run_id = check_step(step, allow_fresh=True), check_run_id(run_id)
+        root = self.cfg.checkpoint_dir
+        if step < 0:
+            if self.trains_since_base or self.run_id not in (None, run_id) or self.resumed_from:
+                raise CriticCheckpointError(
+                    "the critic has already trained for another run since it started: restart the critic job to "
+                    "start a fresh run"
+                )
+            others = [p for _, p in dist_ckpt.complete_checkpoints(root) if _run_of(p) != run_id]
+            if others:
+                raise CriticCheckpointError(
+                    f"checkpoint.dir {root} holds checkpoints of another run ({os.path.basename(others[-1])}, ...): "
+                    "a fresh run would overwrite them; give the critic another exp_dir (or remove them)"
+                )
+            LOG.warning("run %s: starting fresh (no committed checkpoint)", run_id)
+            self.run_id, self.base_step, self.trains_since_base = run_id, 0, 0
             return None
+        if not self.cfg.checkpoint.resume:
+            raise CriticCheckpointError(
+                f"the actor resumes run {run_id} at step {step}, but the critic's checkpoint.resume=false: "
+                "set it to true (or start the actor fresh)"
+            )
+        path = os.path.join(root, dist_ckpt.step_dir_name(step))
+        problem = dist_ckpt.verify(path)
+        if problem is None and _run_of(path) != run_id:
+            problem = f"{path} belongs to run {_run_of(path)}, not to the actor's run {run_id}"
+        if problem:
+            raise CriticCheckpointError(problem)
         state = dist_ckpt.load(path, [self.critic.module], self.critic.optimizer)
         self.critic.steps_taken = int(state.get("optimizer_steps", 0))
+        for later, stale in dist_ckpt.complete_checkpoints(root):
+            if later > step and _run_of(stale) == run_id and _global_rank() == 0:
+                LOG.warning("removing %s: saved, but the actor never committed that step", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
+        self.run_id, self.base_step, self.trains_since_base, self.resumed_from = run_id, step, 0, path
+        LOG.warning("run %s: resumed from %s at step %d", run_id, path, step)
         return path
+
+    def save(self, step, run_id) -> str:
+        """Write `<checkpoint.dir>/step_<step>` (critic weights, optimizer, RNG); returns its path. Collective."""
+        self._require_value_model("save")
+        step, run_id = check_step(step), check_run_id(run_id)
+        if self.run_id is None or run_id != self.run_id:
+            raise CriticCheckpointError(
+                f"critic_save for run {run_id}, but the critic serves run {self.run_id}: the actor sends "
+                "critic_resume first"
+            )
+        expected = self.base_step + self.trains_since_base
+        if step != expected:
+            raise CriticCheckpointError(
+                f"critic_save step {step}: the critic has trained to step {expected} of run {run_id} "
+                f"(resumed or saved at {self.base_step}, {self.trains_since_base} critic_train since)"
+            )
+        try:
+            path = dist_ckpt.save(
+                self.cfg.checkpoint_dir,
+                step,
+                [self.critic.module],
+                self.critic.optimizer,
+                state={"optimizer_steps": self.critic.steps_taken, "job": "critic", "run_id": run_id},
+                keep=self.cfg.checkpoint.keep,
+                model_cfg=self.cfg.model,
+                replace=False,
+            )
+        except FileExistsError as exc:
+            raise CriticCheckpointError(str(exc)) from exc
+        self.base_step, self.trains_since_base = step, 0
+        return path
+
+
+def _run_of(path: str) -> str | None:
+    try:
+        return dist_ckpt.read_state(path).get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
 def _is_lm_checkpoint(path: str) -> bool:

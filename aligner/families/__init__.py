@@ -10,7 +10,8 @@ Contract, trait by trait (who reads what):
 - gated_mlp: also aligner.models.sharding (a gated fc1 is split over TP as [gate_r; up_r]);
 - tie_embeddings: the default when an HF config omits tie_word_embeddings (aligner.checkpoint.hf);
 - hf (HFFormat): aligner.checkpoint.hf and .convert. Its variants map HF architectures and model types onto the
-  family (Mistral and Qwen2 are Llama variants, told apart by config.json 'model_type'); config_keys map
+  family (Mistral, Qwen2 and Qwen3 are Llama variants, told apart by config.json 'model_type'; a variant's
+  q/k/v biases and q/k norms become ModelConfig.add_qkv_bias / qk_layernorm); config_keys map
   ModelConfig fields to config.json keys both ways; check_config rejects what megatron cannot express; the tensor
   names and layouts drive the weight map.
 Specs are pure data and import nothing above them (no torch, no aligner package), so the package sits at the

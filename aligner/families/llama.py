@@ -1,12 +1,37 @@
-"""The Llama family: Llama 2/3, Mistral, and Qwen2 (q/k/v biases).
+"""The Llama family: Llama 2 and 3.x, Mistral, Qwen2 (q/k/v biases) and Qwen3 dense (per-head q/k RMSNorm, an explicit
+head_dim).
 
-RMSNorm, SwiGLU (fc1 = [gate; up]), RoPE (non-interleaved, whole head), no biases except Qwen2's on q/k/v,
-untied embeddings unless the config says otherwise.
+RMSNorm, SwiGLU (fc1 = [gate; up]), RoPE (non-interleaved, whole head; plain or with Llama 3.1's "llama3" frequency
+scaling), no biases except Qwen2's on q/k/v, untied embeddings unless the config says otherwise (Llama 3.2 1B/3B and
+small Qwen models tie them).
 """
 
 from __future__ import annotations
 
-from aligner.families.spec import FamilySpec, HFFormat, HFVariant, UnsupportedModelError, hf_get, hf_rope
+from aligner.families.spec import (
+    LLAMA3_ROPE_KEYS,
+    FamilySpec,
+    HFFormat,
+    HFVariant,
+    UnsupportedModelError,
+    hf_get,
+    hf_rope,
+)
+
+ROPE_TYPES = ("default", "llama3")
+
+
+def sliding_layers(hf_cfg, variant: HFVariant) -> int:
+    """How many layers attend through a sliding window: Qwen2/Qwen3 list each layer's kind in 'layer_types'
+    (windows from 'max_window_layers' on, when 'use_sliding_window'); Mistral windows every layer when
+    'sliding_window' is set."""
+    if hf_get(hf_cfg, "sliding_window") is None:
+        return 0
+    layer_types = hf_get(hf_cfg, "layer_types")
+    if layer_types is not None:
+        return sum(kind == "sliding_attention" for kind in layer_types)
+    uses = hf_get(hf_cfg, "use_sliding_window", variant.model_type == "mistral")
+    return hf_get(hf_cfg, "num_hidden_layers") if uses else 0
 
 
 def check_hf_config(hf_cfg, variant: HFVariant) -> None:
@@ -18,25 +43,33 @@ def check_hf_config(hf_cfg, variant: HFVariant) -> None:
     act = hf_get(hf_cfg, "hidden_act", "silu")
     if act != "silu":
         unsupported("hidden_act", act, "the Llama family is supported with SwiGLU (silu) only")
-    hidden, heads = hf_get(hf_cfg, "hidden_size"), hf_get(hf_cfg, "num_attention_heads")
-    head_dim = hf_get(hf_cfg, "head_dim")
-    if head_dim is not None and head_dim != hidden // heads:
-        unsupported(
-            "head_dim", head_dim, f"only head_dim = hidden_size / num_attention_heads = {hidden // heads} is supported"
-        )
     if not variant.qkv_bias and hf_get(hf_cfg, "attention_bias", False):
         unsupported(
             "attention_bias", True, "biases on q/k/v/o projections are not supported (Qwen2's q/k/v-only biases are)"
         )
     if hf_get(hf_cfg, "mlp_bias", False):
         unsupported("mlp_bias", True, "MLP biases are not supported in the Llama family")
-    _, rope_type = hf_rope(hf_cfg)
-    if rope_type != "default":
-        unsupported("rope_parameters.rope_type", rope_type, "only unscaled RoPE ('default') is supported")
+    _, rope_type, params = hf_rope(hf_cfg)
+    if rope_type not in ROPE_TYPES:
+        unsupported(
+            "rope_parameters.rope_type",
+            rope_type,
+            f"supported RoPE types are {', '.join(ROPE_TYPES)} (plain, and Llama 3.1's frequency scaling)",
+        )
+    if rope_type == "llama3":
+        missing = [key for key, _ in LLAMA3_ROPE_KEYS if params.get(key) is None]
+        if missing:
+            unsupported("rope_parameters", params, f"a 'llama3' RoPE needs {', '.join(missing)}")
+    partial = params.get("partial_rotary_factor", hf_get(hf_cfg, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        unsupported("partial_rotary_factor", partial, "only RoPE over the whole head (1.0) is supported")
+    layer_types = hf_get(hf_cfg, "layer_types") or []
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if other:
+        unsupported("layer_types", other, "only full and sliding-window attention layers are supported")
     max_pos = hf_get(hf_cfg, "max_position_embeddings")
     window = hf_get(hf_cfg, "sliding_window")
-    uses_window = hf_get(hf_cfg, "use_sliding_window", variant.model_type == "mistral")
-    if uses_window and window is not None and window < max_pos:
+    if sliding_layers(hf_cfg, variant) and window < max_pos:
         unsupported(
             "sliding_window",
             window,
@@ -59,12 +92,14 @@ LLAMA = FamilySpec(
             HFVariant("llama", "LlamaForCausalLM", "LlamaForSequenceClassification", "LlamaConfig"),
             HFVariant("mistral", "MistralForCausalLM", "MistralForSequenceClassification", "MistralConfig"),
             HFVariant("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Config", qkv_bias=True),
+            HFVariant("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Config", qk_layernorm=True),
         ),
         config_keys=(
             ("num_layers", "num_hidden_layers"),
             ("hidden_size", "hidden_size"),
             ("num_attention_heads", "num_attention_heads"),
             ("num_query_groups", "num_key_value_heads"),
+            ("head_dim", "head_dim"),
             ("ffn_hidden_size", "intermediate_size"),
             ("vocab_size", "vocab_size"),
             ("max_position_embeddings", "max_position_embeddings"),
@@ -82,6 +117,10 @@ LLAMA = FamilySpec(
             ("pre_mlp_layernorm", ("post_attention_layernorm",)),
             ("mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj")),
             ("mlp.linear_fc2", ("mlp.down_proj",)),
+        ),
+        qk_norm_modules=(
+            ("self_attention.q_layernorm", "self_attn.q_norm"),
+            ("self_attention.k_layernorm", "self_attn.k_norm"),
         ),
         embedding="embed_tokens",
         final_norm="norm",

@@ -12,6 +12,13 @@ from typing import Callable
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")  # megatron's names
 ACTIVATIONS = ("silu", "gelu_tanh")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")  # megatron's position_embedding_type
+# config.json 'rope_parameters' keys of a "llama3" RoPE (all four required, as in HF) -> ModelConfig fields
+LLAMA3_ROPE_KEYS = (
+    ("factor", "rope_scaling_factor"),
+    ("low_freq_factor", "rope_scaling_low_freq_factor"),
+    ("high_freq_factor", "rope_scaling_high_freq_factor"),
+    ("original_max_position_embeddings", "rope_scaling_original_max_position_embeddings"),
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -23,12 +30,13 @@ def hf_get(cfg, name, default=None):
     return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
 
 
-def hf_rope(hf_cfg) -> tuple[float, str]:
-    """(rope_theta, rope_type) from `rope_parameters` (transformers 5) or rope_theta/rope_scaling (4)."""
-    params = hf_get(hf_cfg, "rope_parameters") or hf_get(hf_cfg, "rope_scaling") or {}
+def hf_rope(hf_cfg) -> tuple[float, str, dict]:
+    """(rope_theta, rope_type, all rope parameters) from `rope_parameters` (transformers 5) or rope_theta and
+    rope_scaling (transformers 4)."""
+    params = dict(hf_get(hf_cfg, "rope_parameters") or hf_get(hf_cfg, "rope_scaling") or {})
     theta = params.get("rope_theta", hf_get(hf_cfg, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    return float(theta), rope_type
+    return float(theta), rope_type, params
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class HFVariant:
     classifier: str  # the reward model's: *ForSequenceClassification with one label
     config_class: str  # the transformers config class that writes config.json when no source config is kept
     qkv_bias: bool = False  # q/k/v projections carry biases (ModelConfig.add_qkv_bias)
+    qk_layernorm: bool = False  # per-head q/k norms (ModelConfig.qk_layernorm; HFFormat.qk_norm_modules)
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,7 @@ class HFFormat:
     for all heads. With `conv1d`, HF stores linear weights as [in, out] (transposed).
     """
 
-    variants: tuple[HFVariant, ...]  # the first is the export default; the first with qkv_bias when add_qkv_bias
+    variants: tuple[HFVariant, ...]  # export_variant picks one by the model's q/k/v biases and q/k norms
     config_keys: tuple[tuple[str, str], ...]  # (ModelConfig field, config.json key)
     check_config: Callable  # check_config(hf_cfg, variant): raise UnsupportedModelError naming the field
     prefix: str  # the backbone's prefix in *ForCausalLM / *ForSequenceClassification files
@@ -61,6 +70,8 @@ class HFFormat:
     layer_modules: tuple[tuple[str, tuple[str, ...]], ...]  # (megatron module, HF module(s))
     embedding: str  # word embeddings, under the backbone
     final_norm: str  # under the backbone
+    # (megatron module, HF module) of the per-head q/k norms: a layer's extra modules when ModelConfig.qk_layernorm
+    qk_norm_modules: tuple[tuple[str, str], ...] = ()
     position_embedding: str | None = None  # learned positions, under the backbone
     lm_head: str = "lm_head"  # outside the backbone
     score_head: str = "score"  # the reward model's head, outside the backbone, no bias
@@ -74,9 +85,18 @@ class HFFormat:
     def variant_of_architecture(self, architecture: str) -> HFVariant | None:
         return next((v for v in self.variants if architecture in (v.causal_lm, v.classifier)), None)
 
-    def export_variant(self, qkv_bias: bool) -> HFVariant:
-        """The variant to export a model as when no source config.json says which (Qwen2 for a qkv bias)."""
-        return next((v for v in self.variants if v.qkv_bias == qkv_bias), self.variants[0])
+    def export_variant(self, qkv_bias: bool, qk_layernorm: bool = False) -> HFVariant:
+        """The variant to export a model as when no source config.json says which: the one with the model's q/k/v
+        biases and q/k norms (Qwen2, Qwen3); a family of one variant exports as it (GPT-2: biases everywhere)."""
+        if len(self.variants) == 1:
+            return self.variants[0]
+        for v in self.variants:
+            if (v.qkv_bias, v.qk_layernorm) == (qkv_bias, qk_layernorm):
+                return v
+        raise UnsupportedModelError(
+            f"no Hugging Face model type of this family has q/k/v biases={qkv_bias} with q/k layernorm="
+            f"{qk_layernorm} (known: {', '.join(v.model_type for v in self.variants)})"
+        )
 
 
 @dataclass(frozen=True)

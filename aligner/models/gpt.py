@@ -24,6 +24,7 @@ from aligner.config.schema import ModelConfig
 from aligner.families import family
 from aligner.models.attention import SDPAttention
 from aligner.models.dtypes import torch_dtype
+from aligner.models.rope import rope_inv_freq
 from aligner.parallel.device import current_device, on_gpu
 
 
@@ -55,7 +56,8 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
-        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        kv_channels=cfg.kv_channels,
+        qk_layernorm=cfg.qk_layernorm,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         normalization=traits.normalization,
@@ -92,8 +94,8 @@ def layer_spec(cfg: ModelConfig):
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=family(cfg.arch).normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=family(cfg.arch).normalization, qk_layernorm=cfg.qk_layernorm)
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
@@ -142,6 +144,11 @@ def build_gpt(cfg: ModelConfig, head: str = "lm") -> GPTModel:
         rotary_percent=traits.rotary_percent,
         rotary_base=int(cfg.rotary_base),
     )
+    if traits.rope:
+        # Our frequencies, not megatron's: its llama3 scaling hard-codes three of the four numbers and its base is
+        # an int; these follow the config exactly (aligner.models.rope), and the native engine reads them from here.
+        inv_freq = model.rotary_pos_emb.inv_freq
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(inv_freq.device)
     if head == "scalar" and post:
         model.output_layer = ScalarHead(cfg.hidden_size, torch_dtype(cfg.params_dtype), cfg.init_method_std)
     return model.to(current_device())

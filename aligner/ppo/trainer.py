@@ -7,18 +7,21 @@ reference and the generation engine, and its DP share of the prompts, in whole g
 - the advantage estimator (`ppo.advantage_estimator`, aligner.rl.estimators): gae (with the critic job's value
   model), grpo, rloo or reinforce_pp;
 - the reward source (aligner.rewards.sources): the critic job (values and rewards; a TrainedCritic, trained and
-  checkpointed with the policy), the critic job in reward-only mode, or a reward function run by this job. Who
-  talks to whom and how answers come back is the source's business;
+  checkpointed with the policy: critic_resume, critic_save, the run's commit), the critic job in reward-only mode
+  (critic_infer alone), or a reward function run by this job. Who talks to whom and how answers come back is the
+  source's business;
 - where the KL to the reference goes (`ppo.kl.placement`): a per-token reward penalty or a loss term.
 Pipeline stages are `TrainableModel`'s (its results reach every rank); metrics are reduced by name
 (`aligner.rl.stats`).
 
 One step, each phase a method with its own `timing/*` key:
   rollout (generate; the reward source starts scoring; with dynamic sampling, draws until the batch is full) ->
-  log-probs of policy and reference (logprobs) -> the reward source's answer (reward_wait) -> advantages (advantages)
-  -> critic_train sent (gae) -> policy update (train) -> refit -> critic_train metrics awaited (critic_wait_train)
-  -> log, sample dump, validation, checkpoint.
-With the critic job's value model, `timing/critic_wait` is the sum of the two waits.
+  log-probs of policy and reference (logprobs) -> the reward source's answer (critic_wait_infer from the critic job,
+  reward_wait from this job's reward function) -> advantages (advantages) -> critic_train sent (gae) -> policy
+  update (train) -> refit -> critic_train metrics awaited (critic_wait_train) -> log, sample dump, validation,
+  checkpoint.
+Whenever the critic job is used (also in reward-only mode, without critic_wait_train), `timing/critic_wait` is the
+sum of the two waits for it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner import rl
-from aligner.checkpoint import dist_ckpt
+from aligner.checkpoint import dist_ckpt, run
+from aligner.config import ConfigError
 from aligner.config.actor import ActorJobConfig
+from aligner.critic.protocol import CriticCheckpointError
 from aligner.critic.remote import Pending
 from aligner.data.prompts import PromptDataset, PromptSampler, pad_prompts
 from aligner.data.tokenizer import load_tokenizer
@@ -43,6 +48,7 @@ from aligner.generation import SamplingParams, build_engine
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
 from aligner.parallel import current_device, is_logging_rank, synchronize
+from aligner.parallel.watchdog import PhaseWatchdog
 from aligner.ppo.reference import build_reference
 from aligner.ppo.rollout import (
     Rollout,
@@ -71,7 +77,9 @@ class PPOTrainer:
         self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.device = current_device()
-        self.timer = Timer(synchronize)
+        rank = dist.get_rank()
+        self.watchdog = PhaseWatchdog(cfg.parallel.timeout_minutes * 60, lambda: f"rank {rank}, step {self.step}:")
+        self.timer = Timer(synchronize, watch=self.watchdog)
         self.stop_requested = False
 
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
@@ -81,12 +89,11 @@ class PPOTrainer:
                 f"{cfg.model.vocab_size}: they must match the checkpoint the policy was built from"
             )
         d, max_prompt = cfg.data, cfg.generation.max_prompt_length
-        self.train_data = PromptDataset(d.train_file, self.tokenizer, max_prompt, d.prompt_key, d.label_key, d.add_bos)
-        self.val_data = (
-            PromptDataset(d.val_file, self.tokenizer, max_prompt, d.prompt_key, d.label_key, d.add_bos)
-            if d.val_file
-            else None
+        keys = dict(
+            prompt_key=d.prompt_key, label_key=d.label_key, messages_key=d.messages_key, long_prompts=d.long_prompts
         )
+        self.train_data = PromptDataset(d.train_file, self.tokenizer, max_prompt, **keys)
+        self.val_data = PromptDataset(d.val_file, self.tokenizer, max_prompt, **keys) if d.val_file else None
         self.sampler = PromptSampler(len(self.train_data), d.seed, d.shuffle)
 
         self.policy = TrainableModel(cfg.model, cfg.optim, head="lm")
@@ -111,6 +118,13 @@ class PPOTrainer:
         self.reward = build_reward_source(cfg, self.dp_group, self.tokenizer)
         # The value model the loop trains and checkpoints (gae: the critic job's), or None.
         self.critic = self.reward if isinstance(self.reward, TrainedCritic) else None
+        # Whether the critic job takes part in the run's checkpoints (critic_resume, critic_save, the commit): only
+        # with a value model. A reward-only critic has no state (it serves neither endpoint) and a reward function
+        # none at all: the run's commit record then covers the actor alone.
+        self.saves_critic = self.critic is not None and cfg.checkpoint.save_critic
+        # The wait for the scores: the critic job's (critic_wait_infer, with or without a value model) or this job's
+        # own reward function's (reward_wait).
+        self.reward_wait = "reward_wait" if cfg.reward.source == "function" else "critic_wait_infer"
         self._resume()
         dist_ckpt.start_writer()  # not inside the first checkpoint (the critic saves at the same time)
         self.writer = MetricsWriter(
@@ -124,7 +138,7 @@ class PPOTrainer:
         self._install_signal_handlers()
         start = time.monotonic()
         bar = Progress(cfg.ppo.num_steps, self.step, is_logging_rank() and cfg.logging.progress_bar, "ppo")
-        last_saved = self.step if dist_ckpt.latest_checkpoint(cfg.checkpoint_dir) else None
+        last_saved = self.step if self.resumed else None
         try:
             while self.step < cfg.ppo.num_steps:
                 metrics = self.train_step()
@@ -159,7 +173,7 @@ class PPOTrainer:
                 rollout, scoring, metrics = self.generate_rollouts()  # scoring: the reward source's pending answer
             with self.timer("logprobs"):
                 logp_BS, ref_logp_BS = self.compute_logprobs(rollout)
-            with self.timer("reward_wait"):
+            with self.timer(self.reward_wait):
                 values_BT, scores_B = scoring.result()
             with self.timer("advantages"):
                 batch, step_metrics = self.compute_advantages(rollout, logp_BS, ref_logp_BS, values_BT, scores_B)
@@ -180,8 +194,10 @@ class PPOTrainer:
 
     def _timings(self) -> dict:
         out = self.timer.pop()
-        if self.critic is not None:  # both waits are for the critic job
-            out["timing/critic_wait"] = out.get("timing/reward_wait", 0.0) + out.get("timing/critic_wait_train", 0.0)
+        if self.reward_wait == "critic_wait_infer":  # the critic job's: critic_wait is the sum of the waits for it
+            out["timing/critic_wait"] = out.get("timing/critic_wait_infer", 0.0) + out.get(
+                "timing/critic_wait_train", 0.0
+            )
         return out
 
     # -- phases -------------------------------------------------------------------------------------------
@@ -200,6 +216,7 @@ class PPOTrainer:
             sampling = SamplingParams(
                 **sampling_kw,
                 eos_token_id=self.tokenizer.eos_id,
+                stop_token_ids=self.tokenizer.stop_ids,
                 pad_token_id=self.tokenizer.pad_id,
                 seeds=sample_seeds(self.cfg.seed, step_seed, [seed_offset + i for i in positions[lo : lo + chunk]]),
             )
@@ -487,6 +504,7 @@ class PPOTrainer:
     # -- checkpoints, signals, teardown -----------------------------------------------------------------------
     def trainer_state(self) -> dict:
         return {
+            "run_id": self.run_id,
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "kl_controller": self.kl_ctl.state_dict(),
@@ -494,8 +512,15 @@ class PPOTrainer:
         }
 
     def save(self) -> None:
+        """Checkpoint step `self.step` with the critic (when it takes part: `saves_critic`), then commit it
+        (aligner.checkpoint.run): a step becomes a resume point only once both jobs have written it (the actor alone
+        in a run without a trained critic). A failed critic_save fails here, on every rank."""
+        with self.watchdog.phase("checkpoint"):
+            self._save()
+
+    def _save(self) -> None:
         cfg = self.cfg.checkpoint
-        critic_saved = self.critic.save(self.step) if cfg.save_critic and self.critic is not None else None
+        critic_saved = self.critic.save(self.step, self.run_id) if self.saves_critic else None
         path = dist_ckpt.save(
             self.cfg.checkpoint_dir,
             self.step,
@@ -507,21 +532,52 @@ class PPOTrainer:
         )
         if critic_saved is not None:
             critic_saved.result()
-        log.info("checkpoint written: %s", path)
+        self.commit = self.commit.add(self.step, cfg.keep)
+        run.commit(self.cfg.checkpoint_dir, self.commit)
+        log.info("checkpoint written and committed: %s", path)
 
     def _resume(self) -> None:
-        if not self.cfg.checkpoint.resume:
+        """Start run `self.run_id` fresh, or resume the newest committed step both jobs can load."""
+        cfg, root = self.cfg.checkpoint, self.cfg.checkpoint_dir
+        self.resumed = False
+        committed = run.read(root)
+        if committed is not None and not cfg.resume:
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{root} holds run {committed.run_id} (committed steps {committed.steps}): set "
+                "checkpoint.resume=true to continue it, or use another exp_dir",
+            )
+        if committed is None:
+            if dist_ckpt.complete_checkpoints(root):
+                log.warning("%s holds checkpoints but no commit record (%s): starting fresh", root, run.RECORD)
+            self.run_id = run.agreed_run_id()
+            self.commit = run.Commit(self.run_id)
+            if self.saves_critic:
+                self.critic.resume(None, self.run_id)
             return
-        path = dist_ckpt.latest_checkpoint(self.cfg.checkpoint_dir)
-        if path is None:
+        self.run_id, self.commit = committed.run_id, committed
+        for step, path, problem in run.resume_points(root, committed):
+            if problem is None and self.saves_critic:
+                try:
+                    self.critic.resume(step, self.run_id)
+                except CriticCheckpointError as exc:
+                    problem = f"the critic cannot resume it: {exc}"
+            if problem is not None:
+                log.warning("not resuming from committed step %d: %s", step, problem)
+                continue
+            state = dist_ckpt.load(path, [self.policy.module], self.policy.optimizer)
+            self.step = int(state["step"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.kl_ctl.load_state_dict(state["kl_controller"])
+            self.policy.steps_taken = int(state.get("optimizer_steps", 0))
+            self.engine.refit(self.policy.module)
+            self.resumed = True
+            log.warning("resumed from %s at step %d", path, self.step)
             return
-        state = dist_ckpt.load(path, [self.policy.module], self.policy.optimizer)
-        self.step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctl.load_state_dict(state["kl_controller"])
-        self.policy.steps_taken = int(state.get("optimizer_steps", 0))
-        self.engine.refit(self.policy.module)
-        log.warning("resumed from %s at step %d", path, self.step)
+        raise dist_ckpt.CheckpointError(
+            f"none of the committed steps {committed.steps} of run {self.run_id} in {root} can be resumed (see the "
+            "warnings above): restore them, or start a new run in another exp_dir"
+        )
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):

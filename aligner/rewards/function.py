@@ -15,18 +15,12 @@ import os
 import sys
 from typing import Callable
 
-DEFAULT_NAME = "reward_fn"
+from aligner.config.paths import split_spec  # the spec's syntax: the configs of both jobs check it at load
 
 
 class RewardFunctionError(RuntimeError):
     """A reward function could not be loaded, failed, hung, exited or returned something other than one finite
     float32 per sample. The message names the function and, for a failed call, the sample."""
-
-
-def split_spec(spec: str) -> tuple[str, str]:
-    """`path.py[:name]` -> (path, name)."""
-    path, sep, name = spec.rpartition(":")
-    return (path, name) if sep and path and name.isidentifier() else (spec, DEFAULT_NAME)
 
 
 def load_function(spec: str) -> Callable:

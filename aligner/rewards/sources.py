@@ -7,7 +7,9 @@ in the same order; each call is collective over the job):
   starts at once; `Pending.result()` (collective) waits, so the caller computes meanwhile.
 - `close()`.
 - Optional capability, its own Protocol: `TrainedCritic` (`train(rollout, returns_BS, values_BS) -> Pending[dict]`,
-  `save(step) -> Pending[str | None]`): a value model that the loop trains and checkpoints.
+  `resume(step, run_id)`, `save(step, run_id) -> Pending[str | None]`): a value model that the loop trains and
+  checkpoints with the policy (the run's checkpoint protocol, aligner.checkpoint.run). The other sources have no
+  state: the actor sends them no critic_resume/critic_save, and its commit record covers the actor alone.
 The sources (`build_reward_source` picks one from the config, once):
 - `aligner.critic.remote.RemoteCritic`: the critic job with its value model (values, rewards; a TrainedCritic): gae.
 - `CriticJobReward`: the critic job in reward-only mode (no value model): critic_infer's rewards alone.
@@ -44,11 +46,13 @@ class RewardSource(Protocol):
 class TrainedCritic(Protocol):
     def train(self, rollout, returns_BS: torch.Tensor, values_BS: torch.Tensor) -> Pending[dict]: ...
 
-    def save(self, step: int) -> Pending: ...
+    def resume(self, step: int | None, run_id: str) -> str | None: ...
+
+    def save(self, step: int, run_id: str) -> Pending: ...
 
 
 class CriticJobReward:
-    """The critic job in reward-only mode: scores from critic_infer, no values, nothing to train or save."""
+    """The critic job in reward-only mode: scores from critic_infer, no values, nothing to train, save or resume."""
 
     def __init__(self, client_cfg, dp_group):
         self.remote = RemoteCritic(client_cfg, dp_group, reward_only=True)

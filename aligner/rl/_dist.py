@@ -21,3 +21,15 @@ def all_reduce_(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tens
     if reduction_active(group):
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def collective_device(group, values=()) -> torch.device:
+    """Where a tensor for a collective over `group` must live: the bound GPU under NCCL (which has no CPU transport:
+    statistics gathered as floats or CPU tensors must move there; seen failing on 2x H200), else the device of the
+    first tensor in `values`, else the CPU."""
+    if reduction_active(group) and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from aligner.rl._dist import all_reduce_
+from aligner.rl._dist import all_reduce_, collective_device
 
 
 def _reduce(values: Mapping, group, op) -> dict[str, float]:
@@ -24,8 +24,7 @@ def _reduce(values: Mapping, group, op) -> dict[str, float]:
         return {}
     names = sorted(values)
     t = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).reshape(()).cpu() for k in names])
-    device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), t.device)
-    t = all_reduce_(t.to(device), group, op=op)
+    t = all_reduce_(t.to(collective_device(group, values.values())), group, op=op)
     return dict(zip(names, t.tolist(), strict=True))
 
 

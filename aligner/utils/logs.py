@@ -19,3 +19,5 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(_RankZeroFilter())
+    for noisy in ("megatron", "pytriton"):  # their INFO lines (bucket layouts, client patches) drown the job's own
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -11,26 +11,28 @@ import json
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 
 class Timer:
     """Accumulates wall-clock seconds per name (`timing/<name>`); `sync` is called before reading the clock so
-    device work is counted where it was issued."""
+    device work is counted where it was issued; with `watch`, every timed phase is also watched for hangs."""
 
-    def __init__(self, sync=None):
+    def __init__(self, sync=None, watch=None):
         self.sync = sync or (lambda: None)
+        self.watch = watch  # an object with a `phase(name)` context (aligner.parallel.watchdog), or None
         self.totals: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
-        self.sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
+        with self.watch.phase(name) if self.watch is not None else nullcontext():
             self.sync()
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.sync()
+                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
 
     def pop(self) -> dict[str, float]:
         out = {f"timing/{k}": v for k, v in self.totals.items()}

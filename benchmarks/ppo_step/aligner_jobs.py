@@ -26,7 +26,7 @@ from benchmarks.ppo_step.workload import MODEL_KEYS, DeviceMemoryPoller, Workloa
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 LAUNCHER = os.path.join(ROOT, "launchers", "local", "ppo.py")
 SPECIALS = ("<pad>", "<bos>", "<eos>")
-CRITIC_WAIT_PARTS = ("timing/reward_wait", "timing/critic_wait_train")
+CRITIC_WAIT_PARTS = ("timing/critic_wait_infer", "timing/critic_wait_train")
 
 
 class WorkloadMismatch(ValueError):
@@ -40,13 +40,15 @@ class WorkloadMismatch(ValueError):
 # -- assets -------------------------------------------------------------------------------------------------
 def write_tokenizer(path: str, vocab_size: int) -> None:
     """A whitespace WordLevel tokenizer of exactly `vocab_size` ids: the specials, then 't0', 't1', ..."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     words = [f"t{i}" for i in range(vocab_size - len(SPECIALS))]
     vocab = {tok: i for i, tok in enumerate(list(SPECIALS) + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(SPECIALS))  # already in the vocabulary: marks them special
+    # The tokenizer adds <bos> to each prompt itself (the jobs add no special tokens), as Llama's does.
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     tok.save(path)
 
 
@@ -246,8 +248,8 @@ def run(
         raise RuntimeError(
             f"steps {bad}: responses shorter than {w.response_len} tokens: EOS was not ignored (sampling.ignore_eos)"
         )
-    # critic_wait is the sum of the actor's two waits for the critic job (reward_wait, critic_wait_train): the parts
-    # are left out, so that the phases partition the step.
+    # critic_wait is the sum of the actor's two waits for the critic job (critic_wait_infer, critic_wait_train): the
+    # parts are left out, so that the phases partition the step.
     timings = [
         {k.removeprefix("timing/"): v for k, v in r.items() if k.startswith("timing/") and k not in CRITIC_WAIT_PARTS}
         for r in rows

@@ -6,7 +6,8 @@
                                   [--actor KEY=VALUE ...] [--critic KEY=VALUE ...]
 
 --actor-only runs the actor job alone, for configs whose reward needs no critic job (reward.source=function with
-a critic-free estimator; launchers/local/grpo.sh); the --critic* options are then ignored.
+a critic-free estimator; launchers/local/grpo.sh); the --critic* options are then ignored, and everything below
+holds for the actor job alone.
 
 On a machine with several GPUs, --actor-gpus 0,1 --critic-gpus 2 gives each job its own devices
 (CUDA_VISIBLE_DEVICES per job; each rank takes the GPU of its local rank among them). Without them both jobs see
@@ -16,13 +17,17 @@ With no arguments: the CPU demo (conf/ppo_actor_demo.yaml + conf/ppo_critic_demo
 uses torchrun (gloo on CPU, NCCL on GPU), or `mpiexec -n N` with --launcher mpiexec (the mpich wheel's, or the
 MPI on PATH; ranks read PMI_*/OMPI_* and meet at MASTER_ADDR:MASTER_PORT, set per job). The critic's output goes to
 <exp-dir>/critic.log (its tail is printed if it fails). Exit status: the actor's if it failed, else the critic's if it
-failed, else 0; no process is left behind. The last line printed is `metrics: <path of metrics.jsonl>`. Restarting the
-same command resumes both jobs from their latest checkpoints.
+failed, else 0; no process is left behind, also when this launcher is killed (the jobs get SIGTERM when it dies).
+The last line printed is `metrics: <path of metrics.jsonl>`. Restarting the same command resumes both jobs from the
+run's newest committed checkpoint. One launcher per experiment directory: a second one stops at once (exit 2).
+The jobs share a secret generated per run (ALIGNER_CRITIC_TOKEN, in their environment, not on a command line). If
+the critic's ports are taken between their choice and Triton's start, it is restarted on other ports (3 tries).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -34,7 +39,22 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from aligner.utils.net import free_port_range  # noqa: E402  (stdlib only)
+from aligner.critic.auth import TOKEN_ENV, new_token  # noqa: E402  (no torch)
+from aligner.utils.lock import LockError, hold  # noqa: E402  (no torch)
+from aligner.utils.net import free_port_range  # noqa: E402  (no torch)
+
+READY_LINE = "critic server ready at"
+PORT_TRIES = 3
+CRITIC_STOP_GRACE = 120.0  # seconds for the critic to unload its endpoints and stop Triton (a loaded host is slow)
+
+
+def _die_with_parent() -> None:
+    """In a job's top process (between fork and exec): SIGTERM it when this launcher dies, however it dies (Linux:
+    PR_SET_PDEATHSIG), so a killed launcher never leaves the jobs (and tritonserver) running."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def mpiexec_path() -> str:
@@ -87,33 +107,74 @@ def gpu_env(gpus: str | None, procs: int, flag: str) -> dict:
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
 
 
+def signal_job(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to a job's own processes. A job of several ranks runs under torchrun or mpiexec (the process-group
+    leader): signalling that parent makes it kill its ranks and exit 1, so the ranks themselves get the signal (they
+    checkpoint or stop cleanly and exit 0, and so does their parent). A one-process job is the leader itself."""
+    import psutil
+
+    ranks = []
+    if getattr(proc, "aligner_has_launcher", False):
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                if proc.aligner_script in " ".join(child.cmdline()):  # not tritonserver or helper processes
+                    ranks.append(child.pid)
+        except psutil.Error:
+            pass
+    for pid in ranks or [proc.pid]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def stop(proc: subprocess.Popen | None, grace: float = 30.0) -> None:
-    """SIGTERM the whole process group, then SIGKILL what is left after `grace` seconds."""
+    """SIGTERM the job (its ranks, see signal_job), then SIGKILL its whole process group after `grace` seconds."""
     if proc is None or proc.poll() is not None:
         return
+    signal_job(proc, signal.SIGTERM)
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         proc.wait()
-    except ProcessLookupError:
-        pass
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+class CriticStartError(RuntimeError):
+    def __init__(self, message: str, port_taken: bool):
+        super().__init__(message)
+        self.port_taken = port_taken
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log_path: str, log_offset: int) -> None:
+    """Until the critic job printed its ready line (after it checked all its ports and endpoints) and answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        new = _read_from(log_path, log_offset)
         if proc.poll() is not None:
-            raise RuntimeError(f"the critic job exited with status {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
+            taken = "already in use" in new or "Address in use" in new
+            raise CriticStartError(f"the critic job exited with status {proc.returncode} before it was ready", taken)
+        if READY_LINE in new:
+            try:
+                with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
         time.sleep(0.5)
-    raise RuntimeError(f"the critic job did not answer at {url} within {timeout:.0f} s")
+    raise CriticStartError(f"the critic job did not answer at {url} within {timeout:.0f} s", False)
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def tail(path: str, lines: int = 40) -> str:
@@ -157,29 +218,11 @@ def main(argv=None) -> int:
         print(f"[ppo] note: the actor and critic jobs share GPU(s) {sorted(shared)}", flush=True)
 
     exp = os.path.abspath(args.exp_dir)
-    os.makedirs(exp, exist_ok=True)
-    port = args.port or free_port_range(3)
-    url = f"http://127.0.0.1:{port}"
-    critic_cmd = command(
-        "serve_ppo_critic.py",
-        args.critic_procs,
-        args.critic_config,
-        [
-            f"server.port={port}",
-            "server.host=127.0.0.1",
-            f"exp_dir={exp}/critic",
-            "checkpoint.resume=true",
-            *args.critic,
-        ],
-        args.launcher,
-    )
-    actor_cmd = command(
-        "train_ppo_actor.py",
-        args.actor_procs,
-        args.actor_config,
-        [f"critic.port={port}", "critic.host=127.0.0.1", f"exp_dir={exp}/actor", *args.actor],
-        args.launcher,
-    )
+    try:
+        lock = hold(exp, "launchers/local/ppo.py")  # noqa: F841 - held until this launcher ends
+    except LockError as exc:
+        print(f"[ppo] {exc}", file=sys.stderr)
+        return 2
     critic_log = os.path.join(exp, "critic.log")
     critic = actor = None
     interrupted = []
@@ -187,41 +230,66 @@ def main(argv=None) -> int:
     def on_signal(signum, frame):
         interrupted.append(signum)
         if actor is not None and actor.poll() is None:
-            os.killpg(actor.pid, signal.SIGTERM)  # the actor checkpoints and exits; the critic is stopped after
+            signal_job(actor, signal.SIGTERM)  # the actor checkpoints and exits; the critic is stopped after
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    actor_env = {**env, **actor_gpus, "ALIGNER_NO_METRICS_LINE": "1"}  # this launcher prints the metrics line
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: os.environ.get(TOKEN_ENV) or new_token()}
+
+    def start_actor(overrides: list[str], what: str) -> subprocess.Popen:
+        actor_cmd = command(
+            "train_ppo_actor.py",
+            args.actor_procs,
+            args.actor_config,
+            [*overrides, f"exp_dir={exp}/actor", *args.actor],
+            args.launcher,
+        )
+        print(f"[ppo] {what}: {' '.join(actor_cmd)}", flush=True)
+        actor_env = {**env, **actor_gpus, "ALIGNER_NO_METRICS_LINE": "1"}  # this launcher prints the metrics line
+        proc = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True, preexec_fn=_die_with_parent)
+        proc.aligner_has_launcher, proc.aligner_script = args.actor_procs > 1, "train_ppo_actor.py"
+        return proc
+
     try:
-        if args.actor_only:
-            print(f"[ppo] actor job (no critic job): {' '.join(actor_cmd)}", flush=True)
-            actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True)
-            actor_rc = actor.wait()
-            if actor_rc != 0:
-                print(f"[ppo] the actor job failed (status {actor_rc})", file=sys.stderr)
-                return actor_rc
-            print(f"metrics: {os.path.join(exp, 'actor', 'metrics.jsonl')}", flush=True)
-            return 0
-        print(f"[ppo] critic job: {' '.join(critic_cmd)}\n[ppo] critic log: {critic_log}", flush=True)
-        with open(critic_log, "ab") as logf:
-            critic = subprocess.Popen(
-                critic_cmd,
-                cwd=ROOT,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                env={**env, **critic_gpus},
-                start_new_session=True,
-            )
-        try:
-            wait_ready(url, critic, args.ready_timeout)
-        except RuntimeError as exc:
-            print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
-            return 1
-        print(f"[ppo] critic ready at {url}\n[ppo] actor job: {' '.join(actor_cmd)}", flush=True)
-        actor = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True)
+        if not args.actor_only:
+            for attempt in range(1, PORT_TRIES + 1):
+                port = args.port or free_port_range(3)
+                url = f"http://127.0.0.1:{port}"
+                critic_cmd = command(
+                    "serve_ppo_critic.py",
+                    args.critic_procs,
+                    args.critic_config,
+                    [f"server.port={port}", "server.host=127.0.0.1", f"exp_dir={exp}/critic", *args.critic],
+                    args.launcher,
+                )
+                print(f"[ppo] critic job: {' '.join(critic_cmd)}\n[ppo] critic log: {critic_log}", flush=True)
+                offset = os.path.getsize(critic_log) if os.path.exists(critic_log) else 0
+                with open(critic_log, "ab") as logf:
+                    critic = subprocess.Popen(
+                        critic_cmd,
+                        cwd=ROOT,
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        env={**env, **critic_gpus},
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                critic.aligner_has_launcher, critic.aligner_script = args.critic_procs > 1, "serve_ppo_critic.py"
+                try:
+                    wait_ready(url, critic, args.ready_timeout, critic_log, offset)
+                    break
+                except CriticStartError as exc:
+                    stop(critic, grace=CRITIC_STOP_GRACE)
+                    retry = exc.port_taken and args.port is None and attempt < PORT_TRIES and not interrupted
+                    print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
+                    if not retry:
+                        return 1
+                    print("[ppo] a port was taken before the critic bound it: retrying on other ports", flush=True)
+            print(f"[ppo] critic ready at {url}", flush=True)
+        overrides = [f"critic.port={port}", "critic.host=127.0.0.1"] if critic is not None else []
+        actor = start_actor(overrides, "actor job" if critic is not None else "actor job (no critic job)")
         while actor.poll() is None:
-            if critic.poll() is not None:
+            if critic is not None and critic.poll() is not None:
                 print(
                     f"[ppo] the critic job died (status {critic.returncode}); stopping the actor\n"
                     f"--- last lines of {critic_log} ---\n{tail(critic_log)}",
@@ -233,8 +301,8 @@ def main(argv=None) -> int:
         actor_rc = actor.returncode
     finally:
         stop(actor)
-        stop(critic)
-    critic_rc = critic.returncode
+        stop(critic, grace=CRITIC_STOP_GRACE)
+    critic_rc = critic.returncode if critic is not None else 0
     metrics = os.path.join(exp, "actor", "metrics.jsonl")
     if actor_rc != 0:
         print(f"[ppo] the actor job failed (status {actor_rc})", file=sys.stderr)

@@ -8,6 +8,9 @@
 #                             start one component as its own step in the background (GROUP "" = not a het job)
 # reap PID                    wait for a background process even across trapped signals; returns its status
 # stop_step JOBID NAME PID S  SIGTERM a step's tasks (clean stop), then kill it after S seconds
+# aligner_token ROLE           the run's critic secret in ALIGNER_CRITIC_TOKEN (exported; srun passes it on, no
+#                             command line shows it): kept if set; else ROLE=critic makes one and ROLE=actor reads
+#                             it from <exp-dir>/critic_token (written owner-only by a separate critic job)
 # log / fail MESSAGE          prefixed lines on the job's output / error
 
 log() { echo "[${ALIGNER_TAG:-aligner} $(date +%H:%M:%S)] $*"; }
@@ -62,6 +65,22 @@ aligner_setup() {
   . "$ALIGNER_ROOT/launchers/slurm/env.sh"
   case "$EXP_DIR" in /*) ;; *) EXP_DIR="${SLURM_SUBMIT_DIR:-$PWD}/$EXP_DIR" ;; esac
   mkdir -p "$EXP_DIR/logs"
+}
+
+aligner_token() {
+  local file="$EXP_DIR/critic_token"
+  if [ -z "${ALIGNER_CRITIC_TOKEN:-}" ]; then
+    if [ "$1" = critic ]; then
+      ALIGNER_CRITIC_TOKEN="$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+      (umask 077 && printf '%s\n' "$ALIGNER_CRITIC_TOKEN" > "$file.tmp" && mv "$file.tmp" "$file")
+    elif [ -f "$file" ]; then
+      ALIGNER_CRITIC_TOKEN="$(cat "$file")"
+    else
+      fail "no critic secret: set ALIGNER_CRITIC_TOKEN or start the critic job (it writes $file) first"
+      return 2
+    fi
+  fi
+  export ALIGNER_CRITIC_TOKEN
 }
 
 node_addr() {

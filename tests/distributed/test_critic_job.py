@@ -75,6 +75,7 @@ def test_tp2_job_matches_one_rank_and_stops_on_sigterm(tmp_path):
         mask = ((pos >= 2) & (pos < lengths[:, None])).float()
         returns = torch.cos(0.5 * pos).expand(6, 16) * mask
         with CriticClient(url, connect_timeout=60) as client:
+            client.resume_async(None, "a1").result(120)  # a fresh run: critic_save then accepts step 1
             values, rewards = client.infer_async(tokens, lengths).result(120)
             ref_values, ref_rewards = reference.infer(tokens, lengths)
             valid = pos < lengths[:, None]
@@ -90,7 +91,7 @@ def test_tp2_job_matches_one_rank_and_stops_on_sigterm(tmp_path):
             after, _ = client.infer_async(tokens, lengths).result(120)
             torch.testing.assert_close(after, reference.infer(tokens, lengths)[0], rtol=0, atol=1e-4)
 
-            path = client.save(1)  # written at TP=2, read back at TP=1
+            path = client.save(1, "a1")  # written at TP=2, read back at TP=1
             reloaded = direct_values(load_weights(tiny_model(), path), tokens)
             torch.testing.assert_close(after[valid], reloaded[valid], rtol=0, atol=1e-5)
 
@@ -101,7 +102,7 @@ def test_tp2_job_matches_one_rank_and_stops_on_sigterm(tmp_path):
         server.wait_exit(120)
         assert "SIGTERM received, stopping" in server.output, server.output[-4000:]
         assert wait_gone(procs) == []
-        assert len(leftovers) == 4 and not any(os.path.exists(p) for p in leftovers)
+        assert len(leftovers) == 5 and not any(os.path.exists(p) for p in leftovers)
     finally:
         if server.proc.poll() is None:
             server.kill()

@@ -30,6 +30,25 @@ GPT2 = ModelConfig(
     tie_embeddings=True,
     max_position_embeddings=64,
 )
+# Every feature the Llama 3.x and Qwen3 conversions bring, at once: llama3 RoPE scaling, tied embeddings, q/k norms,
+# a head width (24) that is not hidden / heads
+NEW = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=V,
+    tie_embeddings=True,
+    head_dim=24,
+    qk_layernorm=True,
+    rope_scaling="llama3",
+    rope_scaling_factor=5.0,
+    rope_scaling_low_freq_factor=1.5,
+    rope_scaling_high_freq_factor=6.0,
+    rope_scaling_original_max_position_embeddings=48,
+)
 GEN = GenerationConfig(max_batch_size=4, max_prompt_length=8, max_response_length=10, kv_block=4, check_done_every=4)
 PROMPTS = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(7))
 LENGTHS = torch.tensor([2, 8, 5])
@@ -60,7 +79,7 @@ def _tp2_body(rank, world_size):
 
     initialize(2, 1)
     seen = {}
-    for name, cfg in (("llama", LLAMA), ("gpt2", GPT2)):
+    for name, cfg in (("llama", LLAMA), ("gpt2", GPT2), ("llama3_qwen3", NEW)):
         model = build_gpt(cfg)
         _load_seeded_weights(model, cfg)
         model.eval()

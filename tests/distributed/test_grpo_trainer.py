@@ -184,3 +184,20 @@ def test_several_epochs_per_rollout_batch(tmp_path, digit_reward):
     one, steps = train(tmp_path, "epoch", 1, "ppo.num_mini_batches=1", f"reward.fn={digit_reward}")
     assert steps == 2
     assert one[0]["ppo/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_actor_alone_commits_and_resumes_its_checkpoints(tmp_path, digit_reward):
+    """No critic job (the reward function runs in the actor): the run's commit record (aligner.checkpoint.run) covers
+    the actor's checkpoints alone, and a restart resumes from the newest committed step without asking any critic."""
+    from aligner.checkpoint import dist_ckpt, run
+
+    save = ("checkpoint.save_every=1", "checkpoint.save_at_end=true", f"reward.fn={digit_reward}")
+    rows, _ = train(tmp_path, "ckpt", 1, *save)
+    root = tmp_path / "ckpt" / "checkpoints"
+    first = run.read(str(root))
+    assert first is not None and first.steps == [1, 2] and [r["step"] for r in rows] == [0, 1]
+    assert dist_ckpt.read_state(str(root / dist_ckpt.step_dir_name(2)))["run_id"] == first.run_id
+    rows, _ = train(tmp_path, "ckpt", 1, *save, "ppo.num_steps=3")  # the same directory: resumes at step 2
+    assert [r["step"] for r in rows] == [0, 1, 2]  # metrics.jsonl continued from the resume point
+    again = run.read(str(root))
+    assert again.run_id == first.run_id and again.steps == [2, 3]  # checkpoint.keep=2

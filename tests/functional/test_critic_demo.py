@@ -4,10 +4,12 @@ end, SIGINT on a server started like a background job, and a tritonserver that d
 import importlib.util
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
-from critic_harness import REPO, ServerProcess, free_ports, stub_model_folders, triton_workspaces, wait_gone
+from critic_harness import REPO, SCRIPT, ServerProcess, free_ports, stub_model_folders, triton_workspaces, wait_gone
 
 from aligner.critic import CriticClient, CriticRequestError
 
@@ -23,7 +25,7 @@ def _encode(texts):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(REPO, "conf", "demo", "tokenizer.json"))
-    return [tok.encode(t).ids for t in texts]
+    return [tok.encode(t, add_special_tokens=False).ids for t in texts]  # pieces: no <bos>
 
 
 def _demo_server(tmp_path, **kw) -> ServerProcess:
@@ -33,9 +35,16 @@ def _demo_server(tmp_path, **kw) -> ServerProcess:
 
 def test_demo_reward_function_end_to_end_and_sigint(tmp_path):
     # Started the way a shell starts a background job (SIGINT ignored): the job's own handler must still stop it.
-    server = _demo_server(tmp_path, ignore_sigint=True)
+    server = _demo_server(tmp_path, ignore_sigint=True, env={"ALIGNER_CRITIC_TOKEN": "s3cret"})
     try:
         url = server.wait_ready()
+        with CriticClient(url, connect_timeout=30) as stranger:  # no secret (issue 14): refused, nothing trained
+            with pytest.raises(CriticRequestError, match="unauthorized"):
+                stranger.resume_async(None, "a1").result(60)
+        wrong = CriticClient(url, connect_timeout=30, token="guess")
+        with pytest.raises(CriticRequestError, match="unauthorized"):
+            wrong.infer_async(torch.ones(1, 3, dtype=torch.long), torch.tensor([3])).result(60)
+        wrong.close()
         prompts, responses, labels = ["say a: cat:", "say a: moon rain:"], ["aaxa", "b a"], ["a", "b"]
         prompt_ids, response_ids = _encode(prompts), _encode(responses)
         rows = [p + r for p, r in zip(prompt_ids, response_ids)]
@@ -44,7 +53,7 @@ def test_demo_reward_function_end_to_end_and_sigint(tmp_path):
         lengths = torch.tensor([len(r) for r in rows])
         prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
         reward_fn = _demo_reward()
-        with CriticClient(url, connect_timeout=30) as client:
+        with CriticClient(url, connect_timeout=30, token="s3cret") as client:
             values, rewards = client.infer_async(tokens, lengths, prompt_lengths, labels).result(60)
             expect = reward_fn(prompts, responses, labels)
             assert expect == [0.75, 1 / 3]  # the share of the label's letter
@@ -65,10 +74,32 @@ def test_demo_reward_function_end_to_end_and_sigint(tmp_path):
         assert server.wait_exit(90) == 0, server.output[-3000:]
         assert "SIGINT received, stopping" in server.output
         assert wait_gone(procs) == []
-        assert len(leftovers) == 4 and not any(os.path.exists(p) for p in leftovers)
+        assert len(leftovers) == 5 and not any(os.path.exists(p) for p in leftovers)
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+def test_reachable_address_without_a_secret_is_refused(tmp_path):
+    port = free_ports(3)
+    env = {k: v for k, v in os.environ.items() if k != "ALIGNER_CRITIC_TOKEN"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--config-name",
+            "ppo_critic_demo",
+            "server.host=0.0.0.0",
+            f"server.port={port}",
+            f"exp_dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "ALIGNER_CRITIC_TOKEN" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_tritonserver_death_ends_the_job_with_the_reason(tmp_path):
@@ -111,13 +142,13 @@ def test_a_frozen_python_stub_is_explained(tmp_path):
     try:
         url = server.wait_ready()
         procs = server.descendants()
-        (stub,) = [p for p in procs if "critic_save_0_0" in " ".join(p.cmdline())]
+        (stub,) = [p for p in procs if "critic_resume_0_0" in " ".join(p.cmdline())]
         client = CriticClient(url, connect_timeout=30)
         client.wait_ready()
         stub.suspend()
         threading.Timer(2.5, stub.resume).start()
         with pytest.raises(CriticRequestError) as info:
-            client.save(1)
+            client.resume_async(None, "a1").result()
         assert "stopped responding" in str(info.value) and "is not healthy" in str(info.value), str(info.value)
         time.sleep(3)  # the stub is running again
         client.close()

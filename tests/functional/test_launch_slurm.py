@@ -127,7 +127,7 @@ def test_het_job_runs_critic_and_two_rank_actor(cluster, tmp_path):
     for key in ("rollout/reward_mean", "ppo/kl", "ppo/policy_loss", "critic/value_loss", "timing/step"):
         assert all(r.get(key) is not None for r in rows), key
     assert f"metrics: {exp}/actor/metrics.jsonl" in log
-    assert sorted(os.listdir(exp / "actor" / "checkpoints")) == ["step_000003"]
+    assert sorted(n for n in os.listdir(exp / "actor" / "checkpoints") if n.startswith("step_")) == ["step_000003"]
     assert sorted(os.listdir(exp / "critic" / "checkpoints")) == ["step_000003"], "critic_save at the same step"
     (critic_log,) = (exp / "logs").iterdir()
     text = critic_log.read_text()
@@ -185,8 +185,10 @@ def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
     rows = metrics(exp)
     stopped = len(rows)
     assert [r["step"] for r in rows] == list(range(stopped)) and stopped < LONG_RUN
-    assert os.listdir(exp / "actor" / "checkpoints") == [f"step_{stopped:06d}"]
+    assert [n for n in os.listdir(exp / "actor" / "checkpoints") if n.startswith("step_")] == [f"step_{stopped:06d}"]
     assert os.listdir(exp / "critic" / "checkpoints") == [f"step_{stopped:06d}"]
+    committed = json.loads((exp / "actor" / "checkpoints" / "committed.json").read_text())
+    assert committed["steps"] == [stopped]
     assert (
         json.loads((exp / "actor" / "checkpoints" / f"step_{stopped:06d}" / "state.json").read_text())["step"]
         == stopped

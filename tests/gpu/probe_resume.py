@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 def opt_state(opt):
     """fp32 main params and Adam moments of megatron's (distributed) optimizer, flattened per param, in order."""
     out = {}
+    opt = getattr(opt, "inner", opt)  # aligner.models.optim.MegatronOptimizer wraps megatron's
     inner = getattr(opt, "chained_optimizers", [opt])
     for i, o in enumerate(inner):
         torch_opt = getattr(o, "optimizer", o)

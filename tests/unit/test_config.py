@@ -108,6 +108,21 @@ def test_missing_config_lists_available(conf_dir):
         (["model.num_query_groups=3"], "model.num_query_groups", "not divisible by num_query_groups=3"),
         (["model.arch=bert"], "model.arch", "must be one of gpt2, llama"),
         (["model.params_dtype=fp8"], "model.params_dtype", "must be one of"),
+        (
+            ["model.hidden_size=100"],
+            "model.hidden_size",
+            "not divisible by num_attention_heads=8 (or set model.head_dim)",
+        ),
+        (["model.head_dim=15"], "model.head_dim", "the head width 15 must be even"),
+        (["model.head_dim=0"], "model.head_dim", "must be positive"),
+        (["model.rope_scaling=yarn"], "model.rope_scaling", "must be one of llama3"),
+        (["model.rope_scaling=llama3", "model.rope_scaling_factor=0.5"], "model.rope_scaling_factor", "must be >= 1"),
+        (
+            ["model.rope_scaling=llama3", "model.rope_scaling_low_freq_factor=4"],
+            "model.rope_scaling_low_freq_factor",
+            "below rope_scaling_high_freq_factor=4.0",
+        ),
+        (["model.arch=gpt2", "model.rope_scaling=llama3"], "model.rope_scaling", "has no RoPE to scale"),
     ],
 )
 def test_validation_errors_name_the_key(conf_dir, overrides, key, words):
@@ -115,6 +130,11 @@ def test_validation_errors_name_the_key(conf_dir, overrides, key, words):
         load_config(JobConfig, "base", overrides, str(conf_dir))
     assert info.value.key == key
     assert words in str(info.value)
+
+
+def test_an_explicit_head_width_frees_hidden_size_from_the_head_count(conf_dir):
+    cfg = load_config(JobConfig, "base", ["model.hidden_size=100", "model.head_dim=24"], str(conf_dir))
+    assert (cfg.model.kv_channels, ModelConfig(hidden_size=64, num_attention_heads=4).kv_channels) == (24, 16)
 
 
 def test_gqa_groups_must_split_over_tp():

@@ -55,7 +55,7 @@ def test_hf_to_ours_to_hf(kind, tmp_path):
     cfg = load_model_yaml(os.path.join(conv, "model.yaml"))
     assert cfg.checkpoint == conv and cfg.tokenizer == os.path.join(conv, "tokenizer") and cfg.vocab_size == VOCAB
     assert sorted(os.listdir(conv)) == sorted(
-        ["model", "model.yaml", "tokenizer", "hf_config.json", "conversion.json"]
+        ["model", "model.yaml", "tokenizer", "hf_config.json", "conversion.json", "manifest.json"]
         + (["generation_config.json"] if not reward else [])
     )
     expected = hf_outputs(hf)
@@ -243,3 +243,147 @@ def test_critic_backbone_from_a_converted_policy(tmp_path):
         assert torch.equal(theirs[name], t), name
     for name, t in head_before.items():
         assert torch.equal(critic.output_layer.state_dict()[name], t)
+
+
+def test_new_families_model_yaml(tmp_path):
+    """What the converter reads off Llama 3.2-style and Qwen3 configs lands in model.yaml."""
+    from convert_models import LLAMA3_ROPE, QWEN3_HEAD_DIM
+
+    for kind in ("llama3", "qwen3"):
+        make_hf(kind, str(tmp_path / kind))
+        convert_hf_to_dist(str(tmp_path / kind), str(tmp_path / f"conv_{kind}"))
+    llama3 = load_model_yaml(str(tmp_path / "conv_llama3" / "model.yaml"))
+    assert llama3.tie_embeddings and llama3.rope_scaling == "llama3" and llama3.head_dim is None
+    assert (
+        llama3.rope_scaling_factor,
+        llama3.rope_scaling_low_freq_factor,
+        llama3.rope_scaling_high_freq_factor,
+        llama3.rope_scaling_original_max_position_embeddings,
+    ) == tuple(
+        LLAMA3_ROPE[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    )
+    qwen3 = load_model_yaml(str(tmp_path / "conv_qwen3" / "model.yaml"))
+    assert (qwen3.head_dim, qwen3.qk_layernorm, qwen3.rotary_base, qwen3.rope_scaling) == (
+        QWEN3_HEAD_DIM,
+        True,
+        1e6,
+        None,
+    )
+
+
+def test_llama3_rope_frequencies_are_hf_s_bit_for_bit(tmp_path):
+    """megatron's own llama3 scaling hard-codes low/high_freq_factor and original_max_position_embeddings (1, 4,
+    8192); ours reads them from the config and equals HF's frequencies exactly."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from aligner.models.gpt import build_gpt
+
+    hf = make_hf("llama3", str(tmp_path / "hf"))
+    convert_hf_to_dist(str(tmp_path / "hf"), str(tmp_path / "conv"))
+    cfg = load_model_yaml(str(tmp_path / "conv" / "model.yaml"))
+    ours_ = build_gpt(cfg).rotary_pos_emb.inv_freq
+    theirs = hf.model.rotary_emb.inv_freq
+    assert ours_.dtype == theirs.dtype == torch.float32 and torch.equal(ours_, theirs)
+    megatrons = RotaryEmbedding(
+        16, 1.0, rotary_base=10000, rope_scaling=True, rope_scaling_factor=5.0, use_cpu_initialization=True
+    ).inv_freq
+    assert not torch.allclose(megatrons, theirs, rtol=1e-3), "the test needs numbers megatron's constants get wrong"
+    # Plain RoPE through the same function, with a base megatron would truncate to an int
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from aligner.config.schema import ModelConfig
+    from aligner.models.rope import rope_inv_freq
+
+    theta = 12345.6
+    hf_plain = LlamaRotaryEmbedding(
+        LlamaConfig(
+            hidden_size=64, num_attention_heads=4, rope_parameters={"rope_type": "default", "rope_theta": theta}
+        )
+    ).inv_freq
+    assert torch.equal(rope_inv_freq(ModelConfig(hidden_size=64, num_attention_heads=4, rotary_base=theta)), hf_plain)
+
+
+def test_loading_is_strict_and_names_the_tensor(tmp_path):
+    """A config that does not describe the checkpoint fails naming the tensor and the key to check, instead of
+    leaving tensors behind (Qwen2's q/k/v biases, Qwen3's q/k norms) or loading part of a layer stack."""
+    import dataclasses
+
+    from aligner.checkpoint import dist_ckpt
+    from aligner.checkpoint.dist_ckpt import CheckpointMismatchError, load_backbone_weights, load_model_weights
+    from aligner.models.gpt import build_gpt
+
+    for kind in ("qwen2", "qwen3", "llama3"):
+        make_hf(kind, str(tmp_path / kind))
+        convert_hf_to_dist(str(tmp_path / kind), str(tmp_path / f"conv_{kind}"))
+    qwen2 = load_model_yaml(str(tmp_path / "conv_qwen2" / "model.yaml"))
+    qwen3 = load_model_yaml(str(tmp_path / "conv_qwen3" / "model.yaml"))
+    llama3 = load_model_yaml(str(tmp_path / "conv_llama3" / "model.yaml"))
+    cases = [
+        (
+            "conv_qwen2",
+            dataclasses.replace(qwen2, add_qkv_bias=False),
+            "lm",
+            r"has decoder\.layers\.self_attention"
+            r"\.linear_qkv\.bias, which the config has no place for.*check model\.add_qkv_bias",
+        ),
+        (
+            "conv_qwen3",
+            dataclasses.replace(qwen3, qk_layernorm=False),
+            "lm",
+            r"q_layernorm\.weight.*model\.qk_layernorm",
+        ),
+        (
+            "conv_qwen3",
+            dataclasses.replace(qwen3, head_dim=None),
+            "lm",
+            r"linear_proj\.weight: the checkpoint stores "
+            r"shape \(2, 64, 96\) but the config implies \(2, 64, 64\)",
+        ),
+        (
+            "conv_qwen2",
+            dataclasses.replace(qwen2, num_layers=3),
+            "lm",
+            r"stores shape \(2, 64\) but the config "
+            r"implies \(3, 64\)",
+        ),
+        (
+            "conv_llama3",
+            dataclasses.replace(llama3, tie_embeddings=False),
+            "lm",
+            r"output_layer\.weight is missing"
+            r".*model\.tie_embeddings",
+        ),
+        ("conv_llama3", llama3, "scalar", r"output_layer\.weight is missing"),  # a critic needs the backbone load
+        (  # every problem at once, each with its key
+            "conv_qwen2",
+            dataclasses.replace(qwen2, tie_embeddings=False, add_qkv_bias=False),
+            "lm",
+            r"output_layer\.weight is missing.*linear_qkv\.bias.*check model\.add_qkv_bias; model\.tie_embeddings",
+        ),
+    ]
+    for conv, cfg, head, match in cases:
+        model = build_gpt(cfg, head=head)
+        before = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        with pytest.raises(CheckpointMismatchError, match=match):
+            load_model_weights(str(tmp_path / conv), [model])
+        after = model.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items()), "checked before any tensor is read"
+    # The one documented exception: a critic takes a (tied) policy's backbone, its head stays as built.
+    critic = build_gpt(llama3, head="scalar")
+    load_backbone_weights(str(tmp_path / "conv_llama3"), [critic])
+    with pytest.raises(CheckpointMismatchError, match="q_layernorm"):  # the backbone itself is still strict
+        load_backbone_weights(
+            str(tmp_path / "conv_qwen3"), [build_gpt(dataclasses.replace(qwen3, qk_layernorm=False), head="scalar")]
+        )
+    # A job checkpoint (dist_ckpt.save / load) is held to the same rule.
+    policy = build_gpt(qwen2)
+    load_model_weights(str(tmp_path / "conv_qwen2"), [policy])
+    dist_ckpt.save(str(tmp_path / "run"), 1, [policy], state={"consumed_samples": 0})
+    with pytest.raises(CheckpointMismatchError, match="linear_qkv.bias"):
+        dist_ckpt.load(
+            str(tmp_path / "run" / "step_000001"), [build_gpt(dataclasses.replace(qwen2, add_qkv_bias=False))]
+        )
+    again = build_gpt(qwen2)
+    dist_ckpt.load(str(tmp_path / "run" / "step_000001"), [again])
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in policy.state_dict().items() if "_extra" not in k)

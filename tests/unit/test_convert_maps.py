@@ -101,6 +101,8 @@ def test_gpt2_conv1d_qkv_becomes_per_head_rows():
         ("llama", dict(num_query_groups=2, add_qkv_bias=True), "policy"),
         ("llama", dict(num_query_groups=1, tie_embeddings=True), "policy"),
         ("llama", dict(num_query_groups=4), "reward"),
+        ("llama", dict(num_query_groups=2, head_dim=6, qk_layernorm=True), "policy"),  # Qwen3: q is [24, 16]
+        ("llama", dict(num_query_groups=2, head_dim=6, qk_layernorm=True, tie_embeddings=True), "reward"),
         ("gpt2", dict(), "policy"),
         ("gpt2", dict(tie_embeddings=False), "reward"),
     ],
@@ -122,6 +124,13 @@ def test_maps_are_exact_inverses(arch, kw, model_type):
     assert sorted(back) == sorted(hf)
     for name in hf:
         assert torch.equal(back[name], hf[name]), name
+    if cfg.qk_layernorm:
+        assert meg["decoder.layers.1.self_attention.q_layernorm.weight"].shape == (6,)
+        assert torch.equal(
+            meg["decoder.layers.1.self_attention.k_layernorm.weight"], hf["model.layers.1.self_attn.k_norm.weight"]
+        )
+        assert meg["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 6, 16)
+        assert meg["decoder.layers.0.self_attention.linear_proj.weight"].shape == (16, 24)
     if model_type == "reward":
         assert meg["output_layer.weight"].shape == (1, 16) and meg["output_layer.bias"].tolist() == [0.0]
     assert ("output_layer.weight" in meg) == (model_type == "reward" or not cfg.tie_embeddings)
@@ -150,31 +159,66 @@ def test_model_config_from_llama_family():
     assert model_config_from_hf(normalized_hf_config(legacy))[0].rotary_base == 1234.0
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+QWEN3 = dict(LLAMA, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=6, tie_word_embeddings=True)
+
+
+def test_model_config_from_llama3_and_qwen3():
+    llama3 = dict(LLAMA, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)  # Llama 3.2 1B/3B
+    cfg, _, _ = model_config_from_hf(normalized_hf_config(llama3))
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor) == ("llama3", 32.0, 1.0)
+    assert (cfg.rope_scaling_high_freq_factor, cfg.rope_scaling_original_max_position_embeddings) == (4.0, 16)
+    assert cfg.tie_embeddings and cfg.head_dim is None and not cfg.qk_layernorm and cfg.rotary_base == 5e5
+    built = hf_config_for_export(cfg, "policy", None, "float32")  # no source: from model.yaml alone
+    assert built["architectures"] == ["LlamaForCausalLM"] and built["rope_parameters"]["factor"] == 32.0
+    assert model_config_from_hf(normalized_hf_config(built))[0] == cfg
+
+    cfg, _, _ = model_config_from_hf(normalized_hf_config(QWEN3))
+    assert (cfg.qk_layernorm, cfg.head_dim, cfg.kv_channels, cfg.add_qkv_bias) == (True, 6, 6, False)
+    assert cfg.rope_scaling is None
+    built = hf_config_for_export(cfg, "reward", None, "float32")
+    assert built["architectures"] == ["Qwen3ForSequenceClassification"] and built["head_dim"] == 6
+    assert model_config_from_hf(normalized_hf_config(built))[0] == cfg
+    same = dict(LLAMA, head_dim=2)  # hidden / heads: the default width, left out of model.yaml
+    assert model_config_from_hf(normalized_hf_config(same))[0].head_dim is None
+
+
 @pytest.mark.parametrize(
     "change,field",
     [
-        (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "architecture 'Qwen3ForCausalLM'"),
+        (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "architecture 'Qwen3MoeForCausalLM'"),
+        (dict(architectures=["MixtralForCausalLM"], model_type="mixtral"), "architecture 'MixtralForCausalLM'"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0}), "rope_type' = 'yarn'"),
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}), "rope_type' = 'linear'"),
+        (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}), "rope_type' = 'dynamic'"),
         (
-            dict(
-                rope_parameters={
-                    "rope_type": "llama3",
-                    "rope_theta": 5e5,
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 16,
-                }
-            ),
-            "rope_type",
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}),
+            "'partial_rotary_factor'",
         ),
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 2.0}), "rope_type"),
-        (dict(head_dim=4), "'head_dim'"),
         (dict(attention_bias=True), "'attention_bias'"),
+        (dict(QWEN3, attention_bias=True), "'attention_bias'"),  # Qwen3's: on q, k, v and o
         (dict(mlp_bias=True), "'mlp_bias'"),
         (dict(hidden_act="gelu"), "'hidden_act'"),
         (
             dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16),
             "--max-position-embeddings",
+        ),
+        (  # Qwen2 windows its layers from max_window_layers on: layer 1 of 2 here
+            dict(
+                architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2",
+                use_sliding_window=True,
+                sliding_window=16,
+                max_window_layers=1,
+            ),
+            "'sliding_window' = 16",
         ),
         (dict(architectures=["LlamaForSequenceClassification"], id2label={"0": "a", "1": "b"}), "num_labels=2"),
         (dict(architectures=["LlamaForCausalLM", "LlamaModel"]), "exactly one"),
@@ -191,6 +235,17 @@ def test_sliding_window_can_be_capped_and_covers_long_windows():
     assert cfg.max_position_embeddings == 16
     long_window = dict(mistral, sliding_window=32)  # as long as the context: plain causal attention
     assert model_config_from_hf(normalized_hf_config(long_window))[0].max_position_embeddings == 32
+    # Qwen2/Qwen3 with use_sliding_window but max_window_layers >= num_layers: no layer uses the window
+    for model_type in ("qwen2", "qwen3"):
+        unused = dict(
+            LLAMA,
+            architectures=[f"{model_type.capitalize()}ForCausalLM"],
+            model_type=model_type,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=2,
+        )
+        assert model_config_from_hf(normalized_hf_config(unused))[0].max_position_embeddings == 32
 
 
 def test_unsupported_gpt2_features():

@@ -60,3 +60,29 @@ def test_scripts_report_user_errors_in_one_line(tmp_path):
     assert "Traceback" not in bad.stderr and not os.path.exists(tmp_path / "out")
     missing = _run("scripts/convert_nemo_to_hf.py", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o"))
     assert missing.returncode == 2 and "not an aligner checkpoint" in missing.stderr
+
+
+def test_scripts_refuse_to_overwrite_their_input_and_name_damaged_files(tmp_path):
+    """--overwrite never deletes the source; a truncated weights file or checkpoint shard is named (issue 14)."""
+    hf_dir = tmp_path / "hf"
+    make_hf("llama", str(hf_dir))
+    for out in (hf_dir, hf_dir / "inside"):
+        same = _run("scripts/convert_hf_to_nemo.py", "--input", str(hf_dir), "--output", str(out), "--overwrite")
+        assert same.returncode == 2 and "would delete the source" in same.stderr, same.stderr[-2000:]
+        assert (hf_dir / "config.json").exists()
+    conv = tmp_path / "conv"
+    assert _run("scripts/convert_hf_to_nemo.py", "--input", str(hf_dir), "--output", str(conv)).returncode == 0
+    back = _run("scripts/convert_nemo_to_hf.py", "--input", str(conv), "--output", str(conv), "--overwrite")
+    assert back.returncode == 2 and "would delete the source" in back.stderr and (conv / "model.yaml").exists()
+
+    shard = max((p for p in (conv / "model").iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    cut = _run("scripts/convert_nemo_to_hf.py", "--input", str(conv), "--output", str(tmp_path / "x"))
+    assert cut.returncode == 2 and shard.name in cut.stderr and "Traceback" not in cut.stderr, cut.stderr[-2000:]
+
+    weights = next(hf_dir.glob("*.safetensors"))
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    bad = _run("scripts/convert_hf_to_nemo.py", "--input", str(hf_dir), "--output", str(tmp_path / "y"))
+    assert bad.returncode == 2 and weights.name in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]

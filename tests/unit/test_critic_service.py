@@ -82,9 +82,9 @@ def test_reward_function_path(weights, tmp_path):
 
     service = _service(weights, tmp_path, reward="fn")
     tok = Tokenizer.from_file(os.path.join(REPO, "conf", "demo", "tokenizer.json"))
-    prompt_ids = tok.encode("say a: moon:").ids
+    prompt_ids = tok.encode("say a: moon:", add_special_tokens=False).ids  # pieces: no <bos>
     responses = ["aaaa", "a b", "xyz"]
-    rows = [prompt_ids + tok.encode(r).ids for r in responses]
+    rows = [prompt_ids + tok.encode(r, add_special_tokens=False).ids for r in responses]
     width = max(map(len, rows))
     tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     lengths = torch.tensor([len(r) for r in rows])
@@ -154,15 +154,16 @@ def test_train_ignores_values_outside_the_mask(weights, tmp_path):
 def test_save_then_resume_gives_identical_values_and_optimizer(weights, tmp_path):
     tokens, lengths, returns, mask = _train_batch()
     service = _service(weights, tmp_path)
+    assert service.resume(-1, "a1") is None  # a fresh run
     values, _ = service.infer(tokens, lengths)
     service.train(tokens, lengths, returns, values, mask)
-    path = service.save(3)
-    assert os.path.basename(path) == "step_000003" and os.path.isfile(os.path.join(path, "state.json"))
+    path = service.save(1, "a1")
+    assert os.path.basename(path) == "step_000001" and os.path.isfile(os.path.join(path, "state.json"))
     trained, _ = service.infer(tokens, lengths)
     assert not torch.allclose(trained, values)
 
-    resumed = _service(weights, tmp_path, checkpoint__resume=True)
-    assert resumed.resumed_from == path
+    resumed = _service(weights, tmp_path)
+    assert resumed.resume(1, "a1") == path == resumed.resumed_from
     torch.testing.assert_close(resumed.infer(tokens, lengths)[0], trained, rtol=0, atol=0)
     assert resumed.critic.steps_taken == service.critic.steps_taken == 2
     # The optimizer state came back too: one more identical step gives identical weights.
@@ -206,7 +207,8 @@ def test_critic_starts_from_a_policy_checkpoint(weights, tmp_path):
 
 
 def test_reward_only_mode_has_no_value_model(weights, tmp_path):
-    """model: null: the reward model's scores as usual, values are zeros [B, 1], training and saving are refused."""
+    """model: null: the reward model's scores as usual, values are zeros [B, 1]; training, resuming and saving are
+    refused (the server binds none of them: the actor never sends them to this mode)."""
     from aligner.critic.service import CriticService
 
     cfg = CriticJobConfig(model=None, reward_model=tiny_model(checkpoint=weights["rm_ckpt"]), exp_dir=str(tmp_path))
@@ -223,4 +225,104 @@ def test_reward_only_mode_has_no_value_model(weights, tmp_path):
     with pytest.raises(CriticRequestError, match="reward-only mode"):
         service.train(tokens, lengths, np.zeros((5, 12), np.float32), np.zeros((5, 12), np.float32), np.ones((5, 12)))
     with pytest.raises(CriticRequestError, match="reward-only mode"):
-        service.save(1)
+        service.save(1, "a1")
+    with pytest.raises(CriticRequestError, match="reward-only mode"):
+        service.resume(-1, "a1")
+
+
+# -- the run's checkpoints (issue 14): the critic and the actor never resume as a mismatched pair ----------------
+def test_critic_save_needs_the_runs_next_step_and_never_overwrites(weights, tmp_path):
+    from aligner.critic.protocol import CriticCheckpointError
+
+    tokens, lengths, returns, mask = _train_batch()
+    service = _service(weights, tmp_path)
+    with pytest.raises(CriticCheckpointError, match="sends critic_resume first"):
+        service.save(0, "a1")
+    service.resume(-1, "a1")
+    values, _ = service.infer(tokens, lengths)
+    service.train(tokens, lengths, returns, values, mask)
+    with pytest.raises(CriticCheckpointError, match="has trained to step 1"):
+        service.save(2**40 - 1, "a1")  # an absurd step never becomes the "latest"
+    with pytest.raises(CriticCheckpointError, match="but the critic serves run a1"):
+        service.save(1, "b2")
+    assert service.save(1, "a1").endswith("step_000001")
+    with pytest.raises(CriticCheckpointError, match="has trained to step 1"):
+        service.save(0, "a1")
+    fresh = _service(weights, tmp_path)  # a new critic job on the same directory
+    fresh.resume(1, "a1")
+    with pytest.raises(CriticCheckpointError, match="never overwritten"):
+        fresh.base_step = 0  # pretend it was asked for step 1 again
+        fresh.trains_since_base = 1
+        fresh.save(1, "a1")
+
+
+def test_critic_resume_checks_the_run_and_drops_uncommitted_steps(weights, tmp_path):
+    from aligner.critic.protocol import CriticCheckpointError
+
+    tokens, lengths, returns, mask = _train_batch()
+    service = _service(weights, tmp_path)
+    service.resume(-1, "a1")
+    for step in (1, 2):
+        values, _ = service.infer(tokens, lengths)
+        service.train(tokens, lengths, returns, values, mask)
+        service.save(step, "a1")
+    ckpts = tmp_path / "checkpoints"
+    # The actor committed step 1 only (it died before committing 2): resuming at 1 removes the critic's step 2.
+    again = _service(weights, tmp_path)
+    with pytest.raises(CriticCheckpointError, match="not to the actor's run b2"):
+        again.resume(1, "b2")
+    assert again.resume(1, "a1") == str(ckpts / "step_000001")
+    assert sorted(os.listdir(ckpts)) == ["step_000001"]
+    # A fresh run refuses a directory that holds another run's checkpoints.
+    with pytest.raises(CriticCheckpointError, match="holds checkpoints of another run"):
+        _service(weights, tmp_path).resume(-1, "c3")
+    # ... and a critic that trained for a run cannot start another one.
+    with pytest.raises(CriticCheckpointError, match="restart the critic job"):
+        service.resume(-1, "c3")
+    # A truncated file is named.
+    victim = max((p for p in (ckpts / "step_000001" / "model").iterdir() if p.suffix == ".distcp"), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    with pytest.raises(CriticCheckpointError, match=f"{victim.name} has .* bytes"):
+        _service(weights, tmp_path).resume(1, "a1")
+
+
+def test_poisoned_returns_skip_the_update_and_never_reach_the_weights(weights, tmp_path):
+    tokens, lengths, returns, mask = _train_batch()
+    service = _service(weights, tmp_path)
+    values, _ = service.infer(tokens, lengths)
+    huge = torch.where(mask > 0, torch.full_like(returns, 3e38), returns)  # finite, but the squared error is inf
+    metrics = service.train(tokens, lengths, huge, values, mask)
+    assert metrics["skipped_steps"] == metrics["steps"] > 0 and np.isnan(metrics["grad_norm"])
+    after, _ = service.infer(tokens, lengths)
+    torch.testing.assert_close(after, values, rtol=0, atol=0)  # no update happened
+    good = service.train(tokens, lengths, returns, values, mask)  # and training goes on
+    assert good["skipped_steps"] == 0 and np.isfinite(good["grad_norm"])
+    assert np.isfinite(service.infer(tokens, lengths)[0].numpy()).all()
+
+
+def test_checkpoint_with_pickled_code_does_not_run_it(weights, tmp_path):
+    """RNG and CPU optimizer files load with weights_only=True: a crafted pickle is refused, never executed."""
+    import pickle
+
+    from aligner.checkpoint import dist_ckpt
+
+    tokens, lengths, returns, mask = _train_batch()
+    service = _service(weights, tmp_path)
+    service.resume(-1, "a1")
+    values, _ = service.infer(tokens, lengths)
+    service.train(tokens, lengths, returns, values, mask)
+    path = service.save(1, "a1")
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    rng = os.path.join(path, "rng", "rank_0.pt")
+    torch.save({"torch": Exploit()}, rng, _use_new_zipfile_serialization=True, pickle_module=pickle)
+    manifest = os.path.join(path, dist_ckpt.MANIFEST)
+    os.remove(manifest)  # a crafted checkpoint would carry a matching manifest
+    with pytest.raises(dist_ckpt.CheckpointError, match="rank_0.pt"):
+        _service(weights, tmp_path).resume(1, "a1")
+    assert not marker.exists()

@@ -89,14 +89,24 @@ def test_activation_funcs_are_silu_and_the_tanh_gelu():
     assert not torch.equal(gelu, F.gelu(x))  # not the erf GELU
 
 
-def test_hf_variants_tell_llama_mistral_and_qwen2_apart():
+def test_hf_variants_tell_llama_mistral_qwen2_and_qwen3_apart():
+    from aligner.families import UnsupportedModelError
+
     hf = family("llama").hf
     assert hf.variant_of_type("qwen2").qkv_bias and not hf.variant_of_type("mistral").qkv_bias
-    assert hf.variant_of_type("qwen3") is None
+    assert hf.variant_of_type("qwen3").qk_layernorm and not hf.variant_of_type("qwen3").qkv_bias
+    assert hf.variant_of_type("qwen3_moe") is None
     assert hf.variant_of_architecture("MistralForSequenceClassification").model_type == "mistral"
     assert hf.export_variant(qkv_bias=True).causal_lm == "Qwen2ForCausalLM"
     assert hf.export_variant(qkv_bias=False).causal_lm == "LlamaForCausalLM"
+    assert hf.export_variant(qkv_bias=False, qk_layernorm=True).causal_lm == "Qwen3ForCausalLM"
+    with pytest.raises(UnsupportedModelError, match="q/k/v biases=True with q/k layernorm=True"):
+        hf.export_variant(qkv_bias=True, qk_layernorm=True)
     assert family("gpt2").hf.export_variant(qkv_bias=True).causal_lm == "GPT2LMHeadModel"  # its only variant
+    assert dict(hf.qk_norm_modules) == {
+        "self_attention.q_layernorm": "self_attn.q_norm",
+        "self_attention.k_layernorm": "self_attn.k_norm",
+    }
 
 
 def test_supported_architectures_are_the_specs_variants():
@@ -104,10 +114,12 @@ def test_supported_architectures_are_the_specs_variants():
         "LlamaForCausalLM": ("llama", "policy"),
         "MistralForCausalLM": ("llama", "policy"),
         "Qwen2ForCausalLM": ("llama", "policy"),
+        "Qwen3ForCausalLM": ("llama", "policy"),
         "GPT2LMHeadModel": ("gpt2", "policy"),
         "LlamaForSequenceClassification": ("llama", "reward"),
         "MistralForSequenceClassification": ("llama", "reward"),
         "Qwen2ForSequenceClassification": ("llama", "reward"),
+        "Qwen3ForSequenceClassification": ("llama", "reward"),
         "GPT2ForSequenceClassification": ("gpt2", "reward"),
     }
 
@@ -166,5 +178,9 @@ def test_the_megatron_config_reads_the_family(name):
         spec.linear_bias,
     )
     assert tc.add_qkv_bias == spec.qkv_bias(cfg) and tc.params_dtype == torch.bfloat16
+    assert (tc.kv_channels, tc.qk_layernorm) == (16, False)
+    if spec.rope:  # Qwen3's shape: a head width of its own, q/k norms
+        tc = transformer_config(ModelConfig(arch=name, head_dim=24, qk_layernorm=True))
+        assert (tc.kv_channels, tc.qk_layernorm) == (24, True)
     x = torch.linspace(-3, 3, 7)
     assert torch.equal(tc.activation_func(x), spec.activation_func()(x))

@@ -9,6 +9,7 @@ import torch
 from generation_reference import reference_greedy, training_logprobs
 
 from aligner.config.schema import ModelConfig, OptimConfig
+from aligner.families import family
 from aligner.generation import GenerationConfig, ReleasableMemory, SamplingParams, build_engine
 from aligner.models.gpt import build_gpt
 
@@ -34,6 +35,37 @@ GPT2 = ModelConfig(
     tie_embeddings=True,
     max_position_embeddings=64,
 )
+# Llama 3.2-style: llama3 RoPE scaling (numbers that put the 8 frequencies in all three bands) and tied embeddings
+LLAMA3 = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=V,
+    init_method_std=0.2,
+    tie_embeddings=True,
+    rope_scaling="llama3",
+    rope_scaling_factor=5.0,
+    rope_scaling_low_freq_factor=1.5,
+    rope_scaling_high_freq_factor=6.0,
+    rope_scaling_original_max_position_embeddings=48,
+)
+# Qwen3-style: per-head q/k RMSNorm, a head width (24) that is not hidden / heads (16), a large RoPE base
+QWEN3 = ModelConfig(
+    arch="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=V,
+    init_method_std=0.2,
+    head_dim=24,
+    qk_layernorm=True,
+    rotary_base=1e6,
+)
 GEN = GenerationConfig(max_batch_size=5, max_prompt_length=10, max_response_length=12, kv_block=4, check_done_every=3)
 PROMPTS = torch.randint(0, V, (4, 10), generator=torch.Generator().manual_seed(5))
 LENGTHS = torch.tensor([3, 10, 1, 6])
@@ -51,6 +83,11 @@ def megatron_tp1():
 def _model(cfg, seed=0):
     torch.manual_seed(seed)
     model = build_gpt(cfg)
+    if cfg.qk_layernorm:  # built as ones: make every norm weight count, so a norm applied wrongly shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "layernorm" in name:
+                    p.add_(0.2 * torch.randn(p.shape))
     model.eval()
     return model
 
@@ -66,11 +103,25 @@ def _responses(out):
 
 
 @pytest.mark.parametrize(
-    "cfg,attention", [(LLAMA, "matmul"), (LLAMA, "sdpa"), (GPT2, "matmul")], ids=["llama-matmul", "llama-sdpa", "gpt2"]
+    "cfg,attention",
+    [
+        (LLAMA, "matmul"),
+        (LLAMA, "sdpa"),
+        (GPT2, "matmul"),
+        (LLAMA3, "matmul"),
+        (QWEN3, "matmul"),
+        (QWEN3, "sdpa"),
+    ],
+    ids=["llama-matmul", "llama-sdpa", "gpt2", "llama3-matmul", "qwen3-matmul", "qwen3-sdpa"],
 )
 def test_greedy_equals_no_cache_reference(cfg, attention):
     model = _model(cfg)
     engine = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": attention}), cfg, model)
+    if family(cfg.arch).rope:  # the engine rotates with the model's own (possibly scaled) frequencies
+        angles = torch.outer(
+            torch.arange(GEN.max_prompt_length + GEN.max_response_length).float(), model.rotary_pos_emb.inv_freq
+        )
+        assert torch.equal(engine.decoder.cos[:, : cfg.kv_channels // 2], torch.cos(angles))
     out = engine.generate(_padded_prompts(), LENGTHS, SamplingParams(greedy=True))
     expected = reference_greedy(model, PROMPTS, LENGTHS, 12, V)
     assert _responses(out) == expected
@@ -80,14 +131,16 @@ def test_greedy_equals_no_cache_reference(cfg, attention):
     torch.testing.assert_close(out.logprobs_BR, ref_logp, rtol=0, atol=2e-5)
 
 
-def test_compiled_elementwise_kernels_match_the_reference():
-    """The torch.compile'd norms/RoPE/activations (what GPUs with Triton run); on CPU inductor needs a C++ compiler."""
+@pytest.mark.parametrize("cfg", [LLAMA, QWEN3], ids=["llama", "qwen3"])
+def test_compiled_elementwise_kernels_match_the_reference(cfg):
+    """The torch.compile'd norms/RoPE/activations (what GPUs with Triton run; Qwen3: with the q/k norms); on CPU
+    inductor needs a C++ compiler."""
     import shutil
 
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
-    model = _model(LLAMA)
-    engine = build_engine(GenerationConfig(**{**GEN.__dict__, "compile_elementwise": "on"}), LLAMA, model)
+    model = _model(cfg)
+    engine = build_engine(GenerationConfig(**{**GEN.__dict__, "compile_elementwise": "on"}), cfg, model)
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True, max_new_tokens=6))
     assert _responses(out) == reference_greedy(model, PROMPTS, LENGTHS, 6, V)
     ref = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)

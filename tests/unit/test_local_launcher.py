@@ -1,4 +1,5 @@
-"""launchers/local/ppo.py: per-job GPU lists (--actor-gpus / --critic-gpus) and their errors."""
+"""launchers/local/ppo.py: per-job GPU lists (--actor-gpus / --critic-gpus) and their errors; the critic start's
+port-race verdict."""
 
 import importlib.util
 import os
@@ -49,3 +50,20 @@ def test_bad_gpu_list_stops_the_launcher_before_any_job(tmp_path):
     assert proc.returncode == 2
     assert "--critic-gpus 'x'" in proc.stderr
     assert not (tmp_path / "exp").exists(), "nothing started, nothing written"
+
+
+def test_a_critic_that_lost_a_port_race_is_told_apart(tmp_path):
+    """The launcher retries on other ports only when the critic died of a taken port (issue 14)."""
+    log = tmp_path / "critic.log"
+    ppo = _launcher()
+    log.write_text("critic server ready at http://old-run\n")  # an earlier run's line does not count
+    offset = log.stat().st_size
+    for text, taken in (("port 5 (metrics) on 127.0.0.1 is already in use (Address in use)", True), ("boom", False)):
+        with open(log, "a") as f:
+            f.write(text + "\n")
+        proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+        proc.wait()
+        with pytest.raises(ppo.CriticStartError) as info:
+            ppo.wait_ready("http://127.0.0.1:9", proc, 10, str(log), offset)
+        assert info.value.port_taken is taken
+        offset = log.stat().st_size

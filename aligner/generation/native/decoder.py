@@ -1,9 +1,11 @@
 """The native engine's forward pass: megatron's GPT maths over the engine's weights and a preallocated KV cache.
 
 It computes what megatron-core's GPTModel computes (local layer spec), op for op where it matters for numerics,
-from the family's traits (aligner.families): RMSNorm or LayerNorm; RoPE as megatron applies it
-(non-interleaved: rotate_half, cos/sin of position x inv_freq in float32 cast to the activation dtype) or learned
-absolute positions; grouped-query attention with linear_qkv grouped per KV group; a gated MLP (fc1 = [gate; up],
+from the family's traits (aligner.families): RMSNorm or LayerNorm; optional per-head q/k norms (Qwen3: megatron's
+q_layernorm/k_layernorm over each head's width, before RoPE); RoPE as megatron applies it (non-interleaved:
+rotate_half, cos/sin of position x inv_freq in float32 cast to the activation dtype, with the policy model's own
+inv_freq, so plain and llama3-scaled RoPE alike) or learned absolute positions; grouped-query attention with
+linear_qkv grouped per KV group and any head width (Qwen3's head_dim); a gated MLP (fc1 = [gate; up],
 act(gate) * up: SwiGLU) or a plain one; a bias wherever the weights carry one (Llama: none but Qwen2's qkv bias,
 GPT-2: everywhere).
 - Tensor parallelism as in training: vocab-parallel embedding (masked lookup, all-reduce), column-parallel qkv/fc1,
@@ -32,6 +34,16 @@ from aligner.families import FamilySpec
 from aligner.generation.native.fused import make_kernels
 
 
+def _qk_norms(lw: dict) -> tuple:
+    """A layer's per-head q/k norm weights and biases (None where absent), as rope_split takes them."""
+    return (
+        lw["self_attention.q_layernorm.weight"],
+        lw["self_attention.q_layernorm.bias"],
+        lw["self_attention.k_layernorm.weight"],
+        lw["self_attention.k_layernorm.bias"],
+    )
+
+
 @dataclass(frozen=True)
 class Layout:
     """Shapes and family of the model on this TP rank."""
@@ -47,7 +59,7 @@ class Layout:
     tp: int
     tp_rank: int
     norm_eps: float
-    rotary_base: float
+    qk_norm: bool  # per-head q/k norms (megatron's qk_layernorm)
 
 
 class Decoder:
@@ -62,24 +74,29 @@ class Decoder:
         device: torch.device,
         decode_attention: str = "matmul",
         compile_elementwise: bool = False,
+        inv_freq: torch.Tensor | None = None,
     ):
+        """`inv_freq` [head_dim / 2] float32: RoPE's frequencies, those of the policy model (rope families)."""
         self.lo, self.w, self.group = layout, weights, tp_group
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
         self.scale = layout.head_dim**-0.5
         # Decode (one token per sample, fixed shapes per batch size) may use compiled kernels; prefill, whose shapes
         # change with every prompt width and whose time goes to GEMMs, always runs the plain ones.
-        self.k_eager = make_kernels(layout.family, layout.norm_eps, False)
-        self.k = make_kernels(layout.family, layout.norm_eps, True) if compile_elementwise else self.k_eager
+        self.k_eager = make_kernels(layout.family, layout.norm_eps, False, layout.qk_norm)
+        self.k = (
+            make_kernels(layout.family, layout.norm_eps, True, layout.qk_norm) if compile_elementwise else self.k_eager
+        )
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)
         self.rows = torch.arange(max_batch, device=device)
         self.cos = self.sin_signed = None
         if layout.family.rope:
-            # megatron's RotaryEmbedding: inv_freq and the angles in float32, cos/sin cast to the activation dtype.
-            d = layout.head_dim
-            inv_freq = 1.0 / (layout.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+            # megatron's RotaryEmbedding: the angles in float32, cos/sin cast to the activation dtype.
+            if inv_freq is None or tuple(inv_freq.shape) != (layout.head_dim // 2,):
+                raise ValueError(f"a RoPE model needs inv_freq of shape ({layout.head_dim // 2},)")
+            inv_freq = inv_freq.to(device=device, dtype=torch.float32)
             freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32, device=device), inv_freq)
             self.cos = torch.cos(torch.cat((freqs, freqs), dim=-1)).to(weights.dtype)
             self.sin_signed = torch.sin(torch.cat((-freqs, freqs), dim=-1)).to(weights.dtype)  # [-sin, sin]
@@ -144,7 +161,7 @@ class Decoder:
         for i in range(lo.num_layers):
             lw = self.w.layer(i)
             qkv = self._linear(h, lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"])
-            a = self._all_reduce(self._linear(attend(i, qkv), lw["self_attention.linear_proj.weight"]))
+            a = self._all_reduce(self._linear(attend(i, qkv, lw), lw["self_attention.linear_proj.weight"]))
             x, h = k.add_norm(
                 x,
                 a,
@@ -171,8 +188,10 @@ class Decoder:
         cos = None if self.cos is None else self.cos[:T].view(T, 1, 1, lo.head_dim)
         sin = None if self.cos is None else self.sin_signed[:T].view(T, 1, 1, lo.head_dim)
 
-        def attend(i, qkv):
-            q, kv_new = self.k_eager.rope_split(self._qkv5(qkv), cos, sin)  # q [B,T,G,r,D], kv_new [2,B,T,G,D]
+        def attend(i, qkv, lw):
+            q, kv_new = self.k_eager.rope_split(
+                self._qkv5(qkv), cos, sin, *_qk_norms(lw)
+            )  # q [B,T,G,r,D], kv_new [2,B,T,G,D]
             kv_2BGTD = kv_new.transpose(2, 3)
             kv[i, :, row0 : row0 + B, :, :T] = kv_2BGTD
             q_BHTD = q.reshape(B, T, lo.heads, lo.head_dim).transpose(1, 2)
@@ -206,8 +225,8 @@ class Decoder:
                 .reshape(B * G, 1, kv_len)
             )
 
-        def attend(i, qkv):
-            q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin)  # q [B,G,r,D], kv_new [2,B,G,D]
+        def attend(i, qkv, lw):
+            q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, G, T, D]
             cache.scatter_(3, slot, kv_new.unsqueeze(3).to(kv.dtype))
             keys, values = cache[0, :, :, :kv_len], cache[1, :, :, :kv_len]  # [B,G,L,D] strided views, no copies

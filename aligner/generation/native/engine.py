@@ -89,7 +89,7 @@ class NativeEngine:
             tp=tp,
             tp_rank=tp_rank,
             norm_eps=config.layernorm_epsilon,
-            rotary_base=float(model_cfg.rotary_base),
+            qk_norm=bool(config.qk_layernorm),
         )
         self.layout = layout
         self.max_batch = gen_cfg.max_batch_size
@@ -108,6 +108,7 @@ class NativeEngine:
             self.device,
             gen_cfg.decode_attention,
             compile_elementwise=compile_,
+            inv_freq=module.rotary_pos_emb.inv_freq if layout.family.rope else None,
         )
         self.tp_group, self.tp = group, tp
         # Ranks that must draw identical tokens: the TP group, and with PP > 1 the whole model-parallel group.

@@ -24,10 +24,12 @@ class Kernels:
     norm: Callable  # norm(x, w, b) -> normed x
     add_norm: Callable  # add_norm(x, a, bias, w, b) -> (x + (a + bias), norm of it): residual add fused with next norm
     act: Callable  # act(h) -> act(gate) * up over [gate; up] halves (a gated MLP: SwiGLU) or act(h)
-    rope_split: Callable  # rope_split(qkv [..., G, r+2, D], cos, sin_signed) -> (q [..., G, r, D], kv [2, ..., G, D])
+    # rope_split(qkv [..., G, r+2, D], cos, sin_signed, q_norm_w, q_norm_b, k_norm_w, k_norm_b)
+    #   -> (q [..., G, r, D], kv [2, ..., G, D]): q/k normed per head (with qk_norm), then rotated
+    rope_split: Callable
 
 
-def make_kernels(family: FamilySpec, eps: float, compile_: bool) -> Kernels:
+def make_kernels(family: FamilySpec, eps: float, compile_: bool, qk_norm: bool = False) -> Kernels:
     # The family's traits as plain Python values, read here once: the kernels branch on constants only.
     rms, gated, rope = family.normalization == "RMSNorm", family.gated_mlp, family.rope
     act_fn = family.activation_func()
@@ -48,9 +50,12 @@ def make_kernels(family: FamilySpec, eps: float, compile_: bool) -> Kernels:
             return act_fn(gate) * up
         return act_fn(h)
 
-    def rope_split(qkv, cos, sin_signed):
+    def rope_split(qkv, cos, sin_signed, qn_w=None, qn_b=None, kn_w=None, kn_b=None):
         r = qkv.shape[-2] - 2
         qk = qkv[..., : r + 1, :]
+        if qk_norm:
+            # megatron's q_layernorm / k_layernorm: the family's norm over each head's width, before RoPE
+            qk = torch.cat((norm(qk[..., :r, :], qn_w, qn_b), norm(qk[..., r:, :], kn_w, kn_b)), dim=-2)
         if rope:
             # megatron: t*cos + rotate_half(t)*sin, rotate_half(t) = [-t2, t1]; with sin_signed = [-sin, sin]
             # that is t*cos + [t2, t1]*sin_signed, and [t2, t1] is a roll by half the head dimension.

@@ -4,7 +4,8 @@ Layout (megatron-core local/TE layer names, this TP rank's slice; see aligner.mo
 - embedding.word_embeddings.weight [V_pad/TP, H] (vocab-parallel), embedding.position_embeddings.weight [P, H]
   (GPT-2 family, replicated);
 - per layer: input_layernorm, self_attention.linear_qkv ([G/TP * (Hq/G + 2) * D, H], rows grouped per KV group:
-  the group's query heads, then its key head, then its value head), self_attention.linear_proj ([H, Hq/TP * D],
+  the group's query heads, then its key head, then its value head), self_attention.q_layernorm / k_layernorm ([D],
+  replicated; Qwen3), self_attention.linear_proj ([H, Hq/TP * D],
   row-parallel), pre_mlp_layernorm, mlp.linear_fc1 ([gate; up] of this rank for SwiGLU), mlp.linear_fc2
   (row-parallel); biases where the family has them;
 - decoder.final_layernorm, output_layer.weight [V_pad/TP, H] — absent with tied embeddings, where the output layer
@@ -31,6 +32,10 @@ _SUFFIXES = (
     "input_layernorm.bias",
     "self_attention.linear_qkv.weight",
     "self_attention.linear_qkv.bias",
+    "self_attention.q_layernorm.weight",
+    "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight",
+    "self_attention.k_layernorm.bias",
     "self_attention.linear_proj.weight",
     "self_attention.linear_proj.bias",
     "pre_mlp_layernorm.weight",
@@ -82,8 +87,8 @@ def _policy_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[f"decoder.layers.{int(local) + offset}.{rest}"] = tensor
         else:
             raise NotImplementedError(
-                f"the native engine does not know the parameter {name!r} (e.g. QK layernorm, "
-                "MoE): extend aligner/generation/native/weights.py and decoder.py"
+                f"the native engine does not know the parameter {name!r} (e.g. MoE): extend "
+                "aligner/generation/native/weights.py and decoder.py"
             )
     return out
 

@@ -75,6 +75,21 @@ class TrtllmEngine:
 
         if model_cfg.arch != "llama":
             raise NotImplementedError("the TensorRT-LLM backend covers the Llama family only: use backend=native")
+        beyond = [
+            name
+            for name, used in (
+                ("model.add_qkv_bias (Qwen2)", model_cfg.add_qkv_bias),
+                ("model.qk_layernorm (Qwen3)", model_cfg.qk_layernorm),
+                (
+                    "model.head_dim",
+                    model_cfg.head_dim not in (None, model_cfg.hidden_size // model_cfg.num_attention_heads),
+                ),
+                ("model.rope_scaling", model_cfg.rope_scaling is not None),
+            )
+            if used
+        ]
+        if beyond:  # the weight map below has no place for them: refuse rather than generate from another model
+            raise NotImplementedError(f"the TensorRT-LLM backend does not map {', '.join(beyond)}: use backend=native")
         if ps.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("generation with PP > 1 is not supported: train the actor with PP=1")
         self.trt, self.cfg, self.model_cfg = trt, gen_cfg, model_cfg

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): sets up the CPU environment on first use (scripts/setup_cpu.sh), then lint,
+# format check and the test suite. Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/unit -x`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import aligner, megatron.core, pytriton, ruff" 2>/dev/null; then
+  echo "[test] setting up .venv first (scripts/setup_cpu.sh)"
+  bash scripts/setup_cpu.sh
+fi
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest -q "$@"
