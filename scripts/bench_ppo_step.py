@@ -3,14 +3,18 @@
     python scripts/bench_ppo_step.py --mode hf --out hf.json            # plain HF loop (numpy 2; no megatron)
     python scripts/bench_ppo_step.py --mode aligner --out aligner.json  # critic + actor jobs (megatron, PyTriton)
     python scripts/bench_ppo_step.py --report hf.json aligner.json      # both tables, the speed-up, markdown
+    python scripts/bench_ppo_step.py --mode grpo --out grpo.json        # a GRPO step, the actor job alone
     add --tiny for the CPU smoke size (2 layers, hidden 64, 8 rollouts of 8 + 8 tokens)
 
 Workload (benchmarks/ppo_step/workload.py): ~1B Llama-style policy, reference, critic and reward model, 512 rollouts
 of 128 prompt + 256 generated tokens (EOS ignored), micro-batches of 16, one PPO epoch. Each mode runs --steps steps
 and reports the mean of those after --warmup; the JSON holds per-phase seconds, step seconds, tokens/s and memory.
 The aligner mode uses conf/bench/ppo_step_{actor,critic}[_tiny].yaml (checked against the workload) and passes
---actor/--critic KEY=VALUE overrides to launchers/local/ppo.py. Exit status: 0, 1 on a failed run, 2 on bad input
-(a config that does not describe the workload, or --report files that are not comparable).
+--actor/--critic KEY=VALUE overrides to launchers/local/ppo.py. The grpo mode (benchmarks/ppo_step/grpo_job.py,
+issue 16) runs conf/bench/grpo_step_actor[_tiny].yaml with --actor-only: 64 prompts x 8 samples of 128 + 256
+tokens, KL 0.04 as a loss term against the resident reference, a reward function, no critic; it prints its phase
+table, the KL at step 0 and the log-prob mismatch. Exit status: 0, 1 on a failed run, 2 on bad input (a config that
+does not describe the workload, or --report files that are not comparable).
 """
 
 from __future__ import annotations
@@ -24,28 +28,30 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from benchmarks.ppo_step.workload import FULL, TINY, write_json  # noqa: E402
+from benchmarks.ppo_step.workload import FULL, GRPO_FULL, GRPO_TINY, TINY, write_json  # noqa: E402
 
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("hf", "aligner"))
+    p.add_argument("--mode", choices=("hf", "aligner", "grpo"))
     p.add_argument("--report", nargs=2, metavar=("HF_JSON", "ALIGNER_JSON"), help="compare two result files")
     p.add_argument("--out", help="write the result JSON here")
     p.add_argument("--tiny", action="store_true", help="CPU smoke size")
-    p.add_argument("--steps", type=int, default=3, help="PPO steps in all, warm-up included (default 3)")
+    p.add_argument("--steps", type=int, default=3, help="steps in all, warm-up included (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of the means (default 1)")
     p.add_argument("--hf-gen-batch", type=int, default=None, help="prompts per HF generate call (default: all)")
     p.add_argument("--hf-no-compile", action="store_true", help="HF static cache without torch.compile")
-    p.add_argument("--exp-dir", default=None, help="aligner: a new directory for the jobs' files (default: a temp dir)")
-    p.add_argument("--timeout", type=float, default=480.0, help="aligner: seconds before the jobs are stopped")
-    p.add_argument("--actor", nargs="*", default=[], metavar="KEY=VALUE", help="aligner: actor config overrides")
+    p.add_argument(
+        "--exp-dir", default=None, help="aligner, grpo: a new directory for the jobs' files (default: a temp dir)"
+    )
+    p.add_argument("--timeout", type=float, default=480.0, help="aligner, grpo: seconds before the jobs are stopped")
+    p.add_argument("--actor", nargs="*", default=[], metavar="KEY=VALUE", help="aligner, grpo: actor overrides")
     p.add_argument("--critic", nargs="*", default=[], metavar="KEY=VALUE", help="aligner: critic config overrides")
     p.add_argument(
         "--actor-gpus",
         default=None,
         metavar="LIST",
-        help="aligner: GPUs of the actor job, e.g. 0 (default: both jobs see every GPU)",
+        help="aligner, grpo: GPUs of the actor job, e.g. 0 (default: the jobs see every GPU)",
     )
     p.add_argument("--critic-gpus", default=None, metavar="LIST", help="aligner: GPUs of the critic job, e.g. 1")
     a = p.parse_args(argv)
@@ -68,12 +74,45 @@ def report(paths) -> int:
     return 0 if comparable else 2
 
 
+def grpo(a) -> int:
+    from aligner.config import ConfigError
+    from benchmarks.ppo_step import grpo_job
+    from benchmarks.ppo_step.aligner_jobs import WorkloadMismatch
+    from benchmarks.ppo_step.report import render_single
+
+    suffix = "_tiny" if a.tiny else ""
+    exp_dir = a.exp_dir or tempfile.mkdtemp(prefix="bench_grpo_step_")
+    try:
+        result = grpo_job.run(
+            GRPO_TINY if a.tiny else GRPO_FULL,
+            a.steps,
+            a.warmup,
+            f"bench/grpo_step_actor{suffix}",
+            os.path.abspath(exp_dir),
+            a.actor,
+            a.timeout,
+            actor_gpus=a.actor_gpus,
+        )
+    except (ConfigError, WorkloadMismatch, FileExistsError) as exc:
+        print(f"bench_ppo_step: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"bench_ppo_step: {exc}", file=sys.stderr)
+        return 1
+    print(render_single(result))
+    if a.out:
+        write_json(a.out, result)
+    return 0
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     a = parse(argv)
     if a.report:
         return report(a.report)
     w = TINY if a.tiny else FULL
+    if a.mode == "grpo":
+        return grpo(a)
     if a.mode == "hf":
         from benchmarks.ppo_step import hf_loop
 

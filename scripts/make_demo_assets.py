@@ -1,7 +1,8 @@
-"""Write the CPU demo's assets into conf/demo/: a character-level tokenizer (made with the `tokenizers` library,
-nothing downloaded), train/validation prompt files (PPO), SFT rows (prompt + response: echo the words) and
-preference rows (chosen responses are rich in "a", rejected ones hold none: the property the demo reward model
-learns, and the one the PPO demo's reward function scores). Deterministic; the outputs are committed.
+"""Write the CPU demos' assets into conf/demo/: a character-level tokenizer (made with the `tokenizers` library,
+nothing downloaded), the PPO demo's train/validation prompts, the GRPO demo's sums (`a plus 1:`, label a + 1, for
+a = 0..8; validated greedily on the same prompts), SFT rows (prompt + response: echo the words) and preference rows
+(chosen responses are rich in "a", rejected ones hold none: the property the demo reward model learns, and the one the
+PPO demo's reward function scores). Deterministic; the outputs are committed.
 
     python scripts/make_demo_assets.py [--out conf/demo]
 """
@@ -70,6 +71,10 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def plus_one() -> list[dict]:
+    return [{"prompt": f"{a} plus 1:", "label": str(a + 1)} for a in range(9)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "conf", "demo"))
@@ -79,6 +84,7 @@ def main():
     files = [
         ("prompts_train.jsonl", prompts(256, 0)),
         ("prompts_val.jsonl", prompts(16, 1)),
+        ("plus_one.jsonl", plus_one()),
         ("sft_train.jsonl", sft_rows(384, 2)),
         ("sft_val.jsonl", sft_rows(48, 3)),
         ("preference_train.jsonl", preference_rows(384, 4)),

@@ -1,9 +1,11 @@
-"""The actor job: PPO on the policy, against a running critic job.
+"""The actor job: PPO, GRPO, RLOO or REINFORCE++ on the policy (ppo.advantage_estimator), scored by a running critic
+job or by a reward function it runs itself (reward.source).
 
     srun -n N python scripts/train_ppo_actor.py --config-name ppo_actor [key=value ...]
     torchrun --nproc-per-node N scripts/train_ppo_actor.py ...   |   mpiexec -n N python scripts/train_ppo_actor.py ...
 
-Prints `metrics: <path of metrics.jsonl>` last (rank 0). A config error is one line on stderr and exit code 2.
+Prints `metrics: <path of metrics.jsonl>` last (rank 0). A config error is one line on stderr and exit code 2; so is
+a reward function that fails (its line names the function and the sample; the function's traceback follows).
 """
 
 import os
@@ -15,6 +17,7 @@ from aligner.config import ConfigError  # noqa: E402
 from aligner.config.actor import ActorJobConfig, load_actor_config  # noqa: E402
 from aligner.config.help import config_help, wants_help  # noqa: E402
 from aligner.data.rows import DataError  # noqa: E402
+from aligner.rewards.function import RewardFunctionError  # noqa: E402
 
 
 def main(argv) -> int:
@@ -40,7 +43,7 @@ def main(argv) -> int:
     from aligner.utils.lock import LockError, hold_for_job
 
     # A user's mistake or a state to fix by hand: one line, exit 2 (anything else is a bug: traceback, exit 1).
-    user_errors = (ConfigError, DataError, CheckpointError, CriticCheckpointError, LockError)
+    user_errors = (ConfigError, DataError, CheckpointError, CriticCheckpointError, LockError, RewardFunctionError)
 
     initialize(
         p.tensor_model_parallel_size,
@@ -62,7 +65,7 @@ def main(argv) -> int:
         if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):  # a launcher prints it last itself
             print(f"metrics: {os.path.abspath(metrics_path)}", flush=True)
         code = 0
-    except user_errors as exc:  # raised alike on every rank: all stop alike
+    except user_errors as exc:  # raised alike on every rank: all stop alike (a reward function: at one call)
         print(f"train_ppo_actor: {exc}", file=sys.stderr)
         code = 2
     finally:

@@ -4,6 +4,8 @@ The two jobs checkpoint separately (each its own `step_*` directories, aligner.c
 a resume point only once both have written it: the actor asks the critic to save step N (`critic_save`), writes its
 own step N, and only then adds N to `<actor checkpoint dir>/committed.json`, atomically (temp file, then rename).
 A crash at any moment therefore leaves either the old record (step N is ignored on both sides) or the new one.
+A run without a trained critic (a critic-free estimator: its rewards from a reward-only critic job, which has no
+state, or from the actor's own reward function) commits the same way with the actor's checkpoint alone.
 
 Contract
 - `new_run_id()`: a random id given to a run when it starts fresh; every checkpoint of the run carries it in its

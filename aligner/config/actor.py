@@ -1,8 +1,13 @@
-"""The actor job's config schema (`conf/ppo_actor.yaml`): policy model, generation engine, PPO, data, critic client.
+"""The actor job's config schema (`conf/ppo_actor.yaml`): policy model, generation engine, the RL loop (`ppo`),
+the reward source (`reward`), data, critic client.
 
-Batch vocabulary (NeMo-Aligner's): each step samples `ppo.rollout_batch_size` prompts (one response each) across the
-whole job, split evenly over data-parallel ranks; the policy then trains `ppo.epochs` passes over those rollouts in
-`ppo.num_mini_batches` optimizer steps per pass, each mini-batch run as micro-batches of `ppo.micro_batch_size`.
+Batch vocabulary (NeMo-Aligner's, with groups): each step samples `ppo.rollout_batch_size` prompts across the whole
+job and `ppo.n_samples_per_prompt` responses to each (a group), split evenly over data-parallel ranks in whole
+groups; the policy then trains `ppo.epochs` passes over those rollouts in `ppo.num_mini_batches` optimizer steps per
+pass, each mini-batch run as micro-batches of `ppo.micro_batch_size` responses.
+`ppo.advantage_estimator` picks the algorithm: `gae` (PPO with the critic job's value model), `grpo`, `rloo` or
+`reinforce_pp` (no value model; scores from `reward.source`: the critic job's reward, or a reward function run by
+the actor job itself).
 `validate()` runs at load; `validate_world(world_size)` once the number of ranks is known (before any communicator).
 """
 
@@ -13,10 +18,11 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional, Sequence
 
-from aligner.config.critic import CriticClientConfig, resolve_file
+from aligner.config.critic import CriticClientConfig
 from aligner.config.errors import ConfigError
 from aligner.config.generation import GenerationConfig, validate_generation
 from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
+from aligner.config.paths import resolve_file, resolve_function
 from aligner.config.rules import check, check_choices
 from aligner.config.schema import (
     CheckpointConfig,
@@ -64,18 +70,43 @@ class SamplingConfig:
 
 @dataclass
 class KLConfig:
-    coef: float = 0.02  # beta of the per-token -beta * KL reward
-    estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator (Schulman's k1, k2, k3)
+    coef: float = 0.02  # beta: of the per-token -beta * KL reward, or of the KL loss term (placement: loss)
+    placement: Literal["reward", "loss"] = "reward"  # reward: PPO's penalty in the rewards | loss: GRPO's loss term
+    estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator (Schulman's k1, k2, k3); GRPO's loss: k3
     use_absolute_kl: bool = False  # use |k1| (NeMo-Aligner's option)
-    adaptive: bool = False  # adapt coef towards the target KL (Ziegler et al.)
-    target: float = 6.0  # target KL of the adaptive controller
+    adaptive: bool = False  # adapt coef towards the target KL (Ziegler et al.'s controller)
+    target: float = 6.0  # the KL the adaptive controller aims for, in `target_units`
+    target_units: Literal["sample", "token"] = "sample"  # sample: summed over a response (Ziegler's) | token: mean
     horizon: int = 10000  # horizon (in samples) of the adaptive controller
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage under a group baseline) are
+    dropped and more prompts drawn until the step has `ppo.rollout_batch_size` groups, at most `max_draws` draws
+    of `ppo.rollout_batch_size` prompts each; if the cap is reached, dropped groups fill the rest (in draw order)."""
+
+    enabled: bool = False  # drop groups whose rewards are all equal and draw again (grpo, rloo)
+    max_draws: int = 4  # at most this many draws of ppo.rollout_batch_size prompts per step
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO's soft overlong punishment: responses longer than max_new_tokens - buffer lose up to `penalty` from
+    their score, linearly, reaching -penalty at max_new_tokens. buffer 0 = off. (DAPO's overlong filtering is
+    `ppo.zero_unended`.)"""
+
+    buffer: int = 0  # tokens before max_new_tokens where the penalty starts (0 = off)
+    penalty: float = 1.0  # the penalty at max_new_tokens (it grows linearly over the buffer)
+
+
+@dataclass
 class PPOConfig:
-    num_steps: int = 100  # PPO steps (rollout + update) to run
+    num_steps: int = 100  # RL steps (rollout + update) to run
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = "gae"  # aligner.rl.estimators
     rollout_batch_size: int = 64  # prompts per step, whole job
+    n_samples_per_prompt: int = 1  # responses per prompt, generated together and kept together (grpo/rloo: >= 2)
+    normalize_group_std: bool = True  # grpo: divide by the group's std (false: Dr. GRPO's mean-only baseline)
     num_mini_batches: int = 1  # optimizer steps per epoch over the rollouts
     micro_batch_size: int = 4  # rows per forward/backward pass of the policy update
     forward_micro_batch_size: Optional[int] = None  # rows per forward-only pass (log-probs); None = micro_batch_size
@@ -84,13 +115,28 @@ class PPOConfig:
     clip_eps_high: Optional[float] = None  # asymmetric upper clip (None = clip_eps)
     dual_clip: Optional[float] = None  # c > 1 enables dual-clip PPO
     entropy_coef: float = 0.0  # weight of the entropy bonus in the policy loss
-    gamma: float = 1.0  # discount of GAE
-    lam: float = 0.95  # lambda of GAE
-    whiten_advantages: bool = True  # normalise advantages to mean 0, std 1 over the step's tokens
-    zero_unended: bool = False  # NeMo-Aligner: samples cut at the length limit get no policy gradient
+    gamma: float = 1.0  # discount of the returns
+    lam: float = 0.95  # lambda of GAE (gae only)
+    whiten_advantages: bool = True  # gae: advantages to mean 0, std 1 over the step's tokens (reinforce_pp always)
+    zero_unended: bool = False  # samples cut at the length limit get no policy gradient (DAPO's overlong filter)
     score_clip: Optional[float] = None  # clip the reward score to +-score_clip
-    critic_warmup_steps: int = 0  # steps that train only the critic
-    kl: KLConfig = field(default_factory=KLConfig)  # the KL penalty against the reference policy
+    critic_warmup_steps: int = 0  # steps that train only the critic (gae)
+    kl: KLConfig = field(default_factory=KLConfig)  # the KL to the reference policy: in the reward or in the loss
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)  # DAPO: drop constant groups
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO's soft overlong punishment
+
+
+@dataclass
+class RewardConfig:
+    """Where the scores come from. critic: the critic job's critic_infer (its reward model or reward function;
+    with gae also its values). function: `fn` run by the actor job itself, in `num_workers` processes on the first
+    tensor/pipeline-parallel rank of each data-parallel slice (aligner.rewards; critic-free estimators only)."""
+
+    source: Literal["critic", "function"] = "critic"  # critic: the critic job's critic_infer | function: reward.fn
+    fn: Optional[str] = None  # path.py or path.py:name (default name reward_fn); docs/REWARDS.md
+    num_workers: int = 2  # worker processes per data-parallel slice
+    timeout: float = 60.0  # seconds one call may take before its worker is killed and the run stops
+    samples_per_call: int = 1  # samples per call of fn (a failure names the call's samples)
 
 
 @dataclass
@@ -109,7 +155,7 @@ class LoggingConfig:
 @dataclass
 class ActorCheckpointConfig(CheckpointConfig):
     save_every: int = 0  # steps between checkpoints (0 = only at the end / on SIGTERM / max_time)
-    save_critic: bool = True  # the critic job checkpoints the same step (critic_save)
+    save_critic: bool = True  # gae: the critic job checkpoints the same step (critic_save); critic-free: unused
     save_at_end: bool = True  # checkpoint after the last step
 
 
@@ -128,7 +174,8 @@ class ActorJobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)  # the policy's optimizer
     generation: GenerationConfig = field(default_factory=GenerationConfig)  # the engine that samples responses
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how response tokens are drawn
-    ppo: PPOConfig = field(default_factory=PPOConfig)  # batch sizes and the PPO loss
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # batch sizes, groups, the advantage estimator and the loss
+    reward: RewardConfig = field(default_factory=RewardConfig)  # where the scores come from (docs/REWARDS.md)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)  # where the frozen reference policy lives
     data: DataConfig = field(default_factory=DataConfig)  # prompt files (docs/DATA.md) and the tokenizer
     critic: CriticClientConfig = field(default_factory=CriticClientConfig)  # where the critic job listens
@@ -146,7 +193,14 @@ class ActorJobConfig:
         validate_generation(self.generation, self.model)
         validate_checkpoint(self.checkpoint)
         p, s, k = self.ppo, self.sampling, self.ppo.kl
-        for key in ("num_steps", "rollout_batch_size", "num_mini_batches", "micro_batch_size", "epochs"):
+        for key in (
+            "num_steps",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "num_mini_batches",
+            "micro_batch_size",
+            "epochs",
+        ):
             check(getattr(p, key) >= 1, f"ppo.{key}", f"must be >= 1, got {getattr(p, key)}")
         check(
             p.forward_micro_batch_size is None or p.forward_micro_batch_size >= 1,
@@ -164,6 +218,8 @@ class ActorJobConfig:
         check(0 <= p.lam <= 1, "ppo.lam", f"must lie in [0, 1], got {p.lam}")
         check(math.isfinite(k.coef) and k.coef >= 0, "ppo.kl.coef", f"must be a finite number >= 0, got {k.coef}")
         check(p.critic_warmup_steps >= 0, "ppo.critic_warmup_steps", "must be >= 0")
+        check(k.target > 0 and k.horizon >= 1, "ppo.kl.target", "ppo.kl.target must be > 0 and ppo.kl.horizon >= 1")
+        self._validate_algorithm()
         check(
             s.greedy or (math.isfinite(s.temperature) and s.temperature > 0),
             "sampling.temperature",
@@ -187,6 +243,59 @@ class ActorJobConfig:
             f"must differ from data.prompt_key (both are {self.data.prompt_key!r}): a row holds a prompt or a chat",
         )
 
+    def _validate_algorithm(self) -> None:
+        """The estimator, groups, reward source and DAPO options fit together."""
+        p, r = self.ppo, self.reward
+        est, n = p.advantage_estimator, p.n_samples_per_prompt
+        if est == "gae":
+            check(
+                r.source == "critic",
+                "reward.source",
+                "ppo.advantage_estimator=gae trains the critic job's value model: set reward.source=critic, or pick a "
+                "critic-free estimator (grpo, rloo, reinforce_pp)",
+            )
+        else:
+            check(
+                p.critic_warmup_steps == 0,
+                "ppo.critic_warmup_steps",
+                f"ppo.advantage_estimator={est} has no critic to warm up: set it to 0",
+            )
+        if est in ("grpo", "rloo"):
+            check(n >= 2, "ppo.n_samples_per_prompt", f"{est} compares the samples of a prompt: needs >= 2, got {n}")
+        if r.source == "function":
+            check(r.fn is not None, "reward.fn", "reward.source=function needs reward.fn (path.py or path.py:name)")
+        check(r.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {r.num_workers}")
+        check(r.samples_per_call >= 1, "reward.samples_per_call", f"must be >= 1, got {r.samples_per_call}")
+        check(math.isfinite(r.timeout) and r.timeout > 0, "reward.timeout", f"must be > 0 seconds, got {r.timeout}")
+        d = p.dynamic_sampling
+        if d.enabled:
+            check(
+                est in ("grpo", "rloo") and n >= 2,
+                "ppo.dynamic_sampling.enabled",
+                "drops groups whose rewards are all equal: needs ppo.advantage_estimator grpo or rloo",
+            )
+        check(d.max_draws >= 1, "ppo.dynamic_sampling.max_draws", f"must be >= 1, got {d.max_draws}")
+        o, max_new = p.overlong, self.max_new_tokens
+        check(
+            0 <= o.buffer <= max_new,
+            "ppo.overlong.buffer",
+            f"must be in 0..{max_new} (the response length limit; 0 = off), got {o.buffer}",
+        )
+        check(math.isfinite(o.penalty) and o.penalty >= 0, "ppo.overlong.penalty", "must be a finite number >= 0")
+        check(
+            self.generation.max_batch_size >= n,
+            "generation.max_batch_size",
+            f"{self.generation.max_batch_size} < ppo.n_samples_per_prompt={n}: a prompt's samples go in one call",
+        )
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens or self.generation.max_response_length
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.ppo.rollout_batch_size * self.ppo.n_samples_per_prompt
+
     def validate_world(self, world_size: int) -> int:
         """Layout and batch divisibility on `world_size` ranks; returns the data-parallel size."""
         dp = validate_layout(self.model, self.parallel, world_size)
@@ -202,11 +311,11 @@ class ActorJobConfig:
                 f"{per_rank} rollouts per data-parallel rank are not divisible "
                 f"by ppo.num_mini_batches={p.num_mini_batches}",
             )
-        if (per_rank // p.num_mini_batches) % p.micro_batch_size:
+        if (per_rank // p.num_mini_batches) * p.n_samples_per_prompt % p.micro_batch_size:
             raise ConfigError(
                 "ppo.micro_batch_size",
-                f"a mini-batch of {per_rank // p.num_mini_batches} rollouts per data-parallel rank is "
-                f"not divisible by ppo.micro_batch_size={p.micro_batch_size}",
+                f"a mini-batch of {per_rank // p.num_mini_batches * p.n_samples_per_prompt} rollouts per "
+                f"data-parallel rank is not divisible by ppo.micro_batch_size={p.micro_batch_size}",
             )
         return dp
 
@@ -233,6 +342,7 @@ class ActorJobConfig:
             )
         if self.model.checkpoint is not None:
             self.model.checkpoint = resolve_file(self.model.checkpoint, "model.checkpoint", config_dir)
+        self.reward.fn = resolve_function(self.reward.fn, "reward.fn", config_dir)
 
 
 def load_actor_config(argv: Sequence[str], default_name: str = "ppo_actor") -> ActorJobConfig:

@@ -2,7 +2,9 @@
 
 `CriticJobConfig` composes the shared sections (model, parallel, optim) with the critic job's own: which reward
 (a reward model or a reward function, exactly one), how the value model trains, where the PyTriton server
-listens, and checkpointing. `validate()` runs at load (rules a type cannot express); `resolve_paths(config_dir)`
+listens, and checkpointing. `model: null` is reward-only mode (`reward_only`): no value model, so the job serves
+critic_infer's rewards alone (values: zeros [B, 1]) and binds neither critic_train nor critic_save, for the actor's
+critic-free estimators. `validate()` runs at load (rules a type cannot express); `resolve_paths(config_dir)`
 turns relative file paths into absolute ones and checks that they exist; `validate_world(world_size)` checks the
 layout and batch sizes once the number of ranks is known. `load_critic_config(argv)` does all three but the last.
 """
@@ -16,7 +18,7 @@ from typing import ClassVar, Optional, Sequence
 
 from aligner.config.errors import ConfigError
 from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
-from aligner.config.paths import resolve_file
+from aligner.config.paths import resolve_file, resolve_function, split_spec
 from aligner.config.rules import check_choices
 from aligner.config.schema import (
     CheckpointConfig,
@@ -76,11 +78,11 @@ class CriticServerConfig:
 @dataclass
 class CriticJobConfig:
     MODEL_SECTIONS: ClassVar[tuple[str, ...]] = ("model", "reward_model")  # filled from their checkpoint's model.yaml
-    model: ModelConfig = field(default_factory=ModelConfig)  # the critic (scalar head, one value per token)
+    model: Optional[ModelConfig] = field(default_factory=ModelConfig)  # the value model; null: reward-only mode
     reward_model: Optional[ModelConfig] = None  # scalar head read at each sequence's last token
     reward_mean: Optional[float] = None  # scores become (score - mean) / std; null: reward_stats.json of the RM, else 0
     reward_std: Optional[float] = None  # see reward_mean; null: reward_stats.json of the reward model, else 1
-    reward_fn: Optional[str] = None  # a .py file defining reward_fn(prompts, responses[, labels]) -> list[float]
+    reward_fn: Optional[str] = None  # path.py[:name] (default name reward_fn), as the actor's reward.fn: REWARDS.md
     tokenizer: Optional[str] = None  # decodes tokens for reward_fn (tokenizer.json or an HF tokenizer directory)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how both models are split over the ranks
     optim: OptimConfig = field(default_factory=OptimConfig)  # the critic's optimizer
@@ -94,19 +96,20 @@ class CriticJobConfig:
     # -- rules -------------------------------------------------------------------------------------------
     def validate(self) -> None:
         check_choices(self)
-        validate_model(self.model, "model")
+        if self.model is not None:
+            validate_model(self.model, "model")
         validate_optim(self.optim)
         validate_checkpoint(self.checkpoint)
         if (self.reward_model is None) == (self.reward_fn is None):
             raise ConfigError(
                 "reward_model",
                 "set exactly one of reward_model (a scalar-head model) or reward_fn "
-                "(a .py file defining reward_fn); "
+                "(path.py[:name], a Python reward function); "
                 + ("both are set" if self.reward_model is not None else "neither is set"),
             )
         if self.reward_model is not None:
             validate_model(self.reward_model, "reward_model")
-            if self.reward_model.vocab_size != self.model.vocab_size:
+            if self.model is not None and self.reward_model.vocab_size != self.model.vocab_size:
                 raise ConfigError(
                     "reward_model.vocab_size",
                     f"{self.reward_model.vocab_size} != model.vocab_size="
@@ -115,13 +118,13 @@ class CriticJobConfig:
         if self.reward_std is not None and not self.reward_std > 0:
             raise ConfigError("reward_std", f"must be > 0, got {self.reward_std}")
         if self.reward_fn is not None:
-            if not self.reward_fn.endswith(".py"):
-                raise ConfigError("reward_fn", f"must name a Python file (.py), got {self.reward_fn!r}")
+            if not split_spec(self.reward_fn)[0].endswith(".py"):
+                raise ConfigError("reward_fn", f"must name a Python file (path.py[:name]), got {self.reward_fn!r}")
             if self.tokenizer_path is None:
                 raise ConfigError(
                     "tokenizer",
                     "reward_fn scores decoded text: set tokenizer (a tokenizer.json or an "
-                    "HF tokenizer directory) or model.tokenizer",
+                    "HF tokenizer directory)" + (" or model.tokenizer" if self.model is not None else ""),
                 )
         t, s = self.train, self.server
         for key, value in (
@@ -141,22 +144,28 @@ class CriticJobConfig:
                 raise ConfigError("server.port", f"{name} port {port} is outside 1..65535")
         if len(set(s.resolved_ports().values())) != 3:
             raise ConfigError("server.port", f"HTTP, gRPC and metrics ports must differ: {s.resolved_ports()}")
-        if s.max_seq_len is not None and not 0 < s.max_seq_len <= self.model.max_position_embeddings:
+        first = self.models[0] if self.models else None
+        longest = first[1].max_position_embeddings if first else 2**31
+        if s.max_seq_len is not None and not 0 < s.max_seq_len <= longest:
             raise ConfigError(
                 "server.max_seq_len",
-                f"must be in 1..model.max_position_embeddings="
-                f"{self.model.max_position_embeddings}, got {s.max_seq_len}",
+                f"must be in 1..{first[0]}.max_position_embeddings={first[1].max_position_embeddings}, "
+                f"got {s.max_seq_len}",
             )
+        if first is None and s.max_seq_len is None:
+            raise ConfigError("server.max_seq_len", "with neither model nor reward_model, set the longest row accepted")
         if s.idle_timeout_s is not None and not s.idle_timeout_s > 0:
             raise ConfigError("server.idle_timeout_s", f"must be > 0 seconds (or null: never), got {s.idle_timeout_s}")
         if s.ready_timeout <= 0 or s.heartbeat_s <= 0:
             raise ConfigError("server.ready_timeout", "server.ready_timeout and server.heartbeat_s must be > 0")
 
     def validate_world(self, world_size: int) -> int:
-        """Check the TP/PP layout of both models and the batch sizes on `world_size` ranks; returns the DP size."""
-        dp = validate_layout(self.model, self.parallel, world_size, "model", "parallel")
-        if self.reward_model is not None:
-            validate_layout(self.reward_model, self.parallel, world_size, "reward_model", "parallel")
+        """Check the TP/PP layout of the models and the batch sizes on `world_size` ranks; returns the DP size."""
+        dp = world_size  # no model at all (a reward function alone): every rank is its own slice
+        for key, model in self.models:
+            dp = validate_layout(model, self.parallel, world_size, key, "parallel")
+        if self.reward_only:
+            return dp
         validate_batch(
             self.train.global_batch_size,
             self.train.micro_batch_size,
@@ -168,12 +177,27 @@ class CriticJobConfig:
 
     # -- derived values ----------------------------------------------------------------------------------
     @property
+    def reward_only(self) -> bool:
+        """No value model: critic_infer answers rewards alone; critic_train and critic_save are not served."""
+        return self.model is None
+
+    @property
+    def models(self) -> list[tuple[str, ModelConfig]]:
+        """(key, config) of the models this job builds: the value model, then the reward model."""
+        return [(k, m) for k, m in (("model", self.model), ("reward_model", self.reward_model)) if m is not None]
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """The token ids every model of the job can read (None: no model, any id)."""
+        return min((m.vocab_size for _, m in self.models), default=None)
+
+    @property
     def tokenizer_path(self) -> Optional[str]:
-        return self.tokenizer or self.model.tokenizer
+        return self.tokenizer or (self.model.tokenizer if self.model is not None else None)
 
     @property
     def max_seq_len(self) -> int:
-        return self.server.max_seq_len or self.model.max_position_embeddings
+        return self.server.max_seq_len or self.models[0][1].max_position_embeddings
 
     @property
     def checkpoint_dir(self) -> str:
@@ -208,10 +232,10 @@ class CriticJobConfig:
     def resolve_paths(self, config_dir: Optional[str] = None) -> None:
         """Make `reward_fn` and `tokenizer` absolute: a relative path is looked up in the working directory, the
         repository root, then `config_dir` (the config file's directory). Raises ConfigError if not found."""
-        self.reward_fn = resolve_file(self.reward_fn, "reward_fn", config_dir)
+        self.reward_fn = resolve_function(self.reward_fn, "reward_fn", config_dir)
         if self.tokenizer is not None:
             self.tokenizer = resolve_file(self.tokenizer, "tokenizer", config_dir)
-        elif self.reward_fn is not None and self.model.tokenizer is not None:
+        elif self.reward_fn is not None and self.model is not None and self.model.tokenizer is not None:
             self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
 
 
@@ -247,4 +271,5 @@ __all__ = [
     "CriticClientConfig",
     "load_critic_config",
     "resolve_file",
+    "resolve_function",
 ]

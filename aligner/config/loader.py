@@ -97,9 +97,9 @@ def _group_choice(spec: str, option: str, config_dir: str | None) -> DictConfig:
 
 
 def is_group_choice(item: str, config_dir: str | None) -> bool:
-    """`model=llama_1b` (a config group choice) rather than `model.lr=...`."""
+    """`model=llama_1b` (a config group choice) rather than `model.lr=...` or `model=null` (a value: no section)."""
     key, eq, value = item.partition("=")
-    if not eq or "." in key.partition("@")[0] or "/" in value or "." in value:
+    if not eq or "." in key.partition("@")[0] or "/" in value or "." in value or value in ("null", "~"):
         return False
     return os.path.isdir(_group_folder(key.partition("@")[0], config_dir))
 

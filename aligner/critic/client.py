@@ -1,11 +1,13 @@
 """Client of the critic job (used by the actor): non-blocking calls that return futures.
 
 Contract
-- `CriticClient(url, connect_timeout, infer_timeout, train_timeout)` (or `CriticClient.from_config(cfg.critic)`
-  with an `aligner.config.critic.CriticClientConfig`). Requests go out from one worker thread in the order they
-  were submitted, so a `train_async` submitted before an `infer_async` reaches the server first (and the server
-  makes that infer wait until the training is done: the next rollout sees the updated critic). The caller never
-  blocks on training: it holds a Future and asks for the result when it needs it.
+- `CriticClient(url, connect_timeout, infer_timeout, train_timeout, token=None, endpoints=ENDPOINTS)` (or
+  `CriticClient.from_config(cfg.critic)` with an `aligner.config.critic.CriticClientConfig`); `endpoints`: the ones
+  it uses and waits for (`(INFER,)` for a critic job in reward-only mode, which serves nothing else). Requests go
+  out from one worker thread in the order they were submitted, so a `train_async` submitted before an `infer_async`
+  reaches the server first (and the server makes that infer wait until the training is done: the next rollout sees
+  the updated critic). The caller never blocks on training: it holds a Future and asks for the result when it
+  needs it.
 - `infer_async(tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> Future[(values_BT, rewards_B1)]`,
   `train_async(tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> Future[dict of float metrics]`,
   `save(step, run_id) -> checkpoint path` (blocking; `save_async` returns a Future), `resume_async(step, run_id)`
@@ -60,8 +62,10 @@ class CriticClient:
         infer_timeout: float = 600.0,
         train_timeout: float = 3600.0,
         token: str | None = None,
+        endpoints: tuple[str, ...] = protocol.ENDPOINTS,
     ):
         self.url = url if "://" in url else f"http://{url}"
+        self.endpoints = endpoints  # the ones this client uses (and waits for): (INFER,) for a reward-only critic
         self.connect_timeout, self.infer_timeout, self.train_timeout = connect_timeout, infer_timeout, train_timeout
         # One worker: requests leave in submission order (see the module docstring).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-client")
@@ -70,12 +74,14 @@ class CriticClient:
         self._ready = False
 
     @classmethod
-    def from_config(cls, cfg) -> "CriticClient":
-        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout, token=load_token(cfg.token_file))
+    def from_config(cls, cfg, endpoints: tuple[str, ...] = protocol.ENDPOINTS) -> "CriticClient":
+        token = load_token(cfg.token_file)
+        return cls(cfg.url, cfg.connect_timeout, cfg.infer_timeout, cfg.train_timeout, token=token, endpoints=endpoints)
 
     # -- public API --------------------------------------------------------------------------------------
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until every endpoint answers; CriticUnreachableError after `timeout` (default connect_timeout)."""
+        """Block until every endpoint of `self.endpoints` answers; CriticUnreachableError after `timeout` (default
+        connect_timeout)."""
         self._pool.submit(self._wait_ready, timeout).result()
 
     def infer_async(self, tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> Future:
@@ -151,7 +157,7 @@ class CriticClient:
         from pytriton.client.exceptions import PyTritonClientError
 
         timeout = self.connect_timeout if timeout is None else timeout
-        for name in protocol.ENDPOINTS:
+        for name in self.endpoints:
             try:
                 self._client(name).wait_for_model(timeout)
             except (PyTritonClientError, OSError) as exc:

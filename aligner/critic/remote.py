@@ -8,8 +8,13 @@ Contract
   few KB), in global-position order, so the critic sees the same batch for any DP size. The answer is broadcast
   from rank 0 to every rank, and each rank keeps its own rows. Requests are futures on rank 0: the critic computes
   while the actor computes; `Pending.result()` (collective) waits.
-- `infer(rollout) -> Pending[(values_BT, scores_B)]`: this rank's rows of the critic's values on the [B, T] grid
-  and the reward score per sample (float32, on this rank's device).
+- `infer(rollout, with_values=True) -> Pending[(values_BT, scores_B)]`: this rank's rows of the critic's values on
+  the [B, T] grid and the reward score per sample (float32, on this rank's device); values_BT is None with
+  `with_values=False` (nothing but the scores is broadcast). `score(rollout)` is `infer(rollout)`: the reward-source
+  interface of aligner.rewards, of which RemoteCritic is the critic-with-values member.
+- `RemoteCritic(..., reward_only=True)` talks to a critic job in reward-only mode: it waits for critic_infer alone
+  (the job binds no critic_train, critic_save or critic_resume: it has no state to train, save or resume, and its
+  caller, aligner.rewards.sources.CriticJobReward, sends only critic_infer).
 - `train(rollout, returns_BS, values_BS) -> Pending[dict]`: `critic_train` on the rollout's returns and old values
   (shifted grid [B, T-1] here; the critic's [B, T] grid gets an empty last position); metrics
   `critic/value_loss`, `critic/explained_var`, `critic/value_clipfrac`, `critic/grad_norm`,
@@ -64,7 +69,7 @@ class Pending(Generic[T]):
 
 
 class RemoteCritic:
-    def __init__(self, client_cfg, dp_group):
+    def __init__(self, client_cfg, dp_group, reward_only: bool = False):
         self.rank = dist.get_rank()
         self.dp_group = dp_group
         self.dp = dist.get_world_size(dp_group)
@@ -73,13 +78,18 @@ class RemoteCritic:
         self.gathers = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
         self.client = None
         if self.rank == 0:
+            from aligner.critic import protocol
             from aligner.critic.client import CriticClient
 
-            self.client = CriticClient.from_config(client_cfg)
+            endpoints = (protocol.INFER,) if reward_only else protocol.ENDPOINTS
+            self.client = CriticClient.from_config(client_cfg, endpoints)
             self.client.wait_ready()
 
     # -- requests ------------------------------------------------------------------------------------------
-    def infer(self, rollout) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
+    def score(self, rollout) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
+        return self.infer(rollout)
+
+    def infer(self, rollout, with_values: bool = True) -> Pending[tuple[torch.Tensor | None, torch.Tensor]]:
         tokens, lengths, prompt_lengths, labels = self._gather(
             rollout,
             rollout.tokens_BT.cpu().numpy(),
@@ -95,17 +105,19 @@ class RemoteCritic:
         mine = torch.tensor(rollout.positions, device=self.device)
 
         def finish():
-            values = torch.zeros(B * self.dp, T, dtype=torch.float32)
+            values = torch.zeros(B * self.dp, T if with_values else 0, dtype=torch.float32)
             scores = torch.zeros(B * self.dp, dtype=torch.float32)
             answer = self._settle(future)
             if answer is not None:
                 v, r = answer
-                values.copy_(torch.as_tensor(np.asarray(v, dtype=np.float32)))
+                if with_values:
+                    values.copy_(torch.as_tensor(np.asarray(v, dtype=np.float32)))
                 scores.copy_(torch.as_tensor(np.asarray(r, dtype=np.float32)).reshape(-1))
             values, scores = values.to(self.device), scores.to(self.device)
-            dist.broadcast(values, src=0)
+            if with_values:
+                dist.broadcast(values, src=0)
             dist.broadcast(scores, src=0)
-            return values[mine], scores[mine]
+            return (values[mine] if with_values else None), scores[mine]
 
         return Pending(finish)
 

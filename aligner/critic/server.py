@@ -2,9 +2,10 @@
 
 Contract
 - `serve(service, cfg) -> exit code` is called on every rank after the service is built. Global rank 0 starts
-  Triton with the endpoints of aligner.critic.protocol and runs `CriticServer`; the other ranks run `run_worker`,
-  which waits for a command from rank 0 and runs the same service call. Only the default process group (made by
-  aligner.parallel.initialize) is used: rank 0 broadcasts a 5-integer header (op, B, T, flags, arg), then the tensors.
+  Triton with the endpoints of aligner.critic.protocol (reward-only mode: critic_infer alone) and runs
+  `CriticServer`; the other ranks run `run_worker`, which waits for a command from rank 0 and runs the same service
+  call. Only the default process group (made by aligner.parallel.initialize) is used: rank 0 broadcasts a 5-integer
+  header (op, B, T, flags, arg), then the tensors.
 - Threads: PyTriton calls the endpoint callables in its own threads. A callable validates its request (a bad one is
   answered at once with the reason), then queues a job for the main thread and waits for the result. Only the main
   thread broadcasts and runs models: the CPU compatibility layer's TorchFunctionMode is thread-local, collectives
@@ -249,6 +250,7 @@ class CriticServer:
     def __init__(self, service, cfg: CriticJobConfig, channel: CommandChannel):
         self.service, self.cfg, self.channel = service, cfg, channel
         self.url = public_url(cfg.server)
+        self.endpoints = (protocol.INFER,) if cfg.reward_only else protocol.ENDPOINTS
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._lock = threading.Lock()
         self._closing = False
@@ -396,25 +398,29 @@ class CriticServer:
                 Tensor(name="rewards", dtype=f32, shape=(-1, 1)),
             ],
         )
-        self._triton.bind(
-            protocol.TRAIN,
-            _answers(self._train_endpoint),
-            config=no_batching,
-            inputs=[
-                Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
-                Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
-                *(Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in ("returns", "prev_values", "mask")),
-            ],
-            outputs=[Tensor(name=n, dtype=f32, shape=(1,)) for n in protocol.TRAIN_METRICS],
-        )
-        for name, endpoint in ((protocol.SAVE, self._save_endpoint), (protocol.RESUME, self._resume_endpoint)):
+        if not self.cfg.reward_only:  # reward-only mode (no value model): critic_infer alone, values zeros [B, 1]
             self._triton.bind(
-                name,
-                _answers(endpoint),
+                protocol.TRAIN,
+                _answers(self._train_endpoint),
                 config=no_batching,
-                inputs=[Tensor(name="step", dtype=i64, shape=(1,)), Tensor(name="run_id", dtype=bytes, shape=(1,))],
-                outputs=[Tensor(name="path", dtype=bytes, shape=(1,))],
+                inputs=[
+                    Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
+                    Tensor(name="lengths", dtype=i64, shape=(-1, 1)),
+                    *(Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in ("returns", "prev_values", "mask")),
+                ],
+                outputs=[Tensor(name=n, dtype=f32, shape=(1,)) for n in protocol.TRAIN_METRICS],
             )
+            for name, endpoint in ((protocol.SAVE, self._save_endpoint), (protocol.RESUME, self._resume_endpoint)):
+                self._triton.bind(
+                    name,
+                    _answers(endpoint),
+                    config=no_batching,
+                    inputs=[
+                        Tensor(name="step", dtype=i64, shape=(1,)),
+                        Tensor(name="run_id", dtype=bytes, shape=(1,)),
+                    ],
+                    outputs=[Tensor(name="path", dtype=bytes, shape=(1,))],
+                )
         try:
             self._triton.run()
         except Exception as exc:
@@ -431,7 +437,7 @@ class CriticServer:
 
         url = self.url if self.cfg.server.host not in ("0.0.0.0", "") else f"http://127.0.0.1:{self.cfg.server.port}"
         timeout = self.cfg.server.ready_timeout
-        for name in protocol.ENDPOINTS:
+        for name in self.endpoints:
             try:
                 with ModelClient(url, name, init_timeout_s=timeout) as client:
                     client.wait_for_model(timeout)
@@ -477,7 +483,7 @@ class CriticServer:
             with contextlib.closing(
                 httpclient.InferenceServerClient(f"{host}:{self.cfg.server.port}", network_timeout=timeout)
             ) as client:
-                for name in protocol.ENDPOINTS:
+                for name in self.endpoints:
                     client.unload_model(name, headers=headers)
             # The unload call returns before the stubs have gone: wait for those processes themselves.
             deadline = time.monotonic() + timeout
@@ -569,7 +575,7 @@ class CriticServer:
             from megatron.core import parallel_state as ps
 
             print(
-                f"critic server ready at {self.url} (endpoints {', '.join(protocol.ENDPOINTS)}; {world} rank(s): "
+                f"critic server ready at {self.url} (endpoints {', '.join(self.endpoints)}; {world} rank(s): "
                 f"TP {ps.get_tensor_model_parallel_world_size()}, PP {ps.get_pipeline_model_parallel_world_size()},"
                 f" DP {ps.get_data_parallel_world_size()})",
                 flush=True,

@@ -8,10 +8,12 @@ Contract
   slice process the same rows, pipeline stages pass activations); results are assembled on every rank with one
   all-reduce over the default group, where only one rank per slice (TP rank 0 of the last PP stage) contributes.
 - `infer(tokens_BT, lengths_B, prompt_lengths_B=None, labels=None) -> (values_BT, rewards_B1)`: values[b, t] is the
-  critic's output at position t (the actor decides which positions it uses), 0 at t >= lengths[b]. Rewards: the
-  reward model's scalar at position lengths[b] - 1, standardised by `cfg.reward_scaling()` (the config's
-  reward_mean/std, else the reward model checkpoint's reward_stats.json); or `reward_fn` on decoded
-  text, computed on global rank 0 only and broadcast (see aligner.critic.reward_fn).
+  critic's output at position t (the actor decides which positions it uses), 0 at t >= lengths[b]; zeros [B, 1] in
+  reward-only mode (`model: null`: no value model, no state; `train`, `resume` and `save` then raise
+  CriticRequestError, and the server binds none of them). Rewards: the reward model's scalar at position
+  lengths[b] - 1, standardised by `cfg.reward_scaling()` (the config's reward_mean/std, else the reward model
+  checkpoint's reward_stats.json); or `reward_fn` on decoded text, computed on global rank 0 only and broadcast (see
+  aligner.critic.reward_fn).
 - `train(tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> metrics`: `train.epochs` passes over the rows
   in order, one optimizer step per `train.global_batch_size` rows; clipped value loss (aligner.rl.value_loss)
   normalised by the global number of masked tokens of each global batch. `explained_variance` is that of the
@@ -44,6 +46,7 @@ from aligner.checkpoint import dist_ckpt
 from aligner.config.critic import CriticJobConfig
 from aligner.critic.protocol import (
     CriticCheckpointError,
+    CriticRequestError,
     Limits,
     check_infer,
     check_run_id,
@@ -80,16 +83,16 @@ class CriticService:
         self.cfg = cfg
         self.device = current_device()
         self.dp_group = ps.get_data_parallel_group()
-        vocab = (
-            cfg.model.vocab_size if cfg.reward_model is None else min(cfg.model.vocab_size, cfg.reward_model.vocab_size)
-        )
+        vocab = cfg.vocab_size if cfg.vocab_size is not None else 2**62
         self.limits = Limits(cfg.server.max_batch_size, cfg.max_seq_len, vocab, cfg.server.max_train_batch_size)
-        self.critic = TrainableModel(cfg.model, cfg.optim, head="scalar")
-        if cfg.model.checkpoint:
-            backbone_only = _is_lm_checkpoint(cfg.model.checkpoint)
-            load = dist_ckpt.load_backbone_weights if backbone_only else dist_ckpt.load_model_weights
-            load(cfg.model.checkpoint, [self.critic.module])
-            self.critic.weights_loaded()
+        self.critic = None  # reward-only mode (model: null): no value model, values are zeros [B, 1]
+        if cfg.model is not None:
+            self.critic = TrainableModel(cfg.model, cfg.optim, head="scalar")
+            if cfg.model.checkpoint:
+                backbone_only = _is_lm_checkpoint(cfg.model.checkpoint)
+                load = dist_ckpt.load_backbone_weights if backbone_only else dist_ckpt.load_model_weights
+                load(cfg.model.checkpoint, [self.critic.module])
+                self.critic.weights_loaded()
         self.reward_model = None
         if cfg.reward_model is not None:
             self.reward_model = TrainableModel(cfg.reward_model, cfg.optim, head="scalar", trainable=False)
@@ -140,19 +143,22 @@ class CriticService:
         lengths_dev = self._to_device(lengths)
 
         # One flat buffer: [values B*width | rewards B], summed over data-parallel ranks in one collective.
-        out = torch.zeros(batch * width + batch, dtype=torch.float32, device=self.device)
-        values_BT, rewards_B = out[: batch * width].view(batch, width), out[batch * width :]
+        vwidth = width if self.critic is not None else 0
+        out = torch.zeros(batch * vwidth + batch, dtype=torch.float32, device=self.device)
+        values_BT, rewards_B = out[: batch * vwidth].view(batch, vwidth), out[batch * vwidth :]
         start, stop = self._my_rows(batch)
         if stop > start:  # a DP slice with no rows skips the forward (no collective spans DP in a forward pass)
-            values_BT[start:stop] = self._forward_values(self.critic, tokens_dev[start:stop])
+            if self.critic is not None:
+                values_BT[start:stop] = self._forward_values(self.critic, tokens_dev[start:stop])
             if self.reward_model is not None:
                 scores = self._forward_values(self.reward_model, tokens_dev[start:stop])
                 last = (lengths_dev[start:stop] - 1).unsqueeze(1)
                 rm_B = scores.gather(1, last).squeeze(1)
                 rewards_B[start:stop] = (rm_B - self.reward_mean) / self.reward_std
         self._sum_over_dp(out)
-        values = torch.zeros(batch, seq, dtype=torch.float32)
-        values[:, :width] = values_BT.cpu() * torch.from_numpy(valid_BT)
+        # Reward-only mode: zeros [B, 1] (PyTriton cannot carry a tensor with a zero dimension).
+        values = torch.zeros(batch, seq if self.critic is not None else 1, dtype=torch.float32)
+        values[:, :vwidth] = values_BT.cpu() * torch.from_numpy(valid_BT[:, :vwidth])
         if self.reward_function is not None:
             rewards = self._rewards_from_fn(tokens, lengths, prompt_lengths, labels)
         else:
@@ -188,6 +194,7 @@ class CriticService:
     # -- train -------------------------------------------------------------------------------------------
     def train(self, tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> dict[str, float]:
         """Train the critic on one batch of rollouts; returns metrics (see protocol.TRAIN_METRICS)."""
+        self._require_value_model("train")
         tokens, lengths, returns, prev_values, mask = check_train(
             tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT, self.limits
         )
@@ -256,9 +263,14 @@ class CriticService:
         )
         return loss, stats
 
+    def _require_value_model(self, what: str) -> None:
+        if self.critic is None:  # the server binds none of these endpoints in this mode: a direct call is a bug
+            raise CriticRequestError(f"critic_{what}: this critic job is in reward-only mode (model: null)")
+
     # -- checkpoints -------------------------------------------------------------------------------------
     def resume(self, step: int, run_id: str) -> str | None:
         """Start run `run_id` at its committed `step` (< 0: fresh); see the module docstring. Collective."""
+        self._require_value_model("resume")
         step, run_id = check_step(step, allow_fresh=True), check_run_id(run_id)
         root = self.cfg.checkpoint_dir
         if step < 0:
@@ -301,6 +313,7 @@ class CriticService:
 
     def save(self, step, run_id) -> str:
         """Write `<checkpoint.dir>/step_<step>` (critic weights, optimizer, RNG); returns its path. Collective."""
+        self._require_value_model("save")
         step, run_id = check_step(step), check_run_id(run_id)
         if self.run_id is None or run_id != self.run_id:
             raise CriticCheckpointError(

@@ -6,6 +6,9 @@ grid [B, T-1]: index i is about token i+1 as predicted from the prefix tokens[:i
 sample b sits at shifted index p_b - 1 + j, and `mask_BS` is 1 exactly there. The critic answers values on the
 [B, T] grid of positions (value at position i = critic's output at i, the state tokens[:i+1]); `values[:, :-1]`
 is therefore the value of the state before each token, on the shifted grid.
+
+Groups: with n samples per prompt, sample j of prompt g sits at position g * n + j of the step's global batch, so a
+prompt's samples are consecutive rows; the layout functions deal out whole groups (`expand_groups`).
 """
 
 from __future__ import annotations
@@ -127,6 +130,54 @@ def minibatch_positions(n: int, groups: int, dp: int, dp_rank: int, seed: int | 
         lo = m * per_group + dp_rank * share
         mine.extend(order[lo : lo + share])
     return mine
+
+
+def expand_groups(group_positions: list[int], group_size: int) -> list[int]:
+    """Sample positions of the groups at `group_positions` (each group's `group_size` samples, in order)."""
+    return [g * group_size + j for g in group_positions for j in range(group_size)]
+
+
+def select_rows(rollout: Rollout, rows: list[int], device=None) -> Rollout:
+    """A rollout of `rows` of `rollout` (same sequence width), on `device` (default: where it is)."""
+    idx = torch.tensor(rows, dtype=torch.long, device=rollout.tokens_BT.device)
+
+    def take(x):
+        return x[idx].to(device) if device is not None else x[idx]
+
+    return Rollout(
+        tokens_BT=take(rollout.tokens_BT),
+        lengths_B=take(rollout.lengths_B),
+        prompt_lengths_B=take(rollout.prompt_lengths_B),
+        response_lengths_B=take(rollout.response_lengths_B),
+        ended_B=take(rollout.ended_B),
+        engine_logp_BS=take(rollout.engine_logp_BS),
+        mask_BS=take(rollout.mask_BS),
+        labels=[rollout.labels[r] for r in rows] if rollout.labels else [],
+        positions=[rollout.positions[r] for r in rows] if rollout.positions else [],
+    )
+
+
+def gather_rollout(rollout: Rollout, scores_B: torch.Tensor, group, pad_id: int) -> tuple[Rollout, torch.Tensor]:
+    """The whole global batch on every rank of `group` (on the CPU, rows in global-position order) with its scores.
+
+    Collective over `group` (None: this rank's rows only). Token ids and a few floats per token: small next to a
+    forward pass; used where the rows must be dealt out again (dynamic sampling keeps a subset of the groups).
+    """
+    import torch.distributed as dist
+
+    def cpu(r: Rollout) -> Rollout:
+        return select_rows(r, list(range(r.batch_size)), device="cpu")
+
+    mine = (cpu(rollout), scores_B.detach().cpu())
+    if group is None or dist.get_world_size(group) == 1:
+        parts = [mine]
+    else:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+    whole = concat([r for r, _ in parts], pad_id)
+    scores = torch.cat([sc for _, sc in parts])
+    order = sorted(range(whole.batch_size), key=lambda i: whole.positions[i])
+    return select_rows(whole, order), scores[order]
 
 
 def sample_seeds(base_seed: int, step: int, indices: list[int]) -> list[int]:

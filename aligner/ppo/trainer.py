@@ -1,16 +1,27 @@
-"""The actor job's PPO loop (DESIGN.md, "One PPO step"): it orchestrates, the pieces below it do the work.
+"""The actor job's RL loop (DESIGN.md, "One PPO step"): it orchestrates, the pieces below it do the work.
 
 Contract: every rank of the actor job constructs `PPOTrainer(cfg)` after `aligner.parallel.initialize`, calls
 `fit()`, then `close()` (before `aligner.parallel.shutdown`). Every rank holds its TP/PP slice of the policy, the
-reference and the generation engine, and its DP share of the prompts; every rank runs the same code. Who talks to
-the critic job and how the answers come back is `aligner.critic.remote.RemoteCritic`'s business; pipeline stages are
-`TrainableModel`'s (its results reach every rank); metrics are reduced by name (`aligner.rl.stats`).
+reference and the generation engine, and its DP share of the prompts, in whole groups of
+`ppo.n_samples_per_prompt` samples; every rank runs the same code. Pieces chosen once, at construction:
+- the advantage estimator (`ppo.advantage_estimator`, aligner.rl.estimators): gae (with the critic job's value
+  model), grpo, rloo or reinforce_pp;
+- the reward source (aligner.rewards.sources): the critic job (values and rewards; a TrainedCritic, trained and
+  checkpointed with the policy: critic_resume, critic_save, the run's commit), the critic job in reward-only mode
+  (critic_infer alone), or a reward function run by this job. Who talks to whom and how answers come back is the
+  source's business;
+- where the KL to the reference goes (`ppo.kl.placement`): a per-token reward penalty or a loss term.
+Pipeline stages are `TrainableModel`'s (its results reach every rank); metrics are reduced by name
+(`aligner.rl.stats`).
 
 One step, each phase a method with its own `timing/*` key:
-  rollout (generate) -> critic_infer sent -> log-probs of policy and reference (logprobs) -> critic answer awaited
-  (critic_wait_infer) -> rewards, GAE, whitening (advantages) -> critic_train sent -> policy update (train) -> refit
-  -> critic_train metrics awaited (critic_wait_train) -> log, sample dump, validation, checkpoint.
-`timing/critic_wait` is the sum of the two waits.
+  rollout (generate; the reward source starts scoring; with dynamic sampling, draws until the batch is full) ->
+  log-probs of policy and reference (logprobs) -> the reward source's answer (critic_wait_infer from the critic job,
+  reward_wait from this job's reward function) -> advantages (advantages) -> critic_train sent (gae) -> policy
+  update (train) -> refit -> critic_train metrics awaited (critic_wait_train) -> log, sample dump, validation,
+  checkpoint.
+Whenever the critic job is used (also in reward-only mode, without critic_wait_train), `timing/critic_wait` is the
+sum of the two waits for it.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from aligner.checkpoint import dist_ckpt, run
 from aligner.config import ConfigError
 from aligner.config.actor import ActorJobConfig
 from aligner.critic.protocol import CriticCheckpointError
-from aligner.critic.remote import RemoteCritic
+from aligner.critic.remote import Pending
 from aligner.data.prompts import PromptDataset, PromptSampler, pad_prompts
 from aligner.data.tokenizer import load_tokenizer
 from aligner.generation import SamplingParams, build_engine
@@ -39,10 +50,24 @@ from aligner.models.training import TrainableModel
 from aligner.parallel import current_device, is_logging_rank, synchronize
 from aligner.parallel.watchdog import PhaseWatchdog
 from aligner.ppo.reference import build_reference
-from aligner.ppo.rollout import Rollout, assemble, concat, minibatch_positions, pad_to, sample_seeds
+from aligner.ppo.rollout import (
+    Rollout,
+    assemble,
+    concat,
+    expand_groups,
+    gather_rollout,
+    minibatch_positions,
+    pad_to,
+    sample_seeds,
+    select_rows,
+)
+from aligner.rewards.sources import TrainedCritic, build_reward_source
 from aligner.utils.metrics import MetricsWriter, Progress, Timer
 
 log = logging.getLogger(__name__)
+
+# The metric the adaptive KL controller reads, in the units of its target (ppo.kl.target_units).
+KL_METRIC = {"sample": "ppo/kl_per_sample", "token": "ppo/kl"}
 
 
 class PPOTrainer:
@@ -77,10 +102,29 @@ class PPOTrainer:
             self.policy.weights_loaded()
         self.reference = build_reference(cfg.reference.mode, cfg.model, self.policy)
         self.engine = build_engine(cfg.generation, cfg.model, self.policy.module)
-        k = cfg.ppo.kl
+        p, k = cfg.ppo, cfg.ppo.kl
+        self.group_size = p.n_samples_per_prompt
+        self.estimator = rl.make_estimator(
+            p.advantage_estimator,
+            self.group_size,
+            gamma=p.gamma,
+            lam=p.lam,
+            whiten=p.whiten_advantages,
+            normalize_std=p.normalize_group_std,
+            score_clip=p.score_clip,
+        )
         self.kl_ctl = rl.make_kl_controller(k.coef, k.adaptive, k.target, k.horizon)
         self.step = 0
-        self.critic = RemoteCritic(cfg.critic, self.dp_group)
+        self.reward = build_reward_source(cfg, self.dp_group, self.tokenizer)
+        # The value model the loop trains and checkpoints (gae: the critic job's), or None.
+        self.critic = self.reward if isinstance(self.reward, TrainedCritic) else None
+        # Whether the critic job takes part in the run's checkpoints (critic_resume, critic_save, the commit): only
+        # with a value model. A reward-only critic has no state (it serves neither endpoint) and a reward function
+        # none at all: the run's commit record then covers the actor alone.
+        self.saves_critic = self.critic is not None and cfg.checkpoint.save_critic
+        # The wait for the scores: the critic job's (critic_wait_infer, with or without a value model) or this job's
+        # own reward function's (reward_wait).
+        self.reward_wait = "reward_wait" if cfg.reward.source == "function" else "critic_wait_infer"
         self._resume()
         dist_ckpt.start_writer()  # not inside the first checkpoint (the critic saves at the same time)
         self.writer = MetricsWriter(
@@ -126,39 +170,44 @@ class PPOTrainer:
         cfg = self.cfg
         with self.timer("step"):
             with self.timer("generate"):
-                rollout = self.generate_rollouts()
-            critic_answer = self.critic.infer(rollout)
+                rollout, scoring, metrics = self.generate_rollouts()  # scoring: the reward source's pending answer
             with self.timer("logprobs"):
                 logp_BS, ref_logp_BS = self.compute_logprobs(rollout)
-            with self.timer("critic_wait_infer"):
-                values_BT, scores_B = critic_answer.result()
+            with self.timer(self.reward_wait):
+                values_BT, scores_B = scoring.result()
             with self.timer("advantages"):
-                batch, metrics = self.compute_advantages(rollout, logp_BS, ref_logp_BS, values_BT, scores_B)
-            critic_training = self.critic.train(rollout, batch["returns"], batch["values"])
+                batch, step_metrics = self.compute_advantages(rollout, logp_BS, ref_logp_BS, values_BT, scores_B)
+            metrics.update(step_metrics)
+            critic_training = self.critic.train(rollout, batch["returns"], batch["values"]) if self.critic else None
             if self.step >= cfg.ppo.critic_warmup_steps:
                 with self.timer("train"):
                     metrics.update(self.update_policy(rollout, batch))
                 with self.timer("refit"):
                     self.engine.refit(self.policy.module)
-            with self.timer("critic_wait_train"):
-                metrics.update(critic_training.result())
-            self.kl_ctl.update(metrics["ppo/kl"], cfg.ppo.rollout_batch_size)
+            if critic_training is not None:
+                with self.timer("critic_wait_train"):
+                    metrics.update(critic_training.result())
+            self.kl_ctl.update(metrics[KL_METRIC[cfg.ppo.kl.target_units]], metrics["rollout/samples"])
             if cfg.logging.samples_every and self.step % cfg.logging.samples_every == 0:
                 self.dump_samples(rollout, scores_B)
         return metrics
 
     def _timings(self) -> dict:
         out = self.timer.pop()
-        out["timing/critic_wait"] = out.get("timing/critic_wait_infer", 0.0) + out.get("timing/critic_wait_train", 0.0)
+        if self.reward_wait == "critic_wait_infer":  # the critic job's: critic_wait is the sum of the waits for it
+            out["timing/critic_wait"] = out.get("timing/critic_wait_infer", 0.0) + out.get(
+                "timing/critic_wait_train", 0.0
+            )
         return out
 
     # -- phases -------------------------------------------------------------------------------------------
     def _my_positions(self, n: int, groups: int, seed: int | None) -> list[int]:
         return minibatch_positions(n, groups, self.dp, self.dp_rank, seed)
 
-    def _generate(self, prompts, positions, sampling_kw, step_seed) -> Rollout:
-        """Generate for `prompts` in engine-sized chunks; returns the assembled rollout."""
-        chunk = self.cfg.generation.max_batch_size
+    def _generate(self, prompts, positions, sampling_kw, step_seed, seed_offset: int = 0) -> Rollout:
+        """Generate for `prompts` in engine-sized chunks of whole groups; returns the assembled rollout. A sample's
+        seed comes from (seed, step_seed, seed_offset + its position)."""
+        chunk = self.cfg.generation.max_batch_size // self.group_size * self.group_size
         parts = []
         for lo in range(0, len(prompts), chunk):
             sub = prompts[lo : lo + chunk]
@@ -169,7 +218,7 @@ class PPOTrainer:
                 eos_token_id=self.tokenizer.eos_id,
                 stop_token_ids=self.tokenizer.stop_ids,
                 pad_token_id=self.tokenizer.pad_id,
-                seeds=sample_seeds(self.cfg.seed, step_seed, positions[lo : lo + chunk]),
+                seeds=sample_seeds(self.cfg.seed, step_seed, [seed_offset + i for i in positions[lo : lo + chunk]]),
             )
             out = self.engine.generate(tokens_BP, lengths_B, sampling)
             total = int((lengths_B + out.response_lengths_B).max())
@@ -204,14 +253,52 @@ class PPOTrainer:
             ignore_eos=s.ignore_eos,
         )
 
-    def generate_rollouts(self) -> Rollout:
-        """Sample one response per prompt of this DP rank's share of the step's prompts (engine = last refit)."""
-        global_indices = self.sampler.next_batch(self.cfg.ppo.rollout_batch_size)
-        positions = self._my_positions(
-            len(global_indices), self.cfg.ppo.num_mini_batches, self.cfg.seed * 7 + self.step
-        )
-        prompts = [self.train_data.items[global_indices[p]] for p in positions]
-        return self._generate(prompts, positions, self._sampling_kw(), self.step)
+    def generate_rollouts(self) -> tuple[Rollout, Pending, dict]:
+        """This rank's share of the step's groups (engine = last refit), the reward source's pending answer for them,
+        and metrics of the drawing. With dynamic sampling the answer is already in: the filter needs the scores."""
+        if self.cfg.ppo.dynamic_sampling.enabled:
+            return self._draw_until_full()
+        rollout = self._draw(0)
+        return rollout, self.reward.score(rollout), {}
+
+    def _draw(self, draw: int) -> Rollout:
+        """Draw `ppo.rollout_batch_size` prompts; generate `ppo.n_samples_per_prompt` responses to each of this
+        rank's (whole groups, laid out by global mini-batch: `_my_positions`). Draw d > 0 (dynamic sampling) has its
+        own layout and seeds."""
+        p, n = self.cfg.ppo, self.group_size
+        global_indices = self.sampler.next_batch(p.rollout_batch_size)
+        layout_seed = self.cfg.seed * 7 + self.step + 7919 * draw
+        groups = self._my_positions(len(global_indices), p.num_mini_batches, layout_seed)
+        prompts = [self.train_data.items[global_indices[g]] for g in groups for _ in range(n)]
+        offset = draw * p.rollout_batch_size * n  # draws never share a sample seed
+        return self._generate(prompts, expand_groups(groups, n), self._sampling_kw(), self.step, offset)
+
+    def _draw_until_full(self) -> tuple[Rollout, Pending, dict]:
+        """DAPO's dynamic sampling: keep the groups whose scores differ, draw again until `ppo.rollout_batch_size`
+        are kept or `max_draws` is reached (dropped groups then fill the rest, in draw order). Every rank sees every
+        draw's rows (gathered over DP) and picks the same groups, so the batch does not depend on the DP size."""
+        p, n = self.cfg.ppo, self.group_size
+        G, pad = p.rollout_batch_size, self.tokenizer.pad_id
+        kept, dropped = [], []  # (rollout of one draw, its scores, group index) in draw order
+        draws = constant = 0
+        while len(kept) < G and draws < p.dynamic_sampling.max_draws:
+            rollout = self._draw(draws)
+            _, scores_B = self.reward.score(rollout).result()
+            whole, scores = gather_rollout(rollout, scores_B, self.dp_group, pad)
+            flat = rl.constant_groups(scores, n).tolist()
+            for g, same in enumerate(flat):
+                (dropped if same else kept).append((whole, scores, g))
+            constant += sum(flat)
+            draws += 1
+        chosen = (kept + dropped)[:G]
+        batch = concat([select_rows(w, list(range(g * n, (g + 1) * n))) for w, _, g in chosen], pad)
+        scores = torch.cat([sc[g * n : (g + 1) * n] for _, sc, g in chosen])
+        rows = expand_groups(self._my_positions(G, p.num_mini_batches, self.cfg.seed * 7 + self.step), n)
+        batch.positions = list(range(G * n))
+        mine = select_rows(batch, rows, device=self.device)
+        my_scores = scores[rows].to(self.device)
+        metrics = {"rollout/draws": float(draws), "rollout/drawn_zero_std_group_fraction": constant / (draws * G)}
+        return mine, Pending(lambda: (None, my_scores)), metrics
 
     def _micro_batches(
         self, rollout: Rollout, rows: list[int] | None = None, size: int | None = None, **per_token
@@ -243,32 +330,41 @@ class PPOTrainer:
         return torch.cat(logp), torch.cat(ref_logp)
 
     def compute_advantages(self, rollout, logp_BS, ref_logp_BS, values_BT, scores_B) -> tuple[dict, dict]:
+        """Rewards, advantages and returns of this rank's rows (the estimator's), and the rollout metrics."""
         cfg, mask = self.cfg.ppo, rollout.mask_BS
-        values_BS = values_BT[:, :-1] * mask
+        values_BS = values_BT[:, :-1] * mask if values_BT is not None else None
         kl_BS = rl.kl_estimate(logp_BS, ref_logp_BS, cfg.kl.estimator, cfg.kl.use_absolute_kl)
-        rewards_BS = rl.per_token_rewards(scores_B, kl_BS, mask, self.kl_ctl.value, cfg.score_clip)
-        advantages_BS, returns_BS = rl.gae(values_BS, rewards_BS, mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            advantages_BS = rl.masked_whiten(advantages_BS, mask, group=self.dp_group)
-        # Rollout statistics over the whole job (sums and counts all-reduced over DP, by name).
-        diff_BS = (rollout.engine_logp_BS - logp_BS).abs()
-        s = rl.sum_by_name(
-            {
-                "kl": ((logp_BS - ref_logp_BS) * mask).sum(),
-                "kl_k3": (rl.kl_estimate(logp_BS, ref_logp_BS, "k3") * mask).sum(),
-                "tokens": mask.sum(),
-                "score": scores_B.sum(),
-                "score_sq": (scores_B**2).sum(),
-                "samples": float(len(scores_B)),
-                "response_length": rollout.response_lengths_B.float().sum(),
-                "ended": rollout.ended_B.float().sum(),
-                "mismatch": (diff_BS * mask).sum(),
-                "ratio_error": ((torch.exp(logp_BS - rollout.engine_logp_BS) - 1).abs() * mask).sum(),
-                "token_reward": (rewards_BS * mask).sum(),
-                "value": (values_BS * mask).sum(),
-            },
-            group=self.dp_group,
+        reward_kl_coef = self.kl_ctl.value if cfg.kl.placement == "reward" else 0.0
+        penalty_B = torch.zeros_like(scores_B)
+        if cfg.overlong.buffer:
+            penalty_B = rl.overlong_penalty(
+                rollout.response_lengths_B, self.cfg.max_new_tokens, cfg.overlong.buffer, cfg.overlong.penalty
+            ).to(scores_B.device)
+        advantages_BS, returns_BS = self.estimator(
+            scores_B + penalty_B, kl_BS, mask, reward_kl_coef, values_BS, group=self.dp_group
         )
+        # Rollout statistics over the whole job (sums and counts all-reduced over DP, by name).
+        rewards_BS = rl.per_token_rewards(scores_B + penalty_B, kl_BS, mask, reward_kl_coef, cfg.score_clip)
+        diff_BS = (rollout.engine_logp_BS - logp_BS).abs()
+        sums = {
+            "kl": ((logp_BS - ref_logp_BS) * mask).sum(),
+            "kl_k3": (rl.kl_estimate(logp_BS, ref_logp_BS, "k3") * mask).sum(),
+            "tokens": mask.sum(),
+            "score": scores_B.sum(),
+            "score_sq": (scores_B**2).sum(),
+            "samples": float(len(scores_B)),
+            "response_length": rollout.response_lengths_B.float().sum(),
+            "ended": rollout.ended_B.float().sum(),
+            "mismatch": (diff_BS * mask).sum(),
+            "ratio_error": ((torch.exp(logp_BS - rollout.engine_logp_BS) - 1).abs() * mask).sum(),
+            "token_reward": (rewards_BS * mask).sum(),
+            "overlong_penalty": penalty_B.sum(),
+        }
+        if values_BS is not None:
+            sums["value"] = (values_BS * mask).sum()
+        if self.group_size > 1:  # whole groups per rank: counted locally, summed over DP
+            sums["constant_groups"] = rl.constant_groups(scores_B, self.group_size).float().sum()
+        s = rl.sum_by_name(sums, group=self.dp_group)
         top = rl.max_by_name({"mismatch": (diff_BS * mask).amax()}, group=self.dp_group)
         n, tokens = s["samples"], s["tokens"]
         metrics = {
@@ -276,22 +372,32 @@ class PPOTrainer:
             "rollout/reward_std": math.sqrt(max(0.0, s["score_sq"] / n - (s["score"] / n) ** 2)),
             "rollout/response_length_mean": s["response_length"] / n,
             "rollout/ended_fraction": s["ended"] / n,
+            "rollout/samples": n,
             "rollout/tokens": tokens,
             "rollout/token_reward_mean": s["token_reward"] / tokens,
-            "rollout/value_mean": s["value"] / tokens,
             "ppo/kl": s["kl"] / tokens,
+            "ppo/kl_per_sample": s["kl"] / n,
             "ppo/kl_k3": s["kl_k3"] / tokens,
             "ppo/kl_coef": self.kl_ctl.value,
             "ppo/logprob_mismatch": s["mismatch"] / tokens,
             "ppo/logprob_mismatch_max": top["mismatch"],
             "ppo/ratio_error": s["ratio_error"] / tokens,
         }
+        if "value" in s:
+            metrics["rollout/value_mean"] = s["value"] / tokens
+        if "constant_groups" in s:
+            metrics["rollout/zero_std_group_fraction"] = s["constant_groups"] / (n / self.group_size)
+        if cfg.overlong.buffer:
+            metrics["rollout/overlong_penalty_mean"] = s["overlong_penalty"] / n
         batch = {
             "old_logp": logp_BS.detach(),
             "advantages": advantages_BS.detach(),
             "returns": returns_BS.detach(),
-            "values": values_BS.detach(),
         }
+        if values_BS is not None:
+            batch["values"] = values_BS.detach()
+        if cfg.kl.placement == "loss":
+            batch["ref_logp"] = ref_logp_BS.detach()
         return batch, metrics
 
     def update_policy(self, rollout: Rollout, batch: dict) -> dict:
@@ -313,7 +419,8 @@ class PPOTrainer:
                 grad_norms.append(result["grad_norm"])
                 skipped += result["skipped"]
         reduced = rl.reduce_stats(stats, group=self.dp_group)
-        return {
+        metrics = {"ppo/kl_loss": reduced["kl_loss"]} if "kl_loss" in reduced else {}
+        return metrics | {
             "ppo/policy_loss": reduced["pg_loss"],
             "ppo/clipfrac": reduced["clipfrac"],
             "ppo/entropy": reduced["entropy"],
@@ -348,6 +455,9 @@ class PPOTrainer:
             entropy_coef=cfg.entropy_coef,
             ended_B=mb["ended"],
             zero_unended=cfg.zero_unended,
+            ref_logp_BT=mb.get("ref_logp"),  # present when the KL is a loss term (ppo.kl.placement: loss)
+            kl_coef=self.kl_ctl.value if "ref_logp" in mb else 0.0,
+            kl_estimator=cfg.kl.estimator,
         )
 
     def dump_samples(self, rollout: Rollout, scores_B: torch.Tensor) -> None:
@@ -368,7 +478,7 @@ class PPOTrainer:
         self.writer.samples(self.step, rows)
 
     def validate(self) -> dict:
-        """Generate for the held-out prompts (greedy or sampled) and score them with the critic job's reward."""
+        """Generate for the held-out prompts (greedy or sampled) and score them with the reward source."""
         items = self.val_data.items[: self.cfg.validation.max_prompts]
         n = (len(items) // self.dp) * self.dp
         if n == 0:
@@ -376,7 +486,7 @@ class PPOTrainer:
         positions = self._my_positions(n, 1, None)
         sampling = self._sampling_kw(self.cfg.validation.greedy)
         rollout = self._generate([items[i] for i in positions], positions, sampling, 10_000_000 + self.step)
-        _, scores = self.critic.infer(rollout).result()
+        _, scores = self.reward.score(rollout).result()
         s = rl.sum_by_name(
             {
                 "reward": scores.sum(),
@@ -402,14 +512,15 @@ class PPOTrainer:
         }
 
     def save(self) -> None:
-        """Checkpoint step `self.step` with the critic, then commit it (aligner.checkpoint.run): a step becomes a
-        resume point only once both jobs have written it. A failed critic_save fails here, on every rank."""
+        """Checkpoint step `self.step` with the critic (when it takes part: `saves_critic`), then commit it
+        (aligner.checkpoint.run): a step becomes a resume point only once both jobs have written it (the actor alone
+        in a run without a trained critic). A failed critic_save fails here, on every rank."""
         with self.watchdog.phase("checkpoint"):
             self._save()
 
     def _save(self) -> None:
         cfg = self.cfg.checkpoint
-        critic_saved = self.critic.save(self.step, self.run_id) if cfg.save_critic else None
+        critic_saved = self.critic.save(self.step, self.run_id) if self.saves_critic else None
         path = dist_ckpt.save(
             self.cfg.checkpoint_dir,
             self.step,
@@ -441,12 +552,12 @@ class PPOTrainer:
                 log.warning("%s holds checkpoints but no commit record (%s): starting fresh", root, run.RECORD)
             self.run_id = run.agreed_run_id()
             self.commit = run.Commit(self.run_id)
-            if cfg.save_critic:
+            if self.saves_critic:
                 self.critic.resume(None, self.run_id)
             return
         self.run_id, self.commit = committed.run_id, committed
         for step, path, problem in run.resume_points(root, committed):
-            if problem is None and cfg.save_critic:
+            if problem is None and self.saves_critic:
                 try:
                     self.critic.resume(step, self.run_id)
                 except CriticCheckpointError as exc:
@@ -482,6 +593,6 @@ class PPOTrainer:
         return bool(t.item())
 
     def close(self) -> None:
-        """Free the engine (its CUDA graphs hold the TP communicator: before shutdown) and the critic client."""
+        """Free the engine (its CUDA graphs hold the TP communicator: before shutdown) and the reward source."""
         self.engine.close()
-        self.critic.close()
+        self.reward.close()

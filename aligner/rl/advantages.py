@@ -93,6 +93,27 @@ def gae(
     return advantages_BT, returns_BT
 
 
+def returns_to_go(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """sum_{k >= t} gamma^(k - t) r_k over the response tokens of each row; 0 at masked positions."""
+    # GAE with a zero critic and lambda = 1 is exactly the discounted return-to-go.
+    _, returns_BT = gae(torch.zeros_like(rewards_BT), rewards_BT, mask_BT, gamma=gamma, lam=1.0)
+    return returns_BT
+
+
+def overlong_penalty(
+    response_lengths_B: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), float32 [B], added to the scores.
+
+    0 for a response of at most `max_length - buffer` tokens, then falling linearly with each further token to
+    -factor at `max_length` (the generation limit: a response never exceeds it, so -factor is the floor).
+    """
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"buffer must be in 1..max_length={max_length}, got {buffer}")
+    excess_B = (response_lengths_B.to(torch.float32) - (max_length - buffer)).clamp(min=0.0) / buffer
+    return -factor * excess_B.clamp(max=1.0)
+
+
 def masked_global_mean_var(
     x_BT: torch.Tensor, mask_BT: torch.Tensor, group=None, unbiased: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

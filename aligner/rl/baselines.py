@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from aligner.rl.advantages import gae, masked_whiten
+from aligner.rl.advantages import masked_whiten, returns_to_go
 
 
 def _grouped(scores_B: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -45,6 +45,13 @@ def rloo_advantages(scores_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return (scores_GN - baseline_GN).reshape(-1)
 
 
+def constant_groups(scores_B: torch.Tensor, group_size: int) -> torch.Tensor:
+    """bool [n_groups]: True where every score of the group is the same (its group baseline gives 0 advantage:
+    DAPO's dynamic sampling drops such groups; `rollout/zero_std_group_fraction` counts them)."""
+    scores_GN = _grouped(scores_B, group_size)
+    return (scores_GN == scores_GN[:, :1]).all(dim=1)
+
+
 def sample_to_tokens(x_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """[B] -> [B, T]: the sample's value on each of its response tokens, 0 elsewhere."""
     return torch.where(mask_BT.bool(), x_B.reshape(-1, 1), torch.zeros((), dtype=x_B.dtype, device=x_B.device))
@@ -60,6 +67,5 @@ def reinforce_pp_advantages(
     (`grpo_advantages(scores_B, group_size, normalize_std=False)`). returns_t = sum_{k >= t} gamma^(k-t) r_k within
     the response; advantages = masked_whiten(returns, mask, group). Returns (advantages_BT, returns_BT).
     """
-    # Discounted return-to-go is GAE with a zero critic and lambda = 1.
-    _, returns_BT = gae(torch.zeros_like(rewards_BT), rewards_BT, mask_BT, gamma=gamma, lam=1.0)
+    returns_BT = returns_to_go(rewards_BT, mask_BT, gamma)
     return masked_whiten(returns_BT, mask_BT, group), returns_BT

@@ -9,8 +9,12 @@ Contract
     k3 = exp(-Δ) - 1 + Δ      unbiased, non-negative (Schulman's "approximating KL")
   No mask is applied here: callers multiply by their response mask (padding log-probs may be anything).
 - Controllers hold the coefficient `value` (beta). `update(current_kl, n_steps)` is called once per PPO step
-  with the measured mean KL per sample and the number of samples of that step. `state_dict`/`load_state_dict`
-  save and restore the coefficient so that a resumed run continues with the same beta.
+  with the measured KL in the units of the controller's `target` and the number of samples of that step: per
+  sample (the KL summed over a response's tokens, averaged over the samples: Ziegler et al.'s unit, whose target
+  of 6 nats is the config default) or per token (averaged over response tokens). A per-sample target fed a
+  per-token KL reads a KL ~response-length times too small, so beta could only shrink.
+  `state_dict`/`load_state_dict` save and restore the coefficient so that a resumed run continues with the same
+  beta.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class AdaptiveKLController:
     """Adaptive coefficient of Ziegler et al. 2019 ("Fine-Tuning LMs from Human Preferences", eq. 2).
 
     error = clip(current_kl / target - 1, -0.2, 0.2);  value *= 1 + error * n_steps / horizon.
-    The clip bounds how fast beta moves when the measured KL is far from the target.
+    The clip bounds how fast beta moves when the measured KL is far from the target. `current_kl` must be in the
+    units of `target`: the paper's are nats per sample (the KL summed over a response).
     """
 
     ERROR_CLIP = 0.2

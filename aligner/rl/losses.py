@@ -26,6 +26,7 @@ import torch
 
 from aligner.rl._dist import all_reduce_
 from aligner.rl.advantages import masked_global_mean_var
+from aligner.rl.kl import kl_estimate
 
 # Bound on |logp - logp_old| before exp(): a token whose probability collapsed cannot make the ratio inf
 # (the clipped surrogate zeroes its gradient anyway when the advantage pushes it further out).
@@ -89,17 +90,23 @@ def policy_loss(
     entropy_coef: float = 0.0,
     ended_B: torch.Tensor | None = None,
     zero_unended: bool = False,
+    ref_logp_BT: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PPO surrogate (+ optional dual clip and entropy bonus) for one micro-batch.
+    """Clipped PPO surrogate (+ optional dual clip, KL term and entropy bonus) for one micro-batch.
 
     ratio = exp(clamp(logp - logp_old, ±20)); per token, pg = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high))
     (`clip_eps_high` defaults to `clip_eps`). Dual clip (Ye et al. 2020, c = `dual_clip` > 1): for A < 0,
     pg = min(pg, c * |A|), bounding the loss of a token whose ratio has exploded. Per-token loss =
-    pg - entropy_coef * entropy_BT (`entropy_BT` is the per-token entropy, from `entropy_from_logits` or a
-    vocab-parallel version). Returns `(loss, stats)` with loss = sum(loss_token * m) / num_tokens_global, m being
+    pg + kl_coef * kl_estimate(logp_BT, ref_logp_BT, kl_estimator) - entropy_coef * entropy_BT (`entropy_BT` is
+    the per-token entropy, from `entropy_from_logits` or a vocab-parallel version). The KL term is GRPO's KL to the
+    reference as a loss (DeepSeekMath: k3, differentiated through logp_BT); given `ref_logp_BT` it is also reported
+    with kl_coef = 0. Returns `(loss, stats)` with loss = sum(loss_token * m) / num_tokens_global, m being
     `policy_loss_mask(mask_BT, ended_B, zero_unended)`.
-    stats sums: pg_loss, entropy (if given), clipfrac (tokens whose clipped term was the active one), dual_clipfrac
-    (if dual clip), approx_kl (k3 estimate of KL(old || new): ratio - 1 - log ratio), ratio; max: ratio.
+    stats sums: pg_loss, entropy (if given), kl_loss (the KL estimate, if ref_logp_BT is given), clipfrac (tokens
+    whose clipped term was the active one), dual_clipfrac (if dual clip), approx_kl (k3 estimate of
+    KL(old || new): ratio - 1 - log ratio), ratio; max: ratio.
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -120,6 +127,13 @@ def policy_loss(
         pg_BT = torch.where(dual_BT, bound_BT, pg_BT)
         sums["dual_clipfrac"] = dual_BT
     loss_BT = pg_BT
+    if ref_logp_BT is not None:
+        kl_BT = kl_estimate(logp_BT, ref_logp_BT.detach(), kl_estimator)
+        if kl_coef != 0.0:
+            loss_BT = loss_BT + kl_coef * kl_BT
+        sums["kl_loss"] = kl_BT
+    elif kl_coef != 0.0:
+        raise ValueError("kl_coef needs ref_logp_BT")
     if entropy_BT is not None:
         if entropy_coef != 0.0:
             loss_BT = loss_BT - entropy_coef * entropy_BT

@@ -15,7 +15,8 @@ LABELS = {
     "logprobs": "log-probs (policy, reference)",
     "values_rewards": "values + rewards (critic, reward model)",
     "critic_wait": "critic wait (values; critic update)",
-    "advantages": "KL rewards, GAE, whitening",
+    "reward_wait": "reward wait (reward function)",
+    "advantages": "advantages (KL rewards, GAE or group baseline, whitening)",
     "train": "policy update",
     "refit": "refit (policy -> engine)",
     "critic_train": "critic update",
@@ -74,7 +75,8 @@ def speedup(hf: dict, al: dict) -> float:
 def describe(record: dict) -> str:
     w = record["workload"]
     return (
-        f"{w['rollouts']} rollouts x ({w['prompt_len']} prompt + {w['response_len']} generated tokens), "
+        f"{w['rollouts']} rollouts ({w.get('samples_per_prompt', 1)} per prompt) x ({w['prompt_len']} prompt + "
+        f"{w['response_len']} generated tokens), "
         f"{w['num_layers']} layers, hidden {w['hidden_size']}, {w['num_attention_heads']} heads, "
         f"{w['num_query_groups']} KV groups, FFN {w['ffn_hidden_size']}, vocab {w['vocab_size']}, {w['dtype']}; "
         f"micro-batches of {w['micro_batch']}, {w['num_mini_batches']} mini-batch(es) x {w['epochs']} epoch(s); "
@@ -125,3 +127,22 @@ def render(hf: dict, al: dict) -> tuple[str, bool]:
         verdict(hf, al, problems),
     ]
     return "\n".join(out), not problems
+
+
+def render_single(record: dict) -> str:
+    """One record (the GRPO mode: no HF loop to compare with): its phases, step, throughput and checks."""
+    rows = [["phase", f"{record['mode']} (s)"]]
+    for phase in (*PHASES, "other"):
+        if phase in record["phases_s"]:
+            rows.append([LABELS[phase], f"{record['phases_s'][phase]:.3f}"])
+    rows += [
+        ["step", f"{record['step_s']:.3f}"],
+        ["rollout tokens/s (of step time)", f"{record['tokens_per_s']:,.0f}"],
+        ["generated tokens/s (of generate)", f"{record['generated_tokens_per_s']:,.0f}"],
+        ["peak GPU memory, all processes (GB)", _gb(record, "gpu_mem_peak_gb")],
+    ]
+    checks = record.get("checks", {})
+    lines = [describe(record), "", text_table(rows), ""]
+    lines += [f"check {k}: {v}" for k, v in checks.items()]
+    lines += ["", "markdown for docs/PERF.md:", "", markdown_table(rows)]
+    return "\n".join(lines)

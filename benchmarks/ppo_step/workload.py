@@ -1,11 +1,13 @@
-"""What one benchmarked PPO step does, and the result record both modes write.
+"""What one benchmarked PPO (or GRPO) step does, and the result record every mode writes.
 
 A step: `rollouts` prompts of exactly `prompt_len` tokens (BOS included), one sampled response each of exactly
 `response_len` tokens (EOS ignored), log-probs under policy and reference, values and reward-model scores, GAE, then
 `epochs` passes of `num_mini_batches` optimizer steps for the policy and for the critic, every forward in
 micro-batches of `micro_batch` rows. `gen_batch` is how many prompts one generate call takes. Policy, reference,
 critic and reward model share one Llama-style shape. Tokens per second = rollouts x (prompt_len + response_len) /
-mean step seconds. Pure Python: importable without torch's extras, megatron or omegaconf.
+mean step seconds. A GRPO step (`GRPO_FULL`, `GRPO_TINY`) draws `rollouts / samples_per_prompt` prompts and
+`samples_per_prompt` responses to each, scores them with a reward function and has no critic. Pure Python:
+importable without torch's extras, megatron or omegaconf.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class Workload:
     gen_batch: int
     num_mini_batches: int = 1
     epochs: int = 1
+    samples_per_prompt: int = 1  # rollouts = prompts x samples_per_prompt (GRPO's groups)
+
+    @property
+    def prompts(self) -> int:
+        return self.rollouts // self.samples_per_prompt
 
     @property
     def seq_len(self) -> int:
@@ -63,6 +70,10 @@ class Workload:
             raise ValueError(
                 f"rollouts={self.rollouts} must split into num_mini_batches={self.num_mini_batches} "
                 f"mini-batches of whole micro-batches of {self.micro_batch}"
+            )
+        if self.rollouts % self.samples_per_prompt:
+            raise ValueError(
+                f"rollouts={self.rollouts} is not a multiple of samples_per_prompt={self.samples_per_prompt}"
             )
         if self.rollouts % self.gen_batch:
             raise ValueError(f"rollouts={self.rollouts} is not a multiple of gen_batch={self.gen_batch}")
@@ -105,9 +116,25 @@ TINY = Workload(
     gen_batch=8,
 )
 
+# The GRPO step of issue 16: the ~1B policy, 64 prompts x 8 samples of 128 + 256 tokens (EOS ignored), a reward
+# function, KL 0.04 as a loss term against a resident reference, one optimizer step per rollout batch.
+GRPO_FULL = FULL.with_(samples_per_prompt=8)
+# CPU smoke size: 4 prompts x 2 samples of 8 + 8 tokens.
+GRPO_TINY = TINY.with_(samples_per_prompt=2)
+
 # Phases in table order; each mode reports the subset it has (aligner's critic work runs in the critic job, where
-# the actor sees only the time it waits for it).
-PHASES = ("generate", "logprobs", "values_rewards", "critic_wait", "advantages", "train", "refit", "critic_train")
+# the actor sees only the time it waits for it; with a critic, the reward wait is part of critic_wait).
+PHASES = (
+    "generate",
+    "logprobs",
+    "values_rewards",
+    "critic_wait",
+    "reward_wait",
+    "advantages",
+    "train",
+    "refit",
+    "critic_train",
+)
 
 
 def summarize(step_timings: list[dict], warmup: int) -> tuple[dict, list[dict]]:

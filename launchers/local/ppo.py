@@ -1,9 +1,13 @@
 """Run PPO on one machine: start the critic job, wait until it answers, run the actor job, stop the critic.
 
     python launchers/local/ppo.py [--actor-procs N] [--critic-procs M] [--launcher torchrun|mpiexec]
-                                  [--actor-gpus LIST] [--critic-gpus LIST]
+                                  [--actor-gpus LIST] [--critic-gpus LIST] [--actor-only]
                                   [--actor-config NAME] [--critic-config NAME] [--exp-dir DIR] [--port P]
                                   [--actor KEY=VALUE ...] [--critic KEY=VALUE ...]
+
+--actor-only runs the actor job alone, for configs whose reward needs no critic job (reward.source=function with
+a critic-free estimator; launchers/local/grpo.sh); the --critic* options are then ignored, and everything below
+holds for the actor job alone.
 
 On a machine with several GPUs, --actor-gpus 0,1 --critic-gpus 2 gives each job its own devices
 (CUDA_VISIBLE_DEVICES per job; each rank takes the GPU of its local rank among them). Without them both jobs see
@@ -185,6 +189,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--actor-config", default="ppo_actor_demo")
     p.add_argument("--critic-config", default="ppo_critic_demo")
+    p.add_argument("--actor-only", action="store_true", help="no critic job (reward.source=function)")
     p.add_argument("--actor-procs", type=int, default=1)
     p.add_argument("--critic-procs", type=int, default=1)
     p.add_argument(
@@ -230,55 +235,61 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: os.environ.get(TOKEN_ENV) or new_token()}
-    try:
-        for attempt in range(1, PORT_TRIES + 1):
-            port = args.port or free_port_range(3)
-            url = f"http://127.0.0.1:{port}"
-            critic_cmd = command(
-                "serve_ppo_critic.py",
-                args.critic_procs,
-                args.critic_config,
-                [f"server.port={port}", "server.host=127.0.0.1", f"exp_dir={exp}/critic", *args.critic],
-                args.launcher,
-            )
-            print(f"[ppo] critic job: {' '.join(critic_cmd)}\n[ppo] critic log: {critic_log}", flush=True)
-            offset = os.path.getsize(critic_log) if os.path.exists(critic_log) else 0
-            with open(critic_log, "ab") as logf:
-                critic = subprocess.Popen(
-                    critic_cmd,
-                    cwd=ROOT,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    env={**env, **critic_gpus},
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            critic.aligner_has_launcher, critic.aligner_script = args.critic_procs > 1, "serve_ppo_critic.py"
-            try:
-                wait_ready(url, critic, args.ready_timeout, critic_log, offset)
-                break
-            except CriticStartError as exc:
-                stop(critic, grace=CRITIC_STOP_GRACE)
-                retry = exc.port_taken and args.port is None and attempt < PORT_TRIES and not interrupted
-                print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
-                if not retry:
-                    return 1
-                print("[ppo] a port was taken before the critic bound it: retrying on other ports", flush=True)
+
+    def start_actor(overrides: list[str], what: str) -> subprocess.Popen:
         actor_cmd = command(
             "train_ppo_actor.py",
             args.actor_procs,
             args.actor_config,
-            [f"critic.port={port}", "critic.host=127.0.0.1", f"exp_dir={exp}/actor", *args.actor],
+            [*overrides, f"exp_dir={exp}/actor", *args.actor],
             args.launcher,
         )
-        print(f"[ppo] critic ready at {url}\n[ppo] actor job: {' '.join(actor_cmd)}", flush=True)
+        print(f"[ppo] {what}: {' '.join(actor_cmd)}", flush=True)
         actor_env = {**env, **actor_gpus, "ALIGNER_NO_METRICS_LINE": "1"}  # this launcher prints the metrics line
-        actor = subprocess.Popen(
-            actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True, preexec_fn=_die_with_parent
-        )
-        actor.aligner_has_launcher, actor.aligner_script = args.actor_procs > 1, "train_ppo_actor.py"
+        proc = subprocess.Popen(actor_cmd, cwd=ROOT, env=actor_env, start_new_session=True, preexec_fn=_die_with_parent)
+        proc.aligner_has_launcher, proc.aligner_script = args.actor_procs > 1, "train_ppo_actor.py"
+        return proc
+
+    try:
+        if not args.actor_only:
+            for attempt in range(1, PORT_TRIES + 1):
+                port = args.port or free_port_range(3)
+                url = f"http://127.0.0.1:{port}"
+                critic_cmd = command(
+                    "serve_ppo_critic.py",
+                    args.critic_procs,
+                    args.critic_config,
+                    [f"server.port={port}", "server.host=127.0.0.1", f"exp_dir={exp}/critic", *args.critic],
+                    args.launcher,
+                )
+                print(f"[ppo] critic job: {' '.join(critic_cmd)}\n[ppo] critic log: {critic_log}", flush=True)
+                offset = os.path.getsize(critic_log) if os.path.exists(critic_log) else 0
+                with open(critic_log, "ab") as logf:
+                    critic = subprocess.Popen(
+                        critic_cmd,
+                        cwd=ROOT,
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        env={**env, **critic_gpus},
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                critic.aligner_has_launcher, critic.aligner_script = args.critic_procs > 1, "serve_ppo_critic.py"
+                try:
+                    wait_ready(url, critic, args.ready_timeout, critic_log, offset)
+                    break
+                except CriticStartError as exc:
+                    stop(critic, grace=CRITIC_STOP_GRACE)
+                    retry = exc.port_taken and args.port is None and attempt < PORT_TRIES and not interrupted
+                    print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
+                    if not retry:
+                        return 1
+                    print("[ppo] a port was taken before the critic bound it: retrying on other ports", flush=True)
+            print(f"[ppo] critic ready at {url}", flush=True)
+        overrides = [f"critic.port={port}", "critic.host=127.0.0.1"] if critic is not None else []
+        actor = start_actor(overrides, "actor job" if critic is not None else "actor job (no critic job)")
         while actor.poll() is None:
-            if critic.poll() is not None:
+            if critic is not None and critic.poll() is not None:
                 print(
                     f"[ppo] the critic job died (status {critic.returncode}); stopping the actor\n"
                     f"--- last lines of {critic_log} ---\n{tail(critic_log)}",
@@ -291,7 +302,7 @@ def main(argv=None) -> int:
     finally:
         stop(actor)
         stop(critic, grace=CRITIC_STOP_GRACE)
-    critic_rc = critic.returncode
+    critic_rc = critic.returncode if critic is not None else 0
     metrics = os.path.join(exp, "actor", "metrics.jsonl")
     if actor_rc != 0:
         print(f"[ppo] the actor job failed (status {actor_rc})", file=sys.stderr)

@@ -174,3 +174,22 @@ def test_sampling_ignore_eos_reaches_the_engine():
         cfg.sampling.ignore_eos = ignore
         kw = PPOTrainer._sampling_kw(SimpleNamespace(cfg=cfg))
         assert SamplingParams(**kw, eos_token_id=2).end_token_ids() == ends
+
+
+def test_grpo_mode_tiny(tmp_path):
+    """--mode grpo: the actor job alone (GRPO, 4 prompts x 2 samples, KL in the loss against the resident
+    reference, a reward function), the phase table, KL 0 at step 0, the log-prob mismatch; a config that is not the
+    workload is refused before anything starts."""
+    out = tmp_path / "grpo.json"
+    proc = bench("--mode", "grpo", "--tiny", "--steps", "2", "--exp-dir", str(tmp_path / "run"), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = _load(out)
+    _check_record(r, "grpo", ("generate", "logprobs", "reward_wait", "advantages", "train", "refit"))
+    assert r["workload"]["samples_per_prompt"] == 2
+    c = r["checks"]
+    assert c["kl_step0"] == 0.0 and c["logprob_mismatch_max"] < 1e-4 and c["kl_loss_last"] is not None
+    assert c["response_length_mean"] == 8 and c["samples_per_step"] == 8
+    assert "markdown for docs/PERF.md" in proc.stdout and "check kl_step0: 0.0" in proc.stdout
+    bad = bench("--mode", "grpo", "--tiny", "--exp-dir", str(tmp_path / "bad"), "--actor", "ppo.kl.coef=0.1")
+    assert bad.returncode == 2 and "ppo.kl.coef" in bad.stderr, bad.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "bad" / "launcher.log"), "nothing is launched"

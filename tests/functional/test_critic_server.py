@@ -26,7 +26,7 @@ from critic_harness import (
     wait_gone,
 )
 
-from aligner.critic import CriticClient, CriticRequestError
+from aligner.critic import CriticClient, CriticRequestError, protocol
 
 MAX_BATCH = 8
 
@@ -184,7 +184,7 @@ def test_sigterm_stops_triton_and_leaves_nothing_behind(job):
     procs = server.descendants()
     workspaces, folders = triton_workspaces(procs), stub_model_folders(procs)
     assert len(workspaces) == 1 and all(os.path.isdir(w) for w in workspaces), [p.cmdline() for p in procs]
-    assert len(folders) == 3 and all(os.path.isdir(f) for f in folders)  # one python stub per endpoint
+    assert len(folders) == len(protocol.ENDPOINTS) and all(os.path.isdir(f) for f in folders)  # a stub per endpoint
     server.signal(signal.SIGTERM)
     assert server.wait_exit(90) == 0, server.output[-3000:]
     assert "SIGTERM received, stopping" in server.output

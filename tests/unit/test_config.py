@@ -1,5 +1,6 @@
 """Config loading: YAML onto the typed schema, overrides, `defaults` recipes, and each validation error."""
 
+import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -141,3 +142,66 @@ def test_gqa_groups_must_split_over_tp():
     with pytest.raises(ConfigError, match="num_query_groups=1 is not divisible by TP=2"):
         validate_layout(model, ParallelConfig(tensor_model_parallel_size=2), 2)
     assert validate_layout(model, ParallelConfig(), 4) == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, key, words",
+    [
+        (["ppo.advantage_estimator=gae"], "reward.source", "gae trains the critic job's value model"),
+        (["ppo.n_samples_per_prompt=1"], "ppo.n_samples_per_prompt", "grpo compares the samples of a prompt"),
+        (
+            ["ppo.advantage_estimator=reinforce_pp", "ppo.dynamic_sampling.enabled=true"],
+            "ppo.dynamic_sampling.enabled",
+            "grpo or rloo",
+        ),
+        (["ppo.overlong.buffer=300"], "ppo.overlong.buffer", "(the response length limit; 0 = off), got 300"),
+        (["reward.fn=null"], "reward.fn", "reward.source=function needs reward.fn"),
+        (["reward.fn=conf/demo/nowhere.py"], "reward.fn", "not found"),
+        (["reward.fn=conf/demo/plus_one.jsonl"], "reward.fn", "must name a Python file"),
+        (["reward.timeout=0"], "reward.timeout", "must be > 0"),
+        (["generation.max_batch_size=4"], "generation.max_batch_size", "a prompt's samples go in one call"),
+        (["ppo.critic_warmup_steps=2"], "ppo.critic_warmup_steps", "no critic to warm up"),
+        (["ppo.kl.placement=both"], "ppo.kl.placement", "must be one of"),
+    ],
+)
+def test_rl_recipe_errors_name_the_key(overrides, key, words):
+    from aligner.config.actor import load_actor_config
+
+    with pytest.raises(ConfigError) as info:
+        load_actor_config(["--config-name", "grpo_demo", *overrides])
+    assert info.value.key == key, info.value
+    assert words in str(info.value)
+
+
+def test_groups_must_split_over_dp_in_whole_mini_batches():
+    from aligner.config.actor import load_actor_config
+
+    overrides = ["ppo.rollout_batch_size=6", "ppo.n_samples_per_prompt=8", "ppo.micro_batch_size=8"]
+    cfg = load_actor_config(["--config-name", "grpo_demo", *overrides])
+    assert cfg.samples_per_step == 48 and cfg.validate_world(2) == 2  # 3 prompts x 8 samples per rank
+    with pytest.raises(ConfigError, match="ppo.rollout_batch_size"):
+        cfg.validate_world(4)  # 6 prompts over 4 ranks
+    cfg.ppo.micro_batch_size = 16
+    with pytest.raises(ConfigError, match="a mini-batch of 24 rollouts per data-parallel rank"):
+        cfg.validate_world(2)
+
+
+def test_reward_function_spec_keeps_its_name():
+    from aligner.config.actor import load_actor_config
+
+    cfg = load_actor_config(["--config-name", "grpo_demo"])
+    path, _, name = cfg.reward.fn.rpartition(":")
+    assert os.path.isabs(path) and path.endswith("aligner/rewards/math_answer.py") and name == "flexible_reward_fn"
+
+
+def test_critic_reward_only_mode():
+    from aligner.config.critic import load_critic_config
+
+    cfg = load_critic_config(["--config-name", "reward_critic_demo"])
+    assert cfg.reward_only and cfg.models == [] and cfg.max_seq_len == 128 and cfg.validate_world(3) == 3
+    with pytest.raises(ConfigError, match="server.max_seq_len"):
+        load_critic_config(["--config-name", "reward_critic_demo", "server.max_seq_len=null"])
+    with_rm = load_critic_config(
+        ["--config-name", "reward_critic", "model@reward_model=tiny", "reward_model.vocab_size=48"]
+    )
+    assert with_rm.reward_only and [k for k, _ in with_rm.models] == ["reward_model"] and with_rm.vocab_size == 48

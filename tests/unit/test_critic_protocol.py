@@ -99,7 +99,7 @@ def test_dp_rows_cover_batch_evenly():
 # -- config ----------------------------------------------------------------------------------------------
 def test_demo_and_base_configs_load():
     demo = load_critic_config(["--config-name", "ppo_critic_demo", "server.port=6001", "server.host=node7"])
-    assert demo.reward_model is None and demo.reward_fn == os.path.join(REPO, "conf", "demo", "reward.py")
+    assert demo.reward_model is None and demo.reward_fn == os.path.join(REPO, "conf", "demo", "reward.py:reward_fn")
     assert demo.tokenizer == os.path.join(REPO, "conf", "demo", "tokenizer.json")
     assert (demo.server.host, demo.server.port) == ("node7", 6001)
     assert demo.server.resolved_ports() == {"HTTP": 6001, "gRPC": 6002, "metrics": 6003}
@@ -154,7 +154,7 @@ def test_relative_paths_resolve_against_repo_and_config_dir(tmp_path):
         "defaults: []\nreward_fn: my_reward.py\ntokenizer: conf/demo/tokenizer.json\nmodel:\n  vocab_size: 48\n"
     )
     cfg = load_critic_config(["--config-path", str(tmp_path), "--config-name", "job"])
-    assert cfg.reward_fn == str(tmp_path / "my_reward.py")  # next to the config file
+    assert cfg.reward_fn == f"{tmp_path / 'my_reward.py'}:reward_fn"  # next to the config file; the name explicit
     assert cfg.tokenizer == os.path.join(REPO, "conf", "demo", "tokenizer.json")  # under the repository root
     with pytest.raises(ConfigError) as info:
         load_critic_config(["--config-path", str(tmp_path), "--config-name", "job", "reward_fn=nope.py"])
@@ -205,6 +205,15 @@ def test_reward_function_errors_name_the_file(tmp_path, body, text):
     with pytest.raises(RewardFunctionError) as info:
         fn(np.array([[5, 6], [7, 8]]), np.array([2, 2]))
     assert text in str(info.value) and str(path) in str(info.value)
+
+
+def test_reward_function_named_in_the_spec(tmp_path):
+    """`path.py:name`, as the actor's reward.fn: the same loader (aligner.rewards.function); errors name the spec."""
+    path = tmp_path / "judge.py"
+    path.write_text("def judge(p, r):\n    return [0.5] * len(p)\n\ndef broken(p, r):\n    return [0.5, 1e39]\n")
+    np.testing.assert_array_equal(RewardFunction(f"{path}:judge", TOKENIZER)(np.array([[5, 6]]), np.array([2])), [0.5])
+    with pytest.raises(RewardFunctionError, match=f"{path}:broken returned 1e\\+39 for sample 1"):
+        RewardFunction(f"{path}:broken", TOKENIZER)(np.array([[5, 6], [7, 8]]), np.array([2, 2]))
 
 
 def test_reward_function_file_without_reward_fn(tmp_path):

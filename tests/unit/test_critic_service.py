@@ -206,6 +206,30 @@ def test_critic_starts_from_a_policy_checkpoint(weights, tmp_path):
     assert torch.isfinite(values).all()
 
 
+def test_reward_only_mode_has_no_value_model(weights, tmp_path):
+    """model: null: the reward model's scores as usual, values are zeros [B, 1]; training, resuming and saving are
+    refused (the server binds none of them: the actor never sends them to this mode)."""
+    from aligner.critic.service import CriticService
+
+    cfg = CriticJobConfig(model=None, reward_model=tiny_model(checkpoint=weights["rm_ckpt"]), exp_dir=str(tmp_path))
+    cfg.reward_mean, cfg.reward_std = 0.5, 2.0
+    cfg.server.max_batch_size = 16
+    cfg.validate()
+    service = CriticService(cfg)
+    assert service.critic is None and service.resumed_from is None
+    tokens, lengths = sample_batch(5, 12, seed=4)
+    values, rewards = service.infer(tokens, lengths)
+    assert values.shape == (5, 1) and (values == 0).all()
+    scores = direct_values(weights["rm"], tokens)[torch.arange(5), lengths - 1]
+    torch.testing.assert_close(rewards[:, 0], (scores - 0.5) / 2.0, rtol=0, atol=1e-5)
+    with pytest.raises(CriticRequestError, match="reward-only mode"):
+        service.train(tokens, lengths, np.zeros((5, 12), np.float32), np.zeros((5, 12), np.float32), np.ones((5, 12)))
+    with pytest.raises(CriticRequestError, match="reward-only mode"):
+        service.save(1, "a1")
+    with pytest.raises(CriticRequestError, match="reward-only mode"):
+        service.resume(-1, "a1")
+
+
 # -- the run's checkpoints (issue 14): the critic and the actor never resume as a mismatched pair ----------------
 def test_critic_save_needs_the_runs_next_step_and_never_overwrites(weights, tmp_path):
     from aligner.critic.protocol import CriticCheckpointError

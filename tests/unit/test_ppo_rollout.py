@@ -1,5 +1,6 @@
 """The actor's sequence layout (aligner/ppo/rollout.py), by hand."""
 
+import pytest
 import torch
 
 from aligner.ppo.rollout import assemble, concat, pad_to, response_mask, sample_seeds
@@ -72,3 +73,44 @@ def test_minibatches_are_the_same_sets_for_any_dp():
     for m in range(groups):  # global mini-batch m = union of the ranks' m-th local slices
         assert set(two[0][m * 4 : (m + 1) * 4]) | set(two[1][m * 4 : (m + 1) * 4]) == set(one[m * 8 : (m + 1) * 8])
     assert minibatch_positions(4, 1, 2, 1, None) == [2, 3]
+
+
+def test_groups_stay_whole_on_a_rank_and_in_a_minibatch():
+    """Prompts (groups) are dealt out, then expanded to their samples: every rank holds whole groups in each of its
+    mini-batch slices, and the global mini-batches are the same sample sets for DP=1 and DP=2."""
+    from aligner.ppo.rollout import expand_groups, minibatch_positions
+
+    prompts, n, minis = 8, 3, 2
+    assert expand_groups([2, 0], 3) == [6, 7, 8, 0, 1, 2]
+    one = expand_groups(minibatch_positions(prompts, minis, 1, 0, seed=5), n)
+    two = [expand_groups(minibatch_positions(prompts, minis, 2, r, seed=5), n) for r in range(2)]
+    share = prompts // minis // 2 * n  # samples per rank per mini-batch
+    for rows in two:
+        for lo in range(0, len(rows), n):
+            g = rows[lo] // n
+            assert rows[lo : lo + n] == [g * n + j for j in range(n)], "a group's samples stay together, in order"
+    for m in range(minis):
+        union = set(two[0][m * share : (m + 1) * share]) | set(two[1][m * share : (m + 1) * share])
+        assert union == set(one[m * 2 * share : (m + 1) * 2 * share])
+
+
+def test_select_and_gather_rows_in_global_order():
+    from aligner.ppo.rollout import gather_rollout, select_rows
+
+    r = assemble(
+        torch.tensor([[5, 6], [7, 0], [8, 9]]),
+        torch.tensor([2, 1, 2]),
+        torch.tensor([[1, 2], [3, 0], [4, 0]]),
+        torch.tensor([2, 1, 1]),
+        torch.zeros(3, 2),
+        torch.tensor([True, False, True]),
+        0,
+        4,
+    )
+    r.labels, r.positions = ["a", "b", "c"], [4, 0, 2]
+    sub = select_rows(r, [2, 0])
+    assert sub.tokens_BT.tolist() == [[8, 9, 4, 0], [5, 6, 1, 2]] and sub.labels == ["c", "a"]
+    assert sub.positions == [2, 4] and sub.ended_B.tolist() == [True, True]
+    whole, scores = gather_rollout(r, torch.tensor([0.4, 0.0, 0.2]), None, 0)  # no group: this rank's rows
+    assert whole.positions == [0, 2, 4] and scores.tolist() == pytest.approx([0.0, 0.2, 0.4])
+    assert whole.labels == ["b", "c", "a"] and whole.tokens_BT.device.type == "cpu"

@@ -94,3 +94,28 @@ def test_make_kl_controller():
     assert isinstance(c, AdaptiveKLController) and c.value == 0.1
     with pytest.raises(ValueError):
         make_kl_controller(0.1, adaptive=True)
+
+
+def test_adaptive_controller_trajectory_in_matching_units():
+    """Five steps of 8 responses of 20 tokens each, with hand-made KL sums over all 160 response tokens. Per sample
+    (Ziegler et al.'s unit, kl_sum / 8) beta follows the hand-computed trajectory; fed the per-token mean instead
+    (kl_sum / 160, 20x smaller) against the same per-sample target, the error is clipped at -0.2 every step and
+    beta can only shrink; a per-token target (0.3 = 6 / 20) fed per-token KL moves exactly as the per-sample one."""
+    kl_sums = [48.0, 96.0, 24.0, 52.8, 0.0]  # per sample: 6, 12, 3, 6.6, 0 nats
+    c = AdaptiveKLController(0.1, target=6.0, horizon=80)
+    trajectory = []
+    for kl_sum in kl_sums:
+        c.update(kl_sum / 8, 8)
+        trajectory.append(c.value)
+    # errors 0, +0.2 (clipped from 1), -0.2 (clipped from -0.5), +0.1, -0.2 (clipped from -1); n / horizon = 0.1
+    assert trajectory == pytest.approx([0.1, 0.102, 0.09996, 0.1009596, 0.098940408], rel=1e-9)
+
+    wrong = AdaptiveKLController(0.1, target=6.0, horizon=80)
+    for kl_sum in kl_sums:
+        wrong.update(kl_sum / 160, 8)
+    assert wrong.value == pytest.approx(0.1 * 0.98**5), "per-token KL against a per-sample target only shrinks beta"
+
+    per_token = AdaptiveKLController(0.1, target=0.3, horizon=80)
+    for kl_sum in kl_sums:
+        per_token.update(kl_sum / 160, 8)
+    assert per_token.value == pytest.approx(trajectory[-1], rel=1e-12)
