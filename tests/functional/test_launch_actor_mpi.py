@@ -62,7 +62,7 @@ def test_two_rank_actor(tmp_path, launcher):
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["ppo/logprob_mismatch"] < 1e-4 for r in rows), "TP=2 engine and training log-probs agree"
-    assert os.listdir(tmp_path / "actor" / "checkpoints") == ["step_000002"]
+    assert sorted(os.listdir(tmp_path / "actor" / "checkpoints")) == ["committed.json", "step_000002"]
     time.sleep(1)
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     assert not [line for line in ps.splitlines() if str(tmp_path) in line and "ps -eo" not in line]
