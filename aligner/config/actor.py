@@ -14,7 +14,6 @@ the actor job itself).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional, Sequence
 
@@ -22,7 +21,7 @@ from aligner.config.critic import CriticClientConfig
 from aligner.config.errors import ConfigError
 from aligner.config.generation import GenerationConfig, validate_generation
 from aligner.config.loader import REPO_CONF_DIR, load_config, parse_cli
-from aligner.config.paths import resolve_file, resolve_function
+from aligner.config.paths import JobPaths, resolve_function
 from aligner.config.rules import check, check_choices
 from aligner.config.schema import (
     CheckpointConfig,
@@ -167,7 +166,7 @@ class ValidationConfig:
 
 
 @dataclass
-class ActorJobConfig:
+class ActorJobConfig(JobPaths):
     MODEL_SECTIONS: ClassVar[tuple[str, ...]] = ("model",)  # filled from their checkpoint's model.yaml at load
     model: ModelConfig = field(default_factory=ModelConfig)  # the policy (and the reference: its initial weights)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the policy is split over the ranks
@@ -319,29 +318,8 @@ class ActorJobConfig:
             )
         return dp
 
-    @property
-    def tokenizer_path(self) -> Optional[str]:
-        return self.data.tokenizer or self.model.tokenizer
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.exp_dir, "checkpoints")
-
     def resolve_paths(self, config_dir: Optional[str] = None) -> None:
-        self.data.train_file = resolve_file(self.data.train_file, "data.train_file", config_dir)
-        self.data.val_file = resolve_file(self.data.val_file, "data.val_file", config_dir)
-        if self.data.tokenizer is not None:
-            self.data.tokenizer = resolve_file(self.data.tokenizer, "data.tokenizer", config_dir)
-        elif self.model.tokenizer is not None:
-            self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
-        else:
-            raise ConfigError(
-                "data.tokenizer",
-                "set data.tokenizer or model.tokenizer (a tokenizer.json or an HF "
-                "tokenizer directory): prompts are tokenised and responses decoded",
-            )
-        if self.model.checkpoint is not None:
-            self.model.checkpoint = resolve_file(self.model.checkpoint, "model.checkpoint", config_dir)
+        super().resolve_paths(config_dir)
         self.reward.fn = resolve_function(self.reward.fn, "reward.fn", config_dir)
 
 

@@ -1,5 +1,7 @@
 """Where config paths point: `resolve_file(path, key, config_dir)` makes a relative path absolute, looking in the
 working directory, the repository root, then `config_dir`; a path found nowhere is a ConfigError naming the key.
+`JobPaths` is what every training job's config shares (the actor's, the supervised trainers'): its data files,
+tokenizer, starting checkpoint and checkpoint directory.
 `resolve_function(spec, key, config_dir)` does the same for a reward function's `path.py[:name]`, whose syntax lives
 here (`split_spec`), under both jobs' configs and aligner.rewards.function, which loads it."""
 
@@ -44,3 +46,33 @@ def resolve_function(spec: Optional[str], key: str, config_dir: Optional[str] = 
         raise ConfigError(key, f"must name a Python file, path.py or path.py:function; got {spec!r}")
     path = resolve_file(path, key, config_dir)
     return f"{path}:{name}"
+
+
+class JobPaths:
+    """Mixin of a job config with `data` (train_file, val_file, tokenizer), `model` (tokenizer, checkpoint),
+    `checkpoint.dir` and `exp_dir`."""
+
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        return self.data.tokenizer or self.model.tokenizer
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.exp_dir, "checkpoints")
+
+    def resolve_paths(self, config_dir: Optional[str] = None) -> None:
+        """Make the data, tokenizer and checkpoint paths absolute (ConfigError naming the key if one is missing)."""
+        self.data.train_file = resolve_file(self.data.train_file, "data.train_file", config_dir)
+        self.data.val_file = resolve_file(self.data.val_file, "data.val_file", config_dir)
+        if self.data.tokenizer is not None:
+            self.data.tokenizer = resolve_file(self.data.tokenizer, "data.tokenizer", config_dir)
+        elif self.model.tokenizer is not None:
+            self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
+        else:
+            raise ConfigError(
+                "data.tokenizer",
+                "set data.tokenizer or model.tokenizer (a tokenizer.json or an HF tokenizer directory): prompts are "
+                "tokenised and responses decoded",
+            )
+        if self.model.checkpoint is not None:
+            self.model.checkpoint = resolve_file(self.model.checkpoint, "model.checkpoint", config_dir)

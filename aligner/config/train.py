@@ -13,12 +13,11 @@ Each trainer's schema (aligner/config/{sft,reward_model,dpo}.py) adds its own `d
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from aligner.config.critic import resolve_file
 from aligner.config.errors import ConfigError
+from aligner.config.paths import JobPaths
 from aligner.config.rules import check, check_choices
 from aligner.config.schema import (
     CheckpointConfig,
@@ -75,7 +74,7 @@ class TrainLoggingConfig:
 
 
 @dataclass
-class TrainJobConfig:
+class TrainJobConfig(JobPaths):
     """Base of the three trainers' schemas; each subclass declares its own `data` section (a TrainDataConfig)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -134,30 +133,6 @@ class TrainJobConfig:
     def packs_rows(self) -> bool:
         """True when micro-batches count packed rows rather than examples (SFT with packing)."""
         return False
-
-    @property
-    def tokenizer_path(self) -> Optional[str]:
-        return self.data.tokenizer or self.model.tokenizer
-
-    @property
-    def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or os.path.join(self.exp_dir, "checkpoints")
-
-    def resolve_paths(self, config_dir: Optional[str] = None) -> None:
-        """Make the data, tokenizer and checkpoint paths absolute (ConfigError naming the key if one is missing)."""
-        self.data.train_file = resolve_file(self.data.train_file, "data.train_file", config_dir)
-        self.data.val_file = resolve_file(self.data.val_file, "data.val_file", config_dir)
-        if self.data.tokenizer is not None:
-            self.data.tokenizer = resolve_file(self.data.tokenizer, "data.tokenizer", config_dir)
-        elif self.model.tokenizer is not None:
-            self.model.tokenizer = resolve_file(self.model.tokenizer, "model.tokenizer", config_dir)
-        else:
-            raise ConfigError(
-                "data.tokenizer",
-                "set data.tokenizer or model.tokenizer (a tokenizer.json or an HF tokenizer directory)",
-            )
-        if self.model.checkpoint is not None:
-            self.model.checkpoint = resolve_file(self.model.checkpoint, "model.checkpoint", config_dir)
 
 
 def load_train_config(schema: type, argv, default_name: str):
