@@ -31,7 +31,7 @@ def main(argv) -> int:
         return 2
 
     from aligner.critic.server import PortInUseError, check_ports_free, serve
-    from aligner.parallel.launch import discover, initialize, shutdown
+    from aligner.parallel.launch import discover, initialize_job, shutdown
 
     info = discover(master_addr=cfg.parallel.master_addr, master_port=cfg.parallel.master_port)
     try:
@@ -53,15 +53,7 @@ def main(argv) -> int:
         except PortInUseError as exc:
             print(f"critic server failed: {exc}", file=sys.stderr)
             return 1
-    initialize(
-        cfg.parallel.tensor_model_parallel_size,
-        cfg.parallel.pipeline_model_parallel_size,
-        backend=cfg.parallel.backend,
-        seed=cfg.seed,
-        master_addr=cfg.parallel.master_addr,
-        master_port=cfg.parallel.master_port,
-        timeout_minutes=cfg.parallel.timeout_minutes,
-    )
+    initialize_job(cfg.parallel, cfg.seed)
     from aligner.checkpoint.dist_ckpt import CheckpointError
     from aligner.utils.lock import LockError, hold_for_job
 

@@ -38,22 +38,14 @@ def main(argv) -> int:
         return 2
     from aligner.checkpoint.dist_ckpt import CheckpointError
     from aligner.critic.protocol import CriticCheckpointError
-    from aligner.parallel import initialize, shutdown
+    from aligner.parallel import initialize_job, shutdown
     from aligner.ppo.trainer import PPOTrainer
     from aligner.utils.lock import LockError, hold_for_job
 
     # A user's mistake or a state to fix by hand: one line, exit 2 (anything else is a bug: traceback, exit 1).
     user_errors = (ConfigError, DataError, CheckpointError, CriticCheckpointError, LockError, RewardFunctionError)
 
-    initialize(
-        p.tensor_model_parallel_size,
-        p.pipeline_model_parallel_size,
-        p.backend,
-        cfg.seed,
-        p.master_addr,
-        p.master_port,
-        p.timeout_minutes,
-    )
+    initialize_job(cfg.parallel, cfg.seed)
     code = 1  # an exception below: its traceback, then exit 1
     try:
         lock = hold_for_job(cfg.exp_dir, "the actor job")  # noqa: F841 - held until the process ends

@@ -189,6 +189,19 @@ def initialize(
     return info
 
 
+def initialize_job(parallel, seed: int) -> RankInfo:
+    """`initialize` from a job config's `parallel` section (aligner.config.schema.ParallelConfig)."""
+    return initialize(
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.backend,
+        seed,
+        parallel.master_addr,
+        parallel.master_port,
+        parallel.timeout_minutes,
+    )
+
+
 def is_logging_rank() -> bool:
     """The one rank that writes a job's metrics, samples and progress bar (global rank 0)."""
     import torch.distributed as dist

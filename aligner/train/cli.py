@@ -31,18 +31,10 @@ def run(name: str, argv: Sequence[str], load_config: Callable, build: Callable) 
     except ConfigError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
-    from aligner.parallel import initialize, shutdown
+    from aligner.parallel import initialize_job, shutdown
     from aligner.train.loop import SupervisedLoop
 
-    initialize(
-        p.tensor_model_parallel_size,
-        p.pipeline_model_parallel_size,
-        p.backend,
-        cfg.seed,
-        p.master_addr,
-        p.master_port,
-        p.timeout_minutes,
-    )
+    initialize_job(cfg.parallel, cfg.seed)
     code = 1  # an exception below: its traceback, then exit 1
     try:
         metrics_path = SupervisedLoop(cfg, build(cfg), name).fit()
