@@ -66,6 +66,10 @@ class MegatronOptimizer:
         )
         # aligner makes no gloo groups on GPU (initialize: NCCL only), so the optimizer must not ask for them.
         self.inner = get_megatron_optimizer(ocfg, model_chunks, use_gloo_process_groups=False)
+        for opt in getattr(self.inner, "chained_optimizers", [self.inner]):
+            if hasattr(opt, "model_param_group_index_map") and hasattr(opt, "model_fp32_groups"):
+                opt.model_param_group_index_map = group_index_map(opt.model_fp32_groups, opt.model_float16_groups)
+                _check_group_index_map(opt)
 
     @property
     def param_groups(self) -> list:
@@ -108,6 +112,36 @@ class MegatronOptimizer:
             for state in opt.optimizer.state.values():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
+
+
+def group_index_map(fp32_groups: list[list], float16_groups: list[list]) -> dict:
+    """{model parameter: (group index, position in the inner optimizer's group)} for megatron's distributed
+    optimizer, whose inner groups hold the fp32 parameters' shards first, then the main (fp32) copies of the
+    float16/bf16 ones.
+
+    megatron-core 0.16.1 numbers the parameters in gradient-buffer order instead, which is the same only while a
+    group holds one dtype. The critic's groups do not: without apex/TE megatron's norms are fp32 parameters in a bf16
+    model, and the value head's bias joins them in the no-weight-decay group; its checkpoint then paired the bias
+    with a norm's optimizer state (`critic_save` failed on the H200 with `AssertionError: (torch.Size([64]), 0, 1)`;
+    a load would have put the states in the wrong places). The checkpoint maps use this numbering; the step itself
+    never did."""
+    order = {}
+    for g, (fp32, low) in enumerate(zip(fp32_groups, float16_groups)):
+        for i, param in enumerate([*fp32, *low]):
+            order[param] = (g, i)
+    return order
+
+
+def _check_group_index_map(opt) -> None:
+    """Every parameter's entry names an inner parameter of its shard's size (else checkpoints would mix states)."""
+    for param, (g, i) in opt.model_param_group_index_map.items():
+        shard = opt._get_model_param_range_map(param)["param"]
+        inner = opt.optimizer.param_groups[g]["params"][i]
+        if inner is not None and inner.numel() != shard.size:
+            raise RuntimeError(
+                f"megatron's optimizer maps a parameter of {shard.size} elements to a state of {inner.numel()}: "
+                "this megatron-core version orders its groups differently from what aligner expects"
+            )
 
 
 class TorchOptimizer:

@@ -5,9 +5,12 @@ step's result. Prints PASS/FAIL lines.
     python tests/gpu/ckpt_roundtrip.py /tmp/ckpt
 """
 
+import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(root, distributed=True):

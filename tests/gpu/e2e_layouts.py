@@ -1,6 +1,6 @@
 """GPU end-to-end check on a two-GPU machine (issue 12; by hand, not collected by pytest):
 
-    python tests/gpu/e2e_layouts.py OUT_DIR [--steps 2] [--only NAME ...]
+    python tests/gpu/e2e_layouts.py OUT_DIR [--steps 2] [--only NAME ...] [--parallel] [--no-sigterm]
 
 For each layout below, the two jobs through `launchers/local/ppo.py` (the CPU demo's tiny model in bf16 on the
 GPUs: every path of a real run, NCCL included): two PPO steps with a checkpoint, then the same command for one more
@@ -79,6 +79,21 @@ def leftovers(marker: str) -> list[str]:
     return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
 
 
+def log_errors(exp: str) -> str:
+    """The last traceback (or error line) of each job's log, for the report: the jobs' error replies carry no detail."""
+    found = []
+    for name in ("critic.log", os.path.join("actor", "actor.log"), "actor.log"):
+        path = os.path.join(exp, name)
+        if not os.path.exists(path):
+            continue
+        with open(path, errors="replace") as f:
+            text = f.read()
+        at = max(text.rfind("Traceback (most recent call last)"), text.rfind("Error"))
+        if at >= 0:
+            found.append(f"== {name}: " + text[max(0, at - 200) : at + 2500])
+    return "\n".join(found)
+
+
 def exit_lag(exp: str) -> float:
     """Seconds between the last metrics line and now (call right after the launcher returned)."""
     path = os.path.join(exp, "actor", "metrics.jsonl")
@@ -101,6 +116,7 @@ def run_layout(name: str, out_dir: str, steps: int) -> dict:
     }
     if first.returncode != 0:
         result["tail"] = (first.stdout + first.stderr)[-1500:]
+        result["log_errors"] = log_errors(exp)
         return result
     second, _ = launch(exp, layout, steps + 1)
     rows = metrics(exp)
@@ -114,6 +130,7 @@ def run_layout(name: str, out_dir: str, steps: int) -> dict:
     result["leftovers"] = leftovers(exp)
     if second.returncode != 0:
         result["tail"] = (second.stdout + second.stderr)[-1500:]
+        result["log_errors"] = log_errors(exp)
     return result
 
 
@@ -147,6 +164,7 @@ def run_sigterm(out_dir: str) -> dict:
     }
     if proc.returncode != 0:
         result["tail"] = out[-1500:]
+        result["log_errors"] = log_errors(exp)
     return result
 
 
@@ -171,13 +189,26 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--no-sigterm", action="store_true")
+    p.add_argument("--parallel", action="store_true", help="run the layouts at the same time (the GPUs are shared)")
     a = p.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
-    results = []
-    for name in a.only or list(LAYOUTS):
-        results.append(run_layout(name, a.out_dir, a.steps))
-        print(json.dumps(results[-1]), flush=True)
-    if not a.no_sigterm:
+    names = a.only or list(LAYOUTS)
+    if a.parallel:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(names) + 1) as pool:
+            jobs = [pool.submit(run_layout, name, a.out_dir, a.steps) for name in names]
+            if not a.no_sigterm:
+                jobs.append(pool.submit(run_sigterm, a.out_dir))
+            results = [job.result() for job in jobs]
+        for r in results:
+            print(json.dumps(r), flush=True)
+    else:
+        results = []
+        for name in names:
+            results.append(run_layout(name, a.out_dir, a.steps))
+            print(json.dumps(results[-1]), flush=True)
+    if not a.no_sigterm and not a.parallel:
         results.append(run_sigterm(a.out_dir))
         print(json.dumps(results[-1]), flush=True)
     judge(results)
