@@ -110,6 +110,9 @@ class PPOConfig:
     micro_batch_size: int = 4  # rows per forward/backward pass of the policy update
     forward_micro_batch_size: Optional[int] = None  # rows per forward-only pass (log-probs); None = micro_batch_size
     epochs: int = 1  # passes over each step's rollouts
+    # One epoch of one mini-batch, KL in the loss (or none): the update's own forward gives the "old" log-probs
+    # (ratio 1 exactly), so the separate policy log-prob pass is skipped; the KL/mismatch metrics come from the update.
+    reuse_update_logprobs: bool = True
     clip_eps: float = 0.2  # PPO ratio clip: 1 - clip_eps .. 1 + clip_eps
     clip_eps_high: Optional[float] = None  # asymmetric upper clip (None = clip_eps)
     dual_clip: Optional[float] = None  # c > 1 enables dual-clip PPO

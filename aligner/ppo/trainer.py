@@ -16,7 +16,8 @@ Pipeline stages are `TrainableModel`'s (its results reach every rank); metrics a
 
 One step, each phase a method with its own `timing/*` key:
   rollout (generate; the reward source starts scoring; with dynamic sampling, draws until the batch is full) ->
-  log-probs of policy and reference (logprobs) -> the reward source's answer (critic_wait_infer from the critic job,
+  log-probs of policy and reference (logprobs; the policy's pass is skipped when the update's own forward gives
+  them: uses_update_logprobs) -> the reward source's answer (critic_wait_infer from the critic job,
   reward_wait from this job's reward function) -> advantages (advantages) -> critic_train sent (gae) -> policy
   update (train) -> refit -> critic_train metrics awaited (critic_wait_train) -> log, sample dump, validation,
   checkpoint.
@@ -171,17 +172,23 @@ class PPOTrainer:
         with self.timer("step"):
             with self.timer("generate"):
                 rollout, scoring, metrics = self.generate_rollouts()  # scoring: the reward source's pending answer
+            on_policy = self.uses_update_logprobs()
+            metrics_on_policy = {"ppo/update_logprobs_reused": float(on_policy)}
             with self.timer("logprobs"):
-                logp_BS, ref_logp_BS = self.compute_logprobs(rollout)
+                logp_BS, ref_logp_BS = self.compute_logprobs(rollout, policy=not on_policy)
             with self.timer(self.reward_wait):
                 values_BT, scores_B = scoring.result()
             with self.timer("advantages"):
                 batch, step_metrics = self.compute_advantages(rollout, logp_BS, ref_logp_BS, values_BT, scores_B)
-            metrics.update(step_metrics)
+            metrics.update(step_metrics, **metrics_on_policy)
             critic_training = self.critic.train(rollout, batch["returns"], batch["values"]) if self.critic else None
             if self.step >= cfg.ppo.critic_warmup_steps:
                 with self.timer("train"):
                     metrics.update(self.update_policy(rollout, batch))
+                if on_policy:  # the rollout's KL in the units of the other path's ppo/kl_per_sample
+                    metrics["ppo/kl_per_sample"] = (
+                        metrics["ppo/kl"] * metrics["rollout/tokens"] / metrics["rollout/samples"]
+                    )
                 with self.timer("refit"):
                     self.engine.refit(self.policy.module)
             if critic_training is not None:
@@ -322,18 +329,45 @@ class PPOTrainer:
             vocab_size=self.cfg.model.vocab_size,
         )
 
-    def compute_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs [B, T-1] of the sampled tokens under the policy (training layout) and the reference."""
-        micro = self._micro_batches(rollout, size=self.cfg.ppo.forward_micro_batch_size)
-        logp = self.policy.forward(micro, self._logprobs_fn)
+    def uses_update_logprobs(self) -> bool:
+        """Whether this step takes the "old" log-probs from the policy update's own forward (issue 17).
+
+        With one epoch of one mini-batch the policy has not changed between rollout scoring and the update's
+        forward, so that forward's log-probs are the old ones (ratio exactly 1) and a separate policy pass repeats
+        it. Nothing before the update may need them: the KL must be a loss term (or have a fixed coefficient of 0),
+        and the update must run this step (not a critic warm-up step)."""
+        p = self.cfg.ppo
+        kl_needed_before = p.kl.placement == "reward" and (p.kl.coef != 0.0 or p.kl.adaptive)
+        return (
+            p.reuse_update_logprobs
+            and p.epochs == 1
+            and p.num_mini_batches == 1
+            and not kl_needed_before
+            and self.step >= p.critic_warmup_steps
+        )
+
+    def compute_logprobs(self, rollout: Rollout, policy: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Log-probs [B, T-1] of the sampled tokens under the policy (training layout; None with `policy=False`)
+        and the reference. Without the policy pass the reference runs on the update's micro-batches (same rows,
+        same shapes), so its log-probs match the update's bit for bit while the weights are equal (KL 0 at step 0)."""
+        p = self.cfg.ppo
+        micro = self._micro_batches(rollout, size=p.forward_micro_batch_size if policy else p.micro_batch_size)
+        logp = torch.cat(self.policy.forward(micro, self._logprobs_fn)) if policy else None
         ref_logp = self.reference.forward(micro, self._logprobs_fn)
-        return torch.cat(logp), torch.cat(ref_logp)
+        return logp, torch.cat(ref_logp)
 
     def compute_advantages(self, rollout, logp_BS, ref_logp_BS, values_BT, scores_B) -> tuple[dict, dict]:
         """Rewards, advantages and returns of this rank's rows (the estimator's), and the rollout metrics."""
         cfg, mask = self.cfg.ppo, rollout.mask_BS
         values_BS = values_BT[:, :-1] * mask if values_BT is not None else None
-        kl_BS = rl.kl_estimate(logp_BS, ref_logp_BS, cfg.kl.estimator, cfg.kl.use_absolute_kl)
+        # Without the policy's log-probs (uses_update_logprobs: the KL is no reward term) the KL and mismatch
+        # metrics come from the update (update_policy).
+        on_policy = logp_BS is None
+        kl_BS = (
+            torch.zeros_like(ref_logp_BS)
+            if on_policy
+            else rl.kl_estimate(logp_BS, ref_logp_BS, cfg.kl.estimator, cfg.kl.use_absolute_kl)
+        )
         reward_kl_coef = self.kl_ctl.value if cfg.kl.placement == "reward" else 0.0
         penalty_B = torch.zeros_like(scores_B)
         if cfg.overlong.buffer:
@@ -345,18 +379,14 @@ class PPOTrainer:
         )
         # Rollout statistics over the whole job (sums and counts all-reduced over DP, by name).
         rewards_BS = rl.per_token_rewards(scores_B + penalty_B, kl_BS, mask, reward_kl_coef, cfg.score_clip)
-        diff_BS = (rollout.engine_logp_BS - logp_BS).abs()
-        sums = {
-            "kl": ((logp_BS - ref_logp_BS) * mask).sum(),
-            "kl_k3": (rl.kl_estimate(logp_BS, ref_logp_BS, "k3") * mask).sum(),
+        sums = {} if on_policy else self._logprob_sums(logp_BS, ref_logp_BS, rollout.engine_logp_BS, mask)
+        sums |= {
             "tokens": mask.sum(),
             "score": scores_B.sum(),
             "score_sq": (scores_B**2).sum(),
             "samples": float(len(scores_B)),
             "response_length": rollout.response_lengths_B.float().sum(),
             "ended": rollout.ended_B.float().sum(),
-            "mismatch": (diff_BS * mask).sum(),
-            "ratio_error": ((torch.exp(logp_BS - rollout.engine_logp_BS) - 1).abs() * mask).sum(),
             "token_reward": (rewards_BS * mask).sum(),
             "overlong_penalty": penalty_B.sum(),
         }
@@ -365,7 +395,6 @@ class PPOTrainer:
         if self.group_size > 1:  # whole groups per rank: counted locally, summed over DP
             sums["constant_groups"] = rl.constant_groups(scores_B, self.group_size).float().sum()
         s = rl.sum_by_name(sums, group=self.dp_group)
-        top = rl.max_by_name({"mismatch": (diff_BS * mask).amax()}, group=self.dp_group)
         n, tokens = s["samples"], s["tokens"]
         metrics = {
             "rollout/reward_mean": s["score"] / n,
@@ -375,30 +404,45 @@ class PPOTrainer:
             "rollout/samples": n,
             "rollout/tokens": tokens,
             "rollout/token_reward_mean": s["token_reward"] / tokens,
-            "ppo/kl": s["kl"] / tokens,
-            "ppo/kl_per_sample": s["kl"] / n,
-            "ppo/kl_k3": s["kl_k3"] / tokens,
             "ppo/kl_coef": self.kl_ctl.value,
-            "ppo/logprob_mismatch": s["mismatch"] / tokens,
-            "ppo/logprob_mismatch_max": top["mismatch"],
-            "ppo/ratio_error": s["ratio_error"] / tokens,
         }
+        if not on_policy:
+            top = rl.max_by_name({"mismatch": (rollout.engine_logp_BS - logp_BS).abs().mul(mask).amax()}, self.dp_group)
+            metrics |= {
+                "ppo/kl": s["kl"] / tokens,
+                "ppo/kl_per_sample": s["kl"] / n,
+                "ppo/kl_k3": s["kl_k3"] / tokens,
+                "ppo/logprob_mismatch": s["mismatch"] / tokens,
+                "ppo/logprob_mismatch_max": top["mismatch"],
+                "ppo/ratio_error": s["ratio_error"] / tokens,
+            }
         if "value" in s:
             metrics["rollout/value_mean"] = s["value"] / tokens
         if "constant_groups" in s:
             metrics["rollout/zero_std_group_fraction"] = s["constant_groups"] / (n / self.group_size)
         if cfg.overlong.buffer:
             metrics["rollout/overlong_penalty_mean"] = s["overlong_penalty"] / n
-        batch = {
-            "old_logp": logp_BS.detach(),
-            "advantages": advantages_BS.detach(),
-            "returns": returns_BS.detach(),
-        }
+        batch = {"advantages": advantages_BS.detach(), "returns": returns_BS.detach()}
+        if on_policy:  # the update measures the rollout's KL and mismatch against these
+            batch |= {"engine_logp": rollout.engine_logp_BS, "ref_logp": ref_logp_BS.detach()}
+        else:
+            batch["old_logp"] = logp_BS.detach()
         if values_BS is not None:
             batch["values"] = values_BS.detach()
         if cfg.kl.placement == "loss":
             batch["ref_logp"] = ref_logp_BS.detach()
         return batch, metrics
+
+    @staticmethod
+    def _logprob_sums(logp_BS, ref_logp_BS, engine_logp_BS, mask_BS) -> dict:
+        """Sums over the response tokens of the KL to the reference (k1, k3) and of the engine/training log-prob
+        differences: the rollout's KL and mismatch metrics (`ppo/kl`, `ppo/logprob_mismatch`, `ppo/ratio_error`)."""
+        return {
+            "kl": ((logp_BS - ref_logp_BS) * mask_BS).sum(),
+            "kl_k3": (rl.kl_estimate(logp_BS, ref_logp_BS, "k3") * mask_BS).sum(),
+            "mismatch": ((engine_logp_BS - logp_BS).abs() * mask_BS).sum(),
+            "ratio_error": ((torch.exp(logp_BS - engine_logp_BS) - 1).abs() * mask_BS).sum(),
+        }
 
     def update_policy(self, rollout: Rollout, batch: dict) -> dict:
         """ppo.epochs passes of ppo.num_mini_batches optimizer steps over this step's rollouts."""
@@ -418,8 +462,18 @@ class PPOTrainer:
                 stats += result["stats"]
                 grad_norms.append(result["grad_norm"])
                 skipped += result["skipped"]
+        rollout_stats = [{k: s.pop(k) for k in list(s) if k.startswith("rollout_")} for s in stats]
         reduced = rl.reduce_stats(stats, group=self.dp_group)
         metrics = {"ppo/kl_loss": reduced["kl_loss"]} if "kl_loss" in reduced else {}
+        if any(rollout_stats):  # uses_update_logprobs: the rollout's KL and mismatch, measured by the update
+            r = rl.reduce_stats(rollout_stats, group=self.dp_group, count="rollout_tokens")
+            metrics |= {
+                "ppo/kl": r["rollout_kl"],
+                "ppo/kl_k3": r["rollout_kl_k3"],
+                "ppo/logprob_mismatch": r["rollout_mismatch"],
+                "ppo/logprob_mismatch_max": r["rollout_mismatch_max"],
+                "ppo/ratio_error": r["rollout_ratio_error"],
+            }
         return metrics | {
             "ppo/policy_loss": reduced["pg_loss"],
             "ppo/clipfrac": reduced["clipfrac"],
@@ -442,9 +496,11 @@ class PPOTrainer:
             vocab_size=self.cfg.model.vocab_size,
             with_entropy=True,
         )
-        return rl.policy_loss(
+        on_policy = "old_logp" not in mb  # uses_update_logprobs: this forward's own log-probs are the old ones
+        old_logp = logp.detach() if on_policy else mb["old_logp"]
+        loss, stats = rl.policy_loss(
             logp,
-            mb["old_logp"],
+            old_logp,
             mb["advantages"],
             mb["mask"],
             num_tokens,
@@ -455,10 +511,17 @@ class PPOTrainer:
             entropy_coef=cfg.entropy_coef,
             ended_B=mb["ended"],
             zero_unended=cfg.zero_unended,
-            ref_logp_BT=mb.get("ref_logp"),  # present when the KL is a loss term (ppo.kl.placement: loss)
-            kl_coef=self.kl_ctl.value if "ref_logp" in mb else 0.0,
+            ref_logp_BT=mb.get("ref_logp"),  # present when the KL is a loss term (or measured here: on_policy)
+            kl_coef=self.kl_ctl.value if cfg.kl.placement == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator,
         )
+        if on_policy:
+            mask = mb["mask"]
+            sums = self._logprob_sums(old_logp, mb["ref_logp"], mb["engine_logp"], mask)
+            stats |= {f"rollout_{k}_sum": v.to(torch.float64) for k, v in sums.items()}
+            stats["rollout_tokens"] = mask.sum().to(torch.float64)
+            stats["rollout_mismatch_max"] = ((mb["engine_logp"] - old_logp).abs() * mask).amax().to(torch.float64)
+        return loss, stats
 
     def dump_samples(self, rollout: Rollout, scores_B: torch.Tensor) -> None:
         if not self.writer.enabled:

@@ -136,6 +136,7 @@ def run(
         "response_length_mean": rows[-1]["rollout/response_length_mean"],
         "samples_per_step": rows[-1]["rollout/samples"],
         "kl_loss_last": rows[-1].get("ppo/kl_loss"),
+        "update_logprobs_reused": min(r.get("ppo/update_logprobs_reused", 0.0) for r in rows),  # issue 17
     }
     return result(
         "grpo",

@@ -186,6 +186,29 @@ def test_several_epochs_per_rollout_batch(tmp_path, digit_reward):
     assert one[0]["ppo/ratio_max"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_update_logprobs_replace_the_policy_pass(tmp_path, digit_reward):
+    """One epoch of one mini-batch with the KL in the loss (issue 17): the update's own forward gives the old
+    log-probs and the separate policy pass is skipped. Same training as with that pass (the ratio is 1 either way),
+    the KL at step 0 is exactly 0 (the reference runs on the update's micro-batches), and the rollout's KL and
+    mismatch are still reported. Several mini-batches keep the pass."""
+    args = ("ppo.num_mini_batches=1", "ppo.num_steps=3", *KL_IN_LOSS, f"reward.fn={digit_reward}")
+    reused, _ = train(tmp_path, "reused", 1, *args)
+    separate, _ = train(tmp_path, "separate", 1, *args, "ppo.reuse_update_logprobs=false")
+    assert [r["ppo/update_logprobs_reused"] for r in reused] == [1.0] * 3
+    assert [r["ppo/update_logprobs_reused"] for r in separate] == [0.0] * 3
+    assert reused[0]["ppo/kl"] == 0.0 and reused[0]["ppo/kl_k3"] == 0.0
+    assert reused[2]["ppo/kl"] != 0.0 and reused[2]["ppo/kl_loss"] > 0, "the policy moved: a vacuous comparison"
+    for a, b in zip(reused, separate):
+        assert set(a) == set(b)
+        for key, value in _comparable(a).items():
+            if key in ("ppo/logprob_mismatch", "ppo/logprob_mismatch_max", "ppo/ratio_error"):
+                assert value < 1e-5 and b[key] < 1e-5, key
+            elif key != "ppo/update_logprobs_reused":
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    several, _ = train(tmp_path, "several", 1, "ppo.num_steps=1", *KL_IN_LOSS, f"reward.fn={digit_reward}")
+    assert several[0]["ppo/update_logprobs_reused"] == 0.0  # BASE: two mini-batches
+
+
 def test_actor_alone_commits_and_resumes_its_checkpoints(tmp_path, digit_reward):
     """No critic job (the reward function runs in the actor): the run's commit record (aligner.checkpoint.run) covers
     the actor's checkpoints alone, and a restart resumes from the newest committed step without asking any critic."""

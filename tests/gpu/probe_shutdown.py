@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 2 tests/gpu/probe_shutdown.py VARIANT
 VARIANT: asis (engine with CUDA graphs, then shutdown), nographs (engine without graphs), release (drop the
 engine's graphs and synchronize before shutdown), barrier (synchronize + barrier before shutdown), timeout (rank 1
-skips a TP all-reduce: how NCCL's watchdog reports it). Prints one line per rank: VARIANT rank seconds outcome.
-A watchdog thread dumps the stacks and exits 3 if shutdown takes more than 40 s.
+skips a TP all-reduce: how NCCL's watchdog reports it, and that the phase watchdog ends the job: run it under
+`time torchrun ...; echo $?`, expect a non-zero status about 30 s in). Prints one line per rank: VARIANT rank
+seconds outcome. A watchdog thread dumps the stacks and exits 3 if shutdown takes more than 40 s.
 """
 
 import faulthandler
@@ -60,12 +61,18 @@ def main(variant: str) -> None:
     if variant == "timeout":
         from megatron.core import parallel_state as ps
 
+        from aligner.parallel.watchdog import PhaseWatchdog
+
+        # As in the trainers: each phase watched with the process group's own timeout (30 s here); the job must end
+        # with a non-zero exit code soon after, naming rank and phase, whatever NCCL's watchdog does.
+        watchdog = PhaseWatchdog(30, lambda: f"rank {rank}:")
         t0 = time.monotonic()
         x = torch.ones(1, device=DEV)
         try:
             if rank == 0:
-                torch.distributed.all_reduce(x, group=ps.get_tensor_model_parallel_group())
-                sync()
+                with watchdog.phase("probe all-reduce"):
+                    torch.distributed.all_reduce(x, group=ps.get_tensor_model_parallel_group())
+                    sync()
             else:
                 time.sleep(150)
             print(f"timeout rank {rank} {time.monotonic() - t0:.1f}s no error", flush=True)
