@@ -30,6 +30,16 @@ PRESETS = {
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
+    # The 8B-class shape of issue 12 (Llama-3-8B-like, vocabulary 32000).
+    "8b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
     "tiny": dict(
         num_layers=2,
         hidden_size=64,
@@ -76,6 +86,7 @@ def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int) -> di
     mem = torch.cuda.max_memory_allocated() / 1e9 if on_gpu() else float("nan")
     return {
         "attention": cfg.attention_backend,
+        "recompute": cfg.recompute,
         "seconds": seconds,
         "tokens_per_s": batch * seq / seconds,
         "tflops_6nd": dense / seconds / 1e12,
@@ -86,28 +97,40 @@ def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int) -> di
 
 
 def run(
-    preset: str, backends: list[str], batch: int, seq: int, dtype: str, warmup: int, iters: int, peak_tflops: float
+    preset: str,
+    backends: list[str],
+    batch: int,
+    seq: int,
+    dtype: str,
+    warmup: int,
+    iters: int,
+    peak_tflops: float,
+    recompute: tuple[str, ...] = ("none",),
 ) -> list[dict]:
-    """One `bench` row per attention backend, with its MFU (NaN on CPU)."""
+    """One `bench` row per attention backend and activation recomputation (`model.recompute`), with its MFU (NaN on
+    CPU). Recomputed work is not counted in the FLOPs: the row's MFU is what the model's own work gets."""
     gpu = on_gpu()
     rows = []
     for backend in backends:
-        cfg = ModelConfig(**PRESETS[preset], params_dtype=dtype, attention_backend=backend)
-        row = bench(cfg, batch, seq, warmup, iters)
-        row["mfu"] = row["tflops_total"] / peak_tflops if gpu else float("nan")
-        rows.append(row)
-        if gpu:
-            torch.cuda.empty_cache()  # the model of this backend is gone with bench()'s frame
+        for mode in recompute:
+            cfg = ModelConfig(**PRESETS[preset], params_dtype=dtype, attention_backend=backend, recompute=mode)
+            row = bench(cfg, batch, seq, warmup, iters)
+            row["mfu"] = row["tflops_total"] / peak_tflops if gpu else float("nan")
+            rows.append(row)
+            if gpu:
+                torch.cuda.empty_cache()  # the model of this row is gone with bench()'s frame
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        f"{'attention':<10}{'s/step':>10}{'tokens/s':>12}{'TFLOP/s 6ND':>13}{'TFLOP/s all':>13}{'MFU':>7}{'GB':>8}"
+        f"{'attention':<10}{'recompute':<10}{'s/step':>10}{'tokens/s':>12}{'TFLOP/s 6ND':>13}{'TFLOP/s all':>13}"
+        f"{'MFU':>7}{'GB':>8}"
     ]
     for r in rows:
         lines.append(
-            f"{r['attention']:<10}{r['seconds']:>10.4f}{r['tokens_per_s']:>12.0f}{r['tflops_6nd']:>13.1f}"
+            f"{r['attention']:<10}{r.get('recompute', 'none'):<10}{r['seconds']:>10.4f}{r['tokens_per_s']:>12.0f}"
+            f"{r['tflops_6nd']:>13.1f}"
             f"{r['tflops_total']:>13.1f}{r['mfu']:>7.1%}{r['peak_mem_gb']:>8.1f}"
         )
     return "\n".join(lines)

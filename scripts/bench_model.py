@@ -1,6 +1,7 @@
 """Time forward+backward of the megatron-core GPT model aligner builds, per attention backend.
 
     python scripts/bench_model.py --preset 1b --attention unfused,sdpa --batch 8 --seq 2048 [--out bench.json]
+    python scripts/bench_model.py --preset 8b --attention sdpa --recompute none,full --batch 16 --seq 384
     python scripts/bench_model.py --preset tiny   # CPU smoke run
 
 Prints a table: seconds per step, tokens/s, TFLOP/s (6ND and with attention), MFU against `--peak-tflops`, peak GB.
@@ -26,6 +27,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--attention", default="unfused,sdpa")
+    p.add_argument("--recompute", default="none", help="model.recompute values, e.g. none,selective,full")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
@@ -35,12 +37,22 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
-    batch = args.batch or (8 if args.preset == "1b" else 2)
-    seq = args.seq or (2048 if args.preset == "1b" else 64)
+    batch = args.batch or (2 if args.preset == "tiny" else 8)
+    seq = args.seq or (64 if args.preset == "tiny" else 2048)
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     initialize(seed=0)
     try:
-        rows = run(args.preset, args.attention.split(","), batch, seq, dtype, args.warmup, args.iters, args.peak_tflops)
+        rows = run(
+            args.preset,
+            args.attention.split(","),
+            batch,
+            seq,
+            dtype,
+            args.warmup,
+            args.iters,
+            args.peak_tflops,
+            recompute=tuple(args.recompute.split(",")),
+        )
     finally:
         shutdown()
     device = torch.cuda.get_device_name() if gpu else "cpu"

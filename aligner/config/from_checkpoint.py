@@ -51,7 +51,15 @@ SHAPE_KEYS = (
     "qk_layernorm",
 )
 # Never taken from the checkpoint: where it is (the user's path wins), the tokenizer (below), run-time choices.
-NOT_INHERITED = ("checkpoint", "tokenizer", "attention_backend", "hidden_dropout", "attention_dropout")
+NOT_INHERITED = (
+    "checkpoint",
+    "tokenizer",
+    "attention_backend",
+    "hidden_dropout",
+    "attention_dropout",
+    "recompute",
+    "recompute_num_layers",
+)
 
 
 def _effective(cfg: ModelConfig, key: str):

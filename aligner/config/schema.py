@@ -52,6 +52,11 @@ class ModelConfig:
     rope_scaling_original_max_position_embeddings: int = 8192  # llama3 scaling: the pre-training context length
     head_dim: Optional[int] = None  # width of one attention head (megatron's kv_channels); None = hidden / heads
     qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
+    # Activation recomputation in training (memory for compute; not a property of the weights, never inherited from
+    # a checkpoint): none | selective (megatron's: the attention core is recomputed in the backward) | full (each
+    # transformer layer keeps only its input; `recompute_num_layers` layers per recomputed chunk).
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = 1  # recompute: full: layers per recomputed chunk (megatron's uniform method)
 
     @property
     def kv_channels(self) -> int:
@@ -142,6 +147,12 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
     )
     check_choices(model, prefix + ".")
     _check(model.make_vocab_size_divisible_by > 0, f"{prefix}.make_vocab_size_divisible_by", "must be positive")
+    _check(
+        model.recompute_num_layers >= 1 and model.num_layers % model.recompute_num_layers == 0,
+        f"{prefix}.recompute_num_layers",
+        f"must divide num_layers={model.num_layers} (megatron recomputes whole chunks), got "
+        f"{model.recompute_num_layers}",
+    )
 
 
 def validate_layout(
@@ -162,6 +173,13 @@ def validate_layout(
         f"{parallel_prefix}.tensor_model_parallel_size",
         f"{model_prefix}.num_attention_heads={model.num_attention_heads} is not divisible by TP={tp}",
     )
+    if model.recompute == "full" and model.num_layers % pp == 0:
+        _check(
+            (model.num_layers // pp) % model.recompute_num_layers == 0,
+            f"{model_prefix}.recompute_num_layers",
+            f"must divide the {model.num_layers // pp} layers of each of the {pp} pipeline stages, got "
+            f"{model.recompute_num_layers}",
+        )
     groups = model.num_query_groups or model.num_attention_heads
     _check(
         groups % tp == 0,

@@ -86,7 +86,21 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         use_cpu_initialization=on_cpu,
         perform_initialization=True,
         attention_softmax_in_fp32=True,
+        **_recompute(cfg),
     )
+
+
+def _recompute(cfg: ModelConfig) -> dict:
+    """megatron's activation recomputation settings for `model.recompute` (applied in training mode only)."""
+    if cfg.recompute == "selective":
+        return {"recompute_granularity": "selective"}  # megatron's default module: the attention core
+    if cfg.recompute == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": cfg.recompute_num_layers,
+        }
+    return {}
 
 
 def layer_spec(cfg: ModelConfig):

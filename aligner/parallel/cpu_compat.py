@@ -7,11 +7,13 @@ CUDA is available, so GPU runs never see it. It is idempotent. After it:
 - `torch.cuda.current_device()` answers 0 and `torch.cuda.synchronize()` is a no-op;
 - megatron's CUDA RNG tracker is replaced by `CpuRngStatesTracker`, which forks named CPU generator states, so
   `model_parallel_cuda_manual_seed` and dropout inside tensor-parallel regions work;
+- megatron's activation recomputation (`model.recompute`) skips the CUDA generator's state (there is none);
 - `Tensor.type()` of a CPU float tensor still reads 'torch.FloatTensor': megatron's own optimizer wrappers refuse it,
   so on CPU the trainers use plain torch optimizers with the same semantics (see aligner/models/optim.py).
 
 Seen working with megatron-core 0.16.1 and torch 2.13 CPU: GPTModel forward/backward at TP=2, the PP=2 pipeline
-schedule, megatron's DistributedDataParallel gradient all-reduce, and dist checkpointing (torch_dist) over gloo.
+schedule, megatron's DistributedDataParallel gradient all-reduce, dist checkpointing (torch_dist) over gloo, and
+selective and full activation recomputation (tests/unit/test_recompute.py).
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def install() -> bool:
 
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRngStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recomputation saves and restores the CUDA generator's state around each recomputed chunk: there is
+    # none here (the CPU generator and the tracker's named states are saved beside it).
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     # Entered for the life of the process: megatron creates CUDA tensors at arbitrary points of its schedules.
     _CudaFactoriesToCpu().__enter__()
     _INSTALLED = True
