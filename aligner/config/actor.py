@@ -112,7 +112,7 @@ class PPOConfig:
     epochs: int = 1  # passes over each step's rollouts
     # One epoch of one mini-batch, KL in the loss (or none): the update's own forward gives the "old" log-probs
     # (ratio 1 exactly), so the separate policy log-prob pass is skipped; the KL/mismatch metrics come from the update.
-    reuse_update_logprobs: bool = True
+    reuse_update_logprobs: bool = True  # skip the policy log-prob pass when the update's forward gives the same
     clip_eps: float = 0.2  # PPO ratio clip: 1 - clip_eps .. 1 + clip_eps
     clip_eps_high: Optional[float] = None  # asymmetric upper clip (None = clip_eps)
     dual_clip: Optional[float] = None  # c > 1 enables dual-clip PPO

@@ -52,10 +52,8 @@ class ModelConfig:
     rope_scaling_original_max_position_embeddings: int = 8192  # llama3 scaling: the pre-training context length
     head_dim: Optional[int] = None  # width of one attention head (megatron's kv_channels); None = hidden / heads
     qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
-    # Activation recomputation in training (memory for compute; not a property of the weights, never inherited from
-    # a checkpoint): none | selective (megatron's: the attention core is recomputed in the backward) | full (each
-    # transformer layer keeps only its input; `recompute_num_layers` layers per recomputed chunk).
-    recompute: Literal["none", "selective", "full"] = "none"
+    # Activation recomputation in training: memory for compute, a runtime setting never taken from a checkpoint.
+    recompute: Literal["none", "selective", "full"] = "none"  # selective: attention core | full: whole layers
     recompute_num_layers: int = 1  # recompute: full: layers per recomputed chunk (megatron's uniform method)
 
     @property

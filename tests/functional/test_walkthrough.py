@@ -1,8 +1,10 @@
 """docs/WALKTHROUGH.md, run as written: its bash blocks in order (each after the first, which sets the paths), for a
-tiny random Llama 3.2-style model (llama3 RoPE scaling, tied embeddings) and Qwen3 (q/k norms, head_dim 32 != 64/4)
-built by the doc itself: HF directory -> convert -> PPO with a reward function, both jobs configured by
-`model.checkpoint` alone (2 steps, through launchers/local/ppo.py) -> generate.py on the actor's checkpoint and export
--> transformers loads and generates. Each stage's exit code and files are checked before the next runs."""
+tiny random Llama 3.2-style model (llama3 RoPE scaling, tied embeddings) built by the doc itself (the doc's Qwen3
+variant, ARCH=qwen3, runs the same commands; Qwen3's own paths are held to HF by test_generate.py, test_convert_*.py
+and test_families.py, so CI runs the walkthrough once): HF directory -> convert -> PPO with a reward function, both
+jobs configured by `model.checkpoint` alone (2 steps, through launchers/local/ppo.py) -> generate.py on the actor's
+checkpoint and export -> transformers loads and generates. Each stage's exit code and files are checked before the
+next runs."""
 
 import json
 import math
@@ -32,7 +34,7 @@ def test_the_doc_has_one_block_per_stage():
     assert len(blocks()) == len(STAGES), "a block was added to or removed from docs/WALKTHROUGH.md: update STAGES"
 
 
-@pytest.mark.parametrize("arch", sorted(TRAITS))
+@pytest.mark.parametrize("arch", ["llama3"])
 def test_walkthrough(tmp_path, arch):
     work, shim = tmp_path / "work", tmp_path / "bin"
     shim.mkdir()
