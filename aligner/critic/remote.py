@@ -14,7 +14,7 @@ Contract
   interface of aligner.rewards, of which RemoteCritic is the critic-with-values member.
 - `RemoteCritic(..., reward_only=True)` talks to a critic job in reward-only mode: it waits for critic_infer alone
   (the job binds no critic_train, critic_save or critic_resume: it has no state to train, save or resume, and its
-  caller, aligner.rewards.sources.CriticJobReward, sends only critic_infer).
+  caller, aligner.ppo.reward_sources.CriticJobReward, sends only critic_infer).
 - `train(rollout, returns_BS, values_BS) -> Pending[dict]`: `critic_train` on the rollout's returns and old values
   (shifted grid [B, T-1] here; the critic's [B, T] grid gets an empty last position); metrics
   `critic/value_loss`, `critic/explained_var`, `critic/value_clipfrac`, `critic/grad_norm`,

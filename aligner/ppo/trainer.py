@@ -6,7 +6,7 @@ reference and the generation engine, and its DP share of the prompts, in whole g
 `ppo.n_samples_per_prompt` samples; every rank runs the same code. Pieces chosen once, at construction:
 - the advantage estimator (`ppo.advantage_estimator`, aligner.rl.estimators): gae (with the critic job's value
   model), grpo, rloo or reinforce_pp;
-- the reward source (aligner.rewards.sources): the critic job (values and rewards; a TrainedCritic, trained and
+- the reward source (aligner.ppo.reward_sources): the critic job (values and rewards; a TrainedCritic, trained and
   checkpointed with the policy: critic_resume, critic_save, the run's commit), the critic job in reward-only mode
   (critic_infer alone), or a reward function run by this job. Who talks to whom and how answers come back is the
   source's business;
@@ -51,6 +51,7 @@ from aligner.models.training import TrainableModel
 from aligner.parallel import current_device, is_logging_rank, synchronize
 from aligner.parallel.watchdog import PhaseWatchdog
 from aligner.ppo.reference import build_reference
+from aligner.ppo.reward_sources import TrainedCritic, build_reward_source
 from aligner.ppo.rollout import (
     Rollout,
     assemble,
@@ -62,7 +63,6 @@ from aligner.ppo.rollout import (
     sample_seeds,
     select_rows,
 )
-from aligner.rewards.sources import TrainedCritic, build_reward_source
 from aligner.utils.metrics import MetricsWriter, Progress, Timer
 
 log = logging.getLogger(__name__)
