@@ -511,7 +511,8 @@ class PPOTrainer:
             entropy_coef=cfg.entropy_coef,
             ended_B=mb["ended"],
             zero_unended=cfg.zero_unended,
-            ref_logp_BT=mb.get("ref_logp"),  # present when the KL is a loss term (or measured here: on_policy)
+            # the KL as a loss term (ppo.kl.placement: loss); mb["ref_logp"] is also there to measure the rollout's KL
+            ref_logp_BT=mb["ref_logp"] if cfg.kl.placement == "loss" else None,
             kl_coef=self.kl_ctl.value if cfg.kl.placement == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator,
         )

@@ -184,6 +184,8 @@ def test_several_epochs_per_rollout_batch(tmp_path, digit_reward):
     one, steps = train(tmp_path, "epoch", 1, "ppo.num_mini_batches=1", f"reward.fn={digit_reward}")
     assert steps == 2
     assert one[0]["ppo/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    # grpo_demo's KL: a reward term with coefficient 0, so the update's own log-probs serve; no KL loss is reported
+    assert one[0]["ppo/update_logprobs_reused"] == 1.0 and "ppo/kl_loss" not in one[0] and one[0]["ppo/kl"] == 0.0
 
 
 def test_update_logprobs_replace_the_policy_pass(tmp_path, one_process, digit_reward):
