@@ -57,6 +57,7 @@ class BenchArgs:
     skip_hf: bool = False
     hf_compile: bool = True
     seed: int = 0
+    profile: bool = False  # a torch-profiler table of the kernels of one greedy call at the largest batch
 
 
 def _sync(device):
@@ -232,12 +233,62 @@ def run(args: BenchArgs) -> dict:
                 row[f"{name}_common_prefix_frac"] = float(same.cumprod(1).sum(1).float().mean() / args.new_tokens)
             row["speedup_vs_hf_static"] = row["native_greedy_tok_s"] / row["hf_static_tok_s"]
         report["rows"].append(row)
+    if args.profile:
+        B = max(args.batch_sizes)
+        prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=gen_rng).to(device)
+        lengths = torch.full((B,), args.prompt_len, dtype=torch.long, device=device)
+        report["profile"] = profile_generate(engine, prompts, lengths, device)
     report["goals"] = {
         "3x_hf_static": None if hf is None else all(r["speedup_vs_hf_static"] >= 3 for r in report["rows"]),
         "decode_within_1.5x_floor": all(r["decode_vs_floor"] <= 1.5 for r in report["rows"]),
         "refit_under_20ms": report["refit_ms"] < 20,
     }
     return report
+
+
+def profile_generate(engine, prompts, lengths, device, top: int = 15) -> dict:
+    """One greedy `generate` (after a warm-up) under torch.profiler: the `top` device kernels by total time (CPU ops
+    on CPU), each with its calls, total ms and share of the device time, plus the call's wall time. Kernels replayed
+    inside CUDA graphs are listed where the profiler sees them (CUPTI records graph kernels on recent drivers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sp = SamplingParams(greedy=True, ignore_eos=True)
+    engine.generate(prompts, lengths, sp)
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        engine.generate(prompts, lengths, sp)
+        _sync(device)
+    wall_ms = (time.perf_counter() - start) * 1e3
+    events = prof.key_averages()
+    if gpu:
+        rows = [(e.key, e.count, e.device_time_total / 1e3) for e in events if e.device_time_total > 0]
+        rows = [r for r in rows if not r[0].startswith(("cudaGraphLaunch", "cudaLaunch", "cudaMemcpy"))]
+    else:
+        rows = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in events if e.self_cpu_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows) or 1.0
+    return {
+        "batch": int(prompts.shape[0]),
+        "wall_ms": wall_ms,
+        "device_ms_total": total,
+        "kernels": [
+            {"name": name[:120], "calls": calls, "ms": ms, "share": ms / total} for name, calls, ms in rows[:top]
+        ],
+    }
+
+
+def format_profile(prof: dict) -> str:
+    lines = [
+        f"\nprofile: one greedy call at batch {prof['batch']}: wall {prof['wall_ms']:.1f} ms, "
+        f"kernel time {prof['device_ms_total']:.1f} ms",
+        f"{'kernel':<90}{'calls':>8}{'ms':>10}{'share':>8}",
+    ]
+    for k in prof["kernels"]:
+        lines.append(f"{k['name'][:88]:<90}{k['calls']:>8}{k['ms']:>10.2f}{k['share']:>8.1%}")
+    return "\n".join(lines)
 
 
 def format_table(report: dict) -> str:

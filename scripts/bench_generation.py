@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.generation import BenchArgs, format_table, run
+from benchmarks.generation import BenchArgs, format_profile, format_table, run
 
 
 def main(argv=None) -> int:
@@ -24,6 +24,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model: a CPU smoke run")
     parser.add_argument("--skip-hf", action="store_true", help="native engine only")
     parser.add_argument("--hf-no-compile", action="store_true", help="HF static cache without torch.compile")
+    parser.add_argument("--profile", action="store_true", help="also a top-kernels table of one call (torch profiler)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)
     args = BenchArgs(
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
         tiny=a.tiny,
         skip_hf=a.skip_hf,
         hf_compile=not (a.hf_no_compile or a.tiny),
+        profile=a.profile,
     )
     try:
         report = run(args)
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
 
         shutdown()
     print(format_table(report))
+    if "profile" in report:
+        print(format_profile(report["profile"]))
     if a.out:
         tmp = a.out + ".tmp"
         with open(tmp, "w") as f:
