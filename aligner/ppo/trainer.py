@@ -173,14 +173,14 @@ class PPOTrainer:
             with self.timer("generate"):
                 rollout, scoring, metrics = self.generate_rollouts()  # scoring: the reward source's pending answer
             on_policy = self.uses_update_logprobs()
-            metrics_on_policy = {"ppo/update_logprobs_reused": float(on_policy)}
             with self.timer("logprobs"):
                 logp_BS, ref_logp_BS = self.compute_logprobs(rollout, policy=not on_policy)
             with self.timer(self.reward_wait):
                 values_BT, scores_B = scoring.result()
             with self.timer("advantages"):
                 batch, step_metrics = self.compute_advantages(rollout, logp_BS, ref_logp_BS, values_BT, scores_B)
-            metrics.update(step_metrics, **metrics_on_policy)
+            metrics.update(step_metrics)
+            metrics["ppo/update_logprobs_reused"] = float(on_policy)
             critic_training = self.critic.train(rollout, batch["returns"], batch["values"]) if self.critic else None
             if self.step >= cfg.ppo.critic_warmup_steps:
                 with self.timer("train"):

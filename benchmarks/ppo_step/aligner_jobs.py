@@ -167,6 +167,44 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def launch(cmd: list[str], exp_dir: str, timeout_s: float, late: str, what: str) -> tuple[float, float | None]:
+    """Run the launcher command `cmd` (its output in `<exp_dir>/launcher.log`), sampling the GPU's memory; returns
+    (wall seconds, peak GB or None). Past `timeout_s` the launcher gets SIGTERM (it stops its jobs) and RuntimeError
+    says `late`; a non-zero exit is a RuntimeError naming `what`; both carry the log's tail (and the critic's)."""
+    # Single-process jobs: each takes a free rendezvous port of its own unless MASTER_PORT forces one on all.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    log_path = os.path.join(exp_dir, "launcher.log")
+    critic_log = os.path.join(exp_dir, "critic.log")
+    poller = DeviceMemoryPoller().start()
+    t0 = time.perf_counter()
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)  # the launcher stops its jobs
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                raise RuntimeError(
+                    f"{late} in {timeout_s:.0f} s (--timeout); launcher log {log_path}:\n{_tail(log_path)}"
+                ) from None
+    finally:
+        poller.stop()
+    wall_s = time.perf_counter() - t0
+    if rc != 0:
+        tails = f"launcher log {log_path}:\n{_tail(log_path)}"
+        if os.path.exists(critic_log):
+            tails += f"\n--- critic log ---\n{_tail(critic_log)}"
+        raise RuntimeError(f"the {what} failed (launcher exit {rc}); {tails}")
+    return wall_s, poller.peak_gb()
+
+
 def run(
     w: Workload,
     steps: int,
@@ -211,37 +249,7 @@ def run(
         if gpus is not None:
             cmd += [flag, gpus]
     cmd += ["--actor", *actor_ovr, "--critic", *critic_ovr]
-    # Two single-process jobs: each takes a free rendezvous port of its own unless MASTER_PORT forces one on both.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    log_path = os.path.join(exp_dir, "launcher.log")
-    poller = DeviceMemoryPoller().start()
-    t0 = time.perf_counter()
-    try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGTERM)  # the launcher stops the actor, then the critic
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                raise RuntimeError(
-                    f"the aligner jobs did not finish {steps} steps in {timeout_s:.0f} s "
-                    f"(--timeout); launcher log {log_path}:\n{_tail(log_path)}"
-                ) from None
-    finally:
-        poller.stop()
-    wall_s = time.perf_counter() - t0
-    if rc != 0:
-        raise RuntimeError(
-            f"the aligner jobs failed (launcher exit {rc}); launcher log {log_path}:\n"
-            f"{_tail(log_path)}\n--- critic log ---\n{_tail(os.path.join(exp_dir, 'critic.log'))}"
-        )
+    wall_s, peak_gb = launch(cmd, exp_dir, timeout_s, f"the aligner jobs did not finish {steps} steps", "aligner jobs")
     rows = read_metrics(os.path.join(exp_dir, "actor", "metrics.jsonl"))
     bad = [r["step"] for r in rows if r["rollout/response_length_mean"] != w.response_len]
     if bad:
@@ -266,7 +274,7 @@ def run(
         timings,
         warmup,
         wall_s=wall_s,
-        memory={"gpu_mem_peak_gb": poller.peak_gb()},
+        memory={"gpu_mem_peak_gb": peak_gb},
         device=_device_name(),
         checks=checks,
         exp_dir=exp_dir,

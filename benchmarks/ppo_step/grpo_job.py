@@ -13,24 +13,20 @@ training, the response lengths (EOS ignored). This process never initialises CUD
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
 
 from benchmarks.ppo_step.aligner_jobs import (
     LAUNCHER,
-    ROOT,
     WorkloadMismatch,
     _device_name,
     _model_shape,
-    _tail,
     _version,
+    launch,
     read_metrics,
     write_prompts,
     write_tokenizer,
 )
-from benchmarks.ppo_step.workload import MODEL_KEYS, DeviceMemoryPoller, Workload, result
+from benchmarks.ppo_step.workload import MODEL_KEYS, Workload, result
 
 KL_COEF = 0.04
 
@@ -94,33 +90,7 @@ def run(
     if actor_gpus is not None:
         cmd += ["--actor-gpus", actor_gpus]
     cmd += ["--actor", *actor_ovr]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    log_path = os.path.join(exp_dir, "launcher.log")
-    poller = DeviceMemoryPoller().start()
-    t0 = time.perf_counter()
-    try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                raise RuntimeError(
-                    f"the actor job did not finish {steps} steps in {timeout_s:.0f} s (--timeout); "
-                    f"launcher log {log_path}:\n{_tail(log_path)}"
-                ) from None
-    finally:
-        poller.stop()
-    wall_s = time.perf_counter() - t0
-    if rc != 0:
-        raise RuntimeError(f"the actor job failed (launcher exit {rc}); launcher log {log_path}:\n{_tail(log_path)}")
+    wall_s, peak_gb = launch(cmd, exp_dir, timeout_s, f"the actor job did not finish {steps} steps", "actor job")
     rows = read_metrics(os.path.join(exp_dir, "actor", "metrics.jsonl"))
     bad = [r["step"] for r in rows if r["rollout/response_length_mean"] != w.response_len]
     if bad:
@@ -144,7 +114,7 @@ def run(
         timings,
         warmup,
         wall_s=wall_s,
-        memory={"gpu_mem_peak_gb": poller.peak_gb()},
+        memory={"gpu_mem_peak_gb": peak_gb},
         device=_device_name(),
         checks=checks,
         exp_dir=exp_dir,
