@@ -58,6 +58,7 @@ NOT_INHERITED = (
     "hidden_dropout",
     "attention_dropout",
     "recompute",
+    "recompute_method",
     "recompute_num_layers",
 )
 

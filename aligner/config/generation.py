@@ -22,12 +22,14 @@ class GenerationConfig:
     max_response_length: int = 256  # most tokens generated per response
     dtype: DtypeChoice = "auto"  # engine weights: auto = bfloat16 on GPU, the policy's dtype on CPU
     kv_dtype: DtypeChoice = "auto"  # auto = the engine's dtype
+    share_weights: Literal["auto", "on", "off"] = "auto"  # engine reads the policy tensors, no copy (auto: if it can)
     cuda_graphs: bool = True  # capture the decode step on GPU (ignored on CPU)
     compile_elementwise: Literal["auto", "on", "off"] = "auto"  # torch.compile of norms/RoPE/activations (auto: GPU)
     decode_attention: Literal["matmul", "sdpa"] = "matmul"  # matmul: batched GEMMs, GQA without copies
     kv_block: int = 64  # decode attends over the cache rounded up to a multiple of this (one graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
     check_done_every: int = 16  # decode steps between host checks of "every sample ended" (each check syncs)
+    release_kv_cache: bool = False  # free the KV cache for scoring and training (graphs re-captured if it moves)
 
 
 def validate_generation(gen: GenerationConfig, model=None, prefix: str = "generation") -> None:

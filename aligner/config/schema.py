@@ -54,7 +54,8 @@ class ModelConfig:
     qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
     # Activation recomputation in training: memory for compute, a runtime setting never taken from a checkpoint.
     recompute: Literal["none", "selective", "full"] = "none"  # selective: attention core | full: whole layers
-    recompute_num_layers: int = 1  # recompute: full: layers per recomputed chunk (megatron's uniform method)
+    recompute_method: Literal["uniform", "block"] = "uniform"  # full: every layer in chunks | the first N per stage
+    recompute_num_layers: int = 1  # full: uniform: layers per recomputed chunk | block: layers recomputed per stage
 
     @property
     def kv_channels(self) -> int:
@@ -145,12 +146,14 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
     )
     check_choices(model, prefix + ".")
     _check(model.make_vocab_size_divisible_by > 0, f"{prefix}.make_vocab_size_divisible_by", "must be positive")
-    _check(
-        model.recompute_num_layers >= 1 and model.num_layers % model.recompute_num_layers == 0,
-        f"{prefix}.recompute_num_layers",
-        f"must divide num_layers={model.num_layers} (megatron recomputes whole chunks), got "
-        f"{model.recompute_num_layers}",
-    )
+    _check(model.recompute_num_layers >= 1, f"{prefix}.recompute_num_layers", "must be >= 1")
+    if model.recompute_method == "uniform":
+        _check(
+            model.num_layers % model.recompute_num_layers == 0,
+            f"{prefix}.recompute_num_layers",
+            f"must divide num_layers={model.num_layers} (megatron recomputes whole chunks), got "
+            f"{model.recompute_num_layers}; or recompute_method=block recomputes the first N layers of each stage",
+        )
 
 
 def validate_layout(
@@ -172,12 +175,21 @@ def validate_layout(
         f"{model_prefix}.num_attention_heads={model.num_attention_heads} is not divisible by TP={tp}",
     )
     if model.recompute == "full" and model.num_layers % pp == 0:
-        _check(
-            (model.num_layers // pp) % model.recompute_num_layers == 0,
-            f"{model_prefix}.recompute_num_layers",
-            f"must divide the {model.num_layers // pp} layers of each of the {pp} pipeline stages, got "
-            f"{model.recompute_num_layers}",
-        )
+        per_stage = model.num_layers // pp
+        if model.recompute_method == "uniform":
+            _check(
+                per_stage % model.recompute_num_layers == 0,
+                f"{model_prefix}.recompute_num_layers",
+                f"must divide the {per_stage} layers of each of the {pp} pipeline stages, got "
+                f"{model.recompute_num_layers}",
+            )
+        else:
+            _check(
+                model.recompute_num_layers <= per_stage,
+                f"{model_prefix}.recompute_num_layers",
+                f"recompute_method=block recomputes at most the {per_stage} layers of a pipeline stage, got "
+                f"{model.recompute_num_layers}",
+            )
     groups = model.num_query_groups or model.num_attention_heads
     _check(
         groups % tp == 0,

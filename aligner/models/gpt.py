@@ -97,7 +97,7 @@ def _recompute(cfg: ModelConfig) -> dict:
     if cfg.recompute == "full":
         return {
             "recompute_granularity": "full",
-            "recompute_method": "uniform",
+            "recompute_method": cfg.recompute_method,
             "recompute_num_layers": cfg.recompute_num_layers,
         }
     return {}

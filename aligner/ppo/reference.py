@@ -31,7 +31,9 @@ class SwapReference:
             n: p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
             for n, p in policy.module.named_parameters()
         }
-        self.saved = {n: torch.empty_like(t) for n, t in self.host.items()}
+        # pinned as well: the policy's weights go out and back through here on every reference pass (pageable memory
+        # would make both copies synchronous and several times slower)
+        self.saved = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for n, t in self.host.items()}
 
     @torch.no_grad()
     def forward(self, micro_batches, fn):

@@ -45,7 +45,7 @@ from aligner.critic.protocol import CriticCheckpointError
 from aligner.critic.remote import Pending
 from aligner.data.prompts import PromptDataset, PromptSampler, pad_prompts
 from aligner.data.tokenizer import load_tokenizer
-from aligner.generation import SamplingParams, build_engine
+from aligner.generation import ReleasableMemory, SamplingParams, build_engine
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
 from aligner.parallel import current_device, is_logging_rank, synchronize
@@ -172,6 +172,8 @@ class PPOTrainer:
         with self.timer("step"):
             with self.timer("generate"):
                 rollout, scoring, metrics = self.generate_rollouts()  # scoring: the reward source's pending answer
+                if cfg.generation.release_kv_cache and isinstance(self.engine, ReleasableMemory):
+                    self.engine.release_memory()  # taken back by the next _generate
             on_policy = self.uses_update_logprobs()
             with self.timer("logprobs"):
                 logp_BS, ref_logp_BS = self.compute_logprobs(rollout, policy=not on_policy)
@@ -215,6 +217,8 @@ class PPOTrainer:
         """Generate for `prompts` in engine-sized chunks of whole groups; returns the assembled rollout. A sample's
         seed comes from (seed, step_seed, seed_offset + its position)."""
         chunk = self.cfg.generation.max_batch_size // self.group_size * self.group_size
+        if isinstance(self.engine, ReleasableMemory):
+            self.engine.acquire_memory()  # a no-op unless generation.release_kv_cache freed it
         parts = []
         for lo in range(0, len(prompts), chunk):
             sub = prompts[lo : lo + chunk]

@@ -94,7 +94,8 @@ def one_process(tmp_path_factory, digit_reward):
 def test_two_ranks_match_one_process(tmp_path, one_process, digit_reward, run):
     """Whole groups per rank, global mini-batches and per-sample seeds: DP=2 draws the same samples, computes the
     same group baselines and takes the same optimizer steps. With dynamic sampling every rank sees every draw and
-    keeps the same groups."""
+    keeps the same groups. The engine reads the policy's own tensors (shared weights: fp32 on CPU), so a log-prob
+    mismatch at 0 after each update also says generation saw the new weights."""
     overrides = {
         "loss": (*KL_IN_LOSS, *ADAPTIVE),
         "dynamic": (
@@ -105,7 +106,8 @@ def test_two_ranks_match_one_process(tmp_path, one_process, digit_reward, run):
         ),
     }[run]
     a, steps_a = one_process[run]
-    b, steps_b = train(tmp_path, run, 2, *overrides, f"reward.fn={digit_reward}")
+    # ... also when the engine frees its KV cache for scoring and training and takes it back before generating
+    b, steps_b = train(tmp_path, run, 2, *overrides, "generation.release_kv_cache=true", f"reward.fn={digit_reward}")
     assert len(a) == len(b) and steps_a == steps_b
     noise = ("ppo/logprob_mismatch", "ppo/logprob_mismatch_max", "ppo/ratio_error")
     for ra, rb in zip(a, b):

@@ -1,10 +1,11 @@
 """GPU check (by hand on a two-GPU machine; not collected by pytest): issue 12's 8B-class PPO step.
 
     python tests/gpu/ppo_8b.py OUT_DIR [--micro 16] [--forward-micro 16] [--recompute full] [--steps 3]
+        [--reference swap|resident] [--set generation.release_kv_cache=true ...]
     python tests/gpu/ppo_8b.py OUT_DIR --tiny     # CPU smoke of the same plumbing (tiny model, 2 gloo ranks)
 
 The actor job at TP=2 on GPUs 0,1 (32 layers, hidden 4096, 32 heads, 8 KV groups, FFN 14336, vocabulary 32000,
-random weights, bf16; the reference swapped to the host), the ~1B critic and reward model of
+random weights, bf16; the reference swapped to the host unless --reference resident), the ~1B critic and reward model of
 conf/bench/ppo_step_critic.yaml on GPU 1; 256 rollouts of 128 prompt + 256 generated tokens (EOS ignored), one PPO
 epoch of one mini-batch. Prints the mean phase times of the steps after the first, the training phases' model
 TFLOP/s (6·N·tokens for the update, 2·N·tokens per forward pass: policy and reference log-probs), KL at step 0 and
@@ -44,6 +45,8 @@ def main() -> int:
     p.add_argument("--micro", type=int, default=16, help="ppo.micro_batch_size")
     p.add_argument("--forward-micro", type=int, default=16, help="ppo.forward_micro_batch_size")
     p.add_argument("--recompute", default="full", help="model.recompute of the actor")
+    p.add_argument("--reference", default="swap", choices=["swap", "resident"], help="reference.mode")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another actor override")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--timeout", type=float, default=560.0)
@@ -61,7 +64,7 @@ def main() -> int:
         f"model.vocab_size={vocab}",
         f"model.recompute={a.recompute}",
         "parallel.tensor_model_parallel_size=2",
-        "reference.mode=swap",
+        f"reference.mode={a.reference}",
         f"ppo.rollout_batch_size={rollouts}",
         f"ppo.micro_batch_size={a.micro}",
         f"ppo.forward_micro_batch_size={a.forward_micro}",
@@ -69,6 +72,7 @@ def main() -> int:
         f"ppo.num_steps={a.steps}",
         f"data.train_file={prompts}",
         f"model.tokenizer={tokenizer}",
+        *a.set,
     ]
     critic = [
         "checkpoint.resume=false",
@@ -97,7 +101,8 @@ def main() -> int:
                 proc.kill()
                 proc.wait()
     wall = time.monotonic() - start
-    rows = read_metrics(os.path.join(exp, "actor", "metrics.jsonl"))
+    metrics = os.path.join(exp, "actor", "metrics.jsonl")
+    rows = read_metrics(metrics) if os.path.exists(metrics) else []
     result = {"rc": proc.returncode, "wall_s": round(wall, 1), "steps": len(rows), "settings": vars(a)}
     timed = rows[1:] or rows
     if timed:

@@ -266,14 +266,26 @@ def test_graph_mode_bookkeeping_matches_eager():
     assert graphed._capturer.captured == graphed.num_graphs == 4 + 4 + 2
 
 
-def test_refit_copies_new_weights_into_the_same_buffers():
+@pytest.mark.parametrize("share", ["off", "auto"])
+def test_refit_copies_new_weights_into_the_same_buffers(share):
+    """off: the engine's own copy, stale until refit; auto (fp32 policy, fp32 engine on CPU): the policy's tensors
+    themselves, current without a copy. Either way the buffers graphs read never move."""
+    from dataclasses import replace
+
     from aligner.models.training import TrainableModel
 
     torch.manual_seed(0)
     trainable = TrainableModel(LLAMA, OptimConfig(lr=3e-2, clip_grad=0.0))
     trainable.module.eval()
-    engine = build_engine(GEN, LLAMA, trainable.module)
+    engine = build_engine(replace(GEN, share_weights=share), LLAMA, trainable.module)
     ptrs = engine.buffer_data_ptrs()
+    policy_ptrs = {f"weight:{n}": p.data_ptr() for n, p in trainable.module.named_parameters()}
+    assert engine.weights.shared == (share == "auto")
+    if engine.weights.shared:
+        assert {k: v for k, v in ptrs.items() if k.startswith("weight:")} == policy_ptrs
+        assert engine.weights.owned_nbytes() == 0 < engine.weights.nbytes()
+    else:
+        assert not set(ptrs.values()) & set(policy_ptrs.values())
     before = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
 
     tokens = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -287,8 +299,9 @@ def test_refit_copies_new_weights_into_the_same_buffers():
         trainable.module, PROMPTS, LENGTHS, before.response_tokens_BR, before.response_lengths_B, 1.0, V
     )
     assert (new_ref - before.logprobs_BR).abs().max() > 1e-3, "the step must change the policy for this test to bite"
-    stale = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
-    assert torch.equal(stale.logprobs_BR, before.logprobs_BR), "the engine holds a copy, not the live weights"
+    if not engine.weights.shared:
+        stale = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+        assert torch.equal(stale.logprobs_BR, before.logprobs_BR), "the engine holds a copy, not the live weights"
 
     engine.refit(trainable)  # a TrainableModel, a DDP wrapper or the bare module are all accepted
     assert engine.buffer_data_ptrs() == ptrs
@@ -299,6 +312,28 @@ def test_refit_copies_new_weights_into_the_same_buffers():
     ref = training_logprobs(trainable.module, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)
     torch.testing.assert_close(out.logprobs_BR, ref, rtol=0, atol=2e-5)
     assert engine.buffer_data_ptrs() == ptrs
+
+
+def test_shared_weights_follow_moved_storage_and_on_refuses_a_copy():
+    from dataclasses import replace
+
+    model = _model(LLAMA)
+    engine = build_engine(replace(GEN, share_weights="on"), LLAMA, model)
+    engine._graphs[("stale",)] = lambda: None  # as if a graph had been captured over the old addresses
+    first = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    engine.refit(model)
+    assert engine.num_graphs == 1, "nothing moved: graphs are kept"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()  # new storage, same values (what a param.data re-assignment does)
+    engine.refit(model)
+    assert engine.num_graphs == 0, "graphs over the old storage must be dropped"
+    assert engine.weights.data_ptrs() == {n: p.data_ptr() for n, p in model.named_parameters()}
+    again = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    assert torch.equal(again.response_tokens_BR, first.response_tokens_BR)
+    with pytest.raises(ValueError, match="share_weights=on is not possible here: the engine's dtype"):
+        build_engine(replace(GEN, share_weights="on", dtype="bfloat16"), LLAMA, model)
+    assert not build_engine(replace(GEN, dtype="bfloat16"), LLAMA, model).weights.shared
 
 
 def test_release_acquire_and_input_errors():

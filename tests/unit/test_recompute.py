@@ -6,7 +6,7 @@ import torch
 from dist import run_ranks
 
 
-def _one_step(rank, world, recompute):
+def _one_step(rank, world, recompute, method="uniform"):
     from aligner.config import ModelConfig, OptimConfig
     from aligner.models.training import TrainableModel
     from aligner.parallel import initialize
@@ -21,9 +21,13 @@ def _one_step(rank, world, recompute):
         make_vocab_size_divisible_by=16,
         max_position_embeddings=32,
         recompute=recompute,
-        recompute_num_layers=2,
+        recompute_method=method,
+        recompute_num_layers=2 if method == "uniform" else 3,  # block: layers 1-3 recomputed, layer 4 kept
     )
     model = TrainableModel(cfg, OptimConfig(lr=1e-2, clip_grad=0.0))
+    if recompute == "full":  # what megatron's transformer block reads to pick the layers it recomputes
+        megatron = model.module.config
+        assert (megatron.recompute_method, megatron.recompute_num_layers) == (method, cfg.recompute_num_layers)
     tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
 
     def loss_fn(batch, logits):
@@ -38,8 +42,8 @@ def _one_step(rank, world, recompute):
 def test_recomputation_changes_nothing_but_memory():
     world = 2  # TP=2: the sharded layers and megatron's RNG tracker inside the recomputed chunks
     plain = run_ranks(_one_step, world, "none")
-    for recompute in ("selective", "full"):
-        other = run_ranks(_one_step, world, recompute)
+    for recompute, method in (("selective", "uniform"), ("full", "uniform"), ("full", "block")):
+        other = run_ranks(_one_step, world, recompute, method)
         for (norm_a, loss_a, w_a), (norm_b, loss_b, w_b) in zip(plain, other):
             assert loss_b == loss_a and norm_b == pytest.approx(norm_a, rel=1e-6), recompute
             for name, w in w_a.items():
@@ -49,7 +53,15 @@ def test_recomputation_changes_nothing_but_memory():
 
 def test_recompute_chunk_must_fit_the_model():
     from aligner.config import ConfigError, ModelConfig
-    from aligner.config.schema import validate_model
+    from aligner.config import ParallelConfig
+    from aligner.config.schema import validate_layout, validate_model
 
     with pytest.raises(ConfigError, match="model.recompute_num_layers"):
         validate_model(ModelConfig(num_layers=3, recompute="full", recompute_num_layers=2))
+    validate_model(ModelConfig(num_layers=3, recompute="full", recompute_method="block", recompute_num_layers=2))
+    with pytest.raises(ConfigError, match="at most the 2 layers of a pipeline stage"):
+        validate_layout(
+            ModelConfig(num_layers=4, recompute="full", recompute_method="block", recompute_num_layers=3),
+            ParallelConfig(pipeline_model_parallel_size=2),
+            2,
+        )

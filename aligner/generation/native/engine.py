@@ -2,10 +2,11 @@
 
 Contract (see aligner.generation.interfaces): `NativeEngine(gen_cfg, model_cfg, policy)` after megatron's parallel
 state is initialised, from this rank's policy (with PP > 1 every rank of a pipeline group holds all layers of its TP
-shard and generates on its own: see weights.py). Everything is allocated here, once: the engine's copy of the
-weights (bf16 on GPU), the KV cache for max_batch_size x (max_prompt_length + max_response_length) tokens, and the
-static state the decode step reads and writes (current token and position per sample, step counter, uniforms,
-ended flags, output buffers). `refit` copies weights into place; `release_memory`/`acquire_memory` free and
+shard and generates on its own: see weights.py). Everything is allocated here, once: the engine's view of the
+weights (the policy's own tensors where dtype and layout match, else a bf16 copy on GPU), the KV cache for
+max_batch_size x (max_prompt_length + max_response_length) tokens, and the static state the decode step reads and
+writes (current token and position per sample, step counter, uniforms, ended flags, output buffers). `refit` copies
+weights into place (with shared weights: checks they have not moved); `release_memory`/`acquire_memory` free and
 re-take the KV cache (graphs are kept when the cache comes back at the same address, re-captured otherwise).
 
 One `generate` call: validate (one host sync: the prompt lengths), prefill the prompts in row chunks and draw
@@ -19,6 +20,7 @@ shapes) and their outputs are masked.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -37,6 +39,8 @@ from aligner.generation.native.sampling import (
 )
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
 from aligner.models.dtypes import torch_dtype
+
+log = logging.getLogger(__name__)
 
 
 def _parallel_state():
@@ -75,7 +79,13 @@ class NativeEngine:
         else:
             dtype = torch_dtype(gen_cfg.dtype)
         kv_dtype = dtype if gen_cfg.kv_dtype == "auto" else torch_dtype(gen_cfg.kv_dtype)
-        self.weights = EngineWeights(module, dtype, self.device, pp_group)
+        self.weights = EngineWeights(module, dtype, self.device, pp_group, share=gen_cfg.share_weights)
+        log.info(
+            "generation engine: %s",
+            "reads the policy's own weights (no copy)"
+            if self.weights.shared
+            else f"holds its own {self.weights.nbytes() / 2**30:.2f} GiB copy of the weights",
+        )
         vocab_local = self.weights.get("embedding.word_embeddings.weight").shape[0]
         layout = Layout(
             family=family(model_cfg.arch),
@@ -286,8 +296,10 @@ class NativeEngine:
         return [base + b for b in range(B)]
 
     def refit(self, policy) -> None:
-        """Copy the policy's current weights into the engine's buffers (same storage before and after)."""
-        self.weights.refit(unwrap_policy(policy))
+        """Copy the policy's current weights into the engine's buffers (same storage before and after); with shared
+        weights only a check that the policy's storage is where the captured graphs read it."""
+        if self.weights.refit(unwrap_policy(policy)):
+            self._graphs.clear()  # they read the old addresses; re-captured on the next generate
 
     def release_memory(self) -> None:
         """Free the KV cache (the largest buffer) so training can use the memory; weights and graphs stay."""

@@ -21,6 +21,14 @@ pipeline communicator, into the same buffers.
 
 refit: every engine tensor is overwritten in place (`torch._foreach_copy_`, casting to the engine dtype, then the
 pipeline broadcasts); storage pointers never change, so CUDA graphs captured over these buffers stay valid.
+
+Shared weights (`generation.share_weights`, the default `auto`): at PP=1 the engine's layout *is* the policy's, so
+where the engine's dtype and device are the policy parameters' own (bf16 training on GPU, fp32 on CPU) the engine
+holds the policy's tensors themselves (detached views of the same storage): nothing is copied, there is no second
+copy of the weights in memory (7.5 GB per GPU for an 8B policy at TP=2), and `refit` only checks that the policy's
+storage has not moved (megatron's optimizer writes the new weights into the same buffers every step). Where it has
+moved (something re-assigned `param.data`), refit re-points the engine and reports it, so captured graphs are dropped.
+With PP > 1, another dtype or another device the copy above is used (`on` then refuses, naming the reason).
 """
 
 from __future__ import annotations
@@ -93,15 +101,37 @@ def _policy_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _why_not_shared(source: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, pp_group) -> str:
+    """'' when the engine can read `source` itself, else the reason it needs its own copy."""
+    if pp_group is not None:
+        return "with pipeline parallelism every rank holds all layers (a copy)"
+    for name, t in source.items():
+        if t.dtype != dtype:
+            return f"the engine's dtype {dtype} differs from the policy's {t.dtype} ({name}; see generation.dtype)"
+        if t.device != device:
+            return f"the policy's {name} is on {t.device}, the engine on {device}"
+    return ""
+
+
 class EngineWeights:
     """Engine-owned tensors named as the policy's parameters; `layer(i)` returns layer i's tensors by suffix.
 
     `pp_group`: the pipeline-parallel communicator when PP > 1 (every rank then holds all layers; see above)."""
 
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device, pp_group=None):
+    def __init__(
+        self, module: torch.nn.Module, dtype: torch.dtype, device: torch.device, pp_group=None, share: str = "off"
+    ):
         source = _policy_tensors(module)
         self.dtype = dtype
         self.pp_group = pp_group
+        why_not = _why_not_shared(source, dtype, device, pp_group)
+        if share == "on" and why_not:
+            raise ValueError(f"generation.share_weights=on is not possible here: {why_not}; use auto or off")
+        self.shared = share != "off" and not why_not
+        self._own = sorted(source)
+        if self.shared:
+            self._point_at(source)
+            return
         shapes = {name: tuple(t.shape) for name, t in source.items()}
         self._owner: dict[str, int] = {}  # name -> global rank that broadcasts it (PP > 1)
         if pp_group is not None:
@@ -115,19 +145,23 @@ class EngineWeights:
                     if name in self._owner:
                         raise ValueError(f"two pipeline stages hold {name!r}: the engine cannot tell which is current")
                     self._owner[name], shapes[name] = rank, shape
-        self.tensors: dict[str, torch.Tensor] = {
-            name: torch.empty(shape, dtype=dtype, device=device) for name, shape in sorted(shapes.items())
-        }
-        self._own = sorted(source)
+        self._index({name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()})
+        self.refit(module)
+
+    def _index(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors: dict[str, torch.Tensor] = dict(sorted(tensors.items()))
         self.num_layers = 1 + max(int(n.split(".")[2]) for n in self.tensors if n.startswith("decoder.layers."))
         self._layers = [
             {s: self.tensors.get(f"decoder.layers.{i}.{s}") for s in _SUFFIXES} for i in range(self.num_layers)
         ]
-        self.refit(module)
 
-    def refit(self, module: torch.nn.Module) -> None:
+    def _point_at(self, source: dict[str, torch.Tensor]) -> None:
+        self._index({name: t.detach() for name, t in source.items()})
+
+    def refit(self, module: torch.nn.Module) -> bool:
         """Copy the policy's current parameters into the engine's tensors, in place (collective over the pipeline
-        group when PP > 1)."""
+        group when PP > 1). Shared weights: nothing to copy; returns True when the policy's storage had moved and the
+        engine now points at the new one (graphs captured over the old addresses must be dropped)."""
         source = _policy_tensors(module)
         if sorted(source) != self._own:
             diff = sorted(set(source) ^ set(self._own))[:5]
@@ -135,6 +169,13 @@ class EngineWeights:
                 f"the policy's parameters differ from those the engine was built from ({diff}): "
                 "refit needs the same model and parallel layout; rebuild the engine"
             )
+        if self.shared:
+            moved = any(source[n].data_ptr() != self.tensors[n].data_ptr() for n in self._own)
+            if moved:
+                if _why_not_shared(source, self.dtype, next(iter(self.tensors.values())).device, None):
+                    raise ValueError("refit: the policy's parameters changed dtype or device; rebuild the engine")
+                self._point_at(source)
+            return moved
         dst, src = [], []
         for name in self._own:
             s, target = source[name].detach(), self.tensors[name]
@@ -149,6 +190,7 @@ class EngineWeights:
 
                 for name, target in self.tensors.items():  # the same order on every rank (sorted names)
                     dist.broadcast(target, src=self._owner[name], group=self.pp_group)
+        return False
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
@@ -164,7 +206,12 @@ class EngineWeights:
         return out if out is not None else self.tensors["embedding.word_embeddings.weight"]
 
     def nbytes(self) -> int:
+        """Bytes of weights one forward reads (shared or not)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def owned_nbytes(self) -> int:
+        """Bytes the engine holds on top of the policy: 0 with shared weights."""
+        return 0 if self.shared else self.nbytes()
 
     def data_ptrs(self) -> dict[str, int]:
         return {name: t.data_ptr() for name, t in self.tensors.items()}
