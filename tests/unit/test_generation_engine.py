@@ -336,6 +336,33 @@ def test_shared_weights_follow_moved_storage_and_on_refuses_a_copy():
     assert not build_engine(replace(GEN, dtype="bfloat16"), LLAMA, model).weights.shared
 
 
+def test_shared_bf16_matrices_with_fp32_norms_generate_as_the_copy():
+    """A bf16 model without apex/TE (as on the GPU machine): megatron's norms are fp32 parameters. The engine reads
+    the bf16 matrices in place and copies (casts) only the norms; it generates what its full bf16 copy generates,
+    also after the weights change."""
+    from dataclasses import replace
+
+    cfg = replace(LLAMA, params_dtype="bfloat16")
+    model = _model(cfg)
+    norms = {n: p for n, p in model.named_parameters() if "layernorm" in n}
+    assert norms and all(p.dtype == torch.float32 for p in norms.values()), "the premise: fp32 norms"
+    shared = build_engine(GEN, cfg, model)
+    copy = build_engine(replace(GEN, share_weights="off"), cfg, model)
+    assert shared.weights.shared and not copy.weights.shared
+    assert 0 < shared.weights.owned_nbytes() == sum(p.numel() * 2 for p in norms.values())
+    weight = dict(model.named_parameters())["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert shared.weights.get("decoder.layers.0.mlp.linear_fc1.weight").data_ptr() == weight.data_ptr()
+    for step in range(2):
+        a = shared.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+        b = copy.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+        assert torch.equal(a.response_tokens_BR, b.response_tokens_BR) and torch.equal(a.logprobs_BR, b.logprobs_BR)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(p.dtype))
+        shared.refit(model)
+        copy.refit(model)
+
+
 def test_release_acquire_and_input_errors():
     model = _model(LLAMA)
     engine = build_engine(GEN, LLAMA, model)

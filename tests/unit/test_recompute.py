@@ -52,8 +52,7 @@ def test_recomputation_changes_nothing_but_memory():
 
 
 def test_recompute_chunk_must_fit_the_model():
-    from aligner.config import ConfigError, ModelConfig
-    from aligner.config import ParallelConfig
+    from aligner.config import ConfigError, ModelConfig, ParallelConfig
     from aligner.config.schema import validate_layout, validate_model
 
     with pytest.raises(ConfigError, match="model.recompute_num_layers"):

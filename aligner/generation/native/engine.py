@@ -80,11 +80,12 @@ class NativeEngine:
             dtype = torch_dtype(gen_cfg.dtype)
         kv_dtype = dtype if gen_cfg.kv_dtype == "auto" else torch_dtype(gen_cfg.kv_dtype)
         self.weights = EngineWeights(module, dtype, self.device, pp_group, share=gen_cfg.share_weights)
+        w = self.weights
         log.info(
             "generation engine: %s",
-            "reads the policy's own weights (no copy)"
-            if self.weights.shared
-            else f"holds its own {self.weights.nbytes() / 2**30:.2f} GiB copy of the weights",
+            f"reads the policy's own weights ({w.owned_nbytes() / 2**20:.2f} MiB of other-dtype vectors copied)"
+            if w.shared
+            else f"holds its own {w.nbytes() / 2**30:.2f} GiB copy of the weights ({w.why_copied})",
         )
         vocab_local = self.weights.get("embedding.word_embeddings.weight").shape[0]
         layout = Layout(

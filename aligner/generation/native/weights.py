@@ -26,9 +26,11 @@ Shared weights (`generation.share_weights`, the default `auto`): at PP=1 the eng
 where the engine's dtype and device are the policy parameters' own (bf16 training on GPU, fp32 on CPU) the engine
 holds the policy's tensors themselves (detached views of the same storage): nothing is copied, there is no second
 copy of the weights in memory (7.5 GB per GPU for an 8B policy at TP=2), and `refit` only checks that the policy's
-storage has not moved (megatron's optimizer writes the new weights into the same buffers every step). Where it has
-moved (something re-assigned `param.data`), refit re-points the engine and reports it, so captured graphs are dropped.
-With PP > 1, another dtype or another device the copy above is used (`on` then refuses, naming the reason).
+storage has not moved (megatron's optimizer writes the new weights into the same buffers every step) and copies the
+few vectors of another dtype (megatron's norms are fp32 parameters in a bf16 model without apex/TE). Where the storage
+has moved (something re-assigned `param.data`), refit re-points the engine and reports it, so captured graphs are
+dropped. With PP > 1, weight matrices of another dtype or another device the copy above is used (`on` then refuses,
+naming the reason).
 """
 
 from __future__ import annotations
@@ -102,14 +104,15 @@ def _policy_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _why_not_shared(source: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, pp_group) -> str:
-    """'' when the engine can read `source` itself, else the reason it needs its own copy."""
+    """'' when the engine can read the policy's weight matrices themselves, else the reason it needs a copy. (Vectors
+    of another dtype, such as megatron's fp32 norms in a bf16 model without apex/TE, are copied either way.)"""
     if pp_group is not None:
         return "with pipeline parallelism every rank holds all layers (a copy)"
     for name, t in source.items():
-        if t.dtype != dtype:
-            return f"the engine's dtype {dtype} differs from the policy's {t.dtype} ({name}; see generation.dtype)"
         if t.device != device:
             return f"the policy's {name} is on {t.device}, the engine on {device}"
+        if t.dim() >= 2 and t.dtype != dtype:
+            return f"the engine's dtype {dtype} differs from the policy's {t.dtype} ({name}; see generation.dtype)"
     return ""
 
 
@@ -128,10 +131,10 @@ class EngineWeights:
         if share == "on" and why_not:
             raise ValueError(f"generation.share_weights=on is not possible here: {why_not}; use auto or off")
         self.shared = share != "off" and not why_not
+        self.why_copied = "generation.share_weights=off" if share == "off" else why_not
         self._own = sorted(source)
-        if self.shared:
-            self._point_at(source)
-            return
+        # shared: the tensors read in place; the rest (all, or only vectors of another dtype) are copied by refit
+        self._copied = [n for n in self._own if not (self.shared and source[n].dtype == dtype)]
         shapes = {name: tuple(t.shape) for name, t in source.items()}
         self._owner: dict[str, int] = {}  # name -> global rank that broadcasts it (PP > 1)
         if pp_group is not None:
@@ -145,7 +148,14 @@ class EngineWeights:
                     if name in self._owner:
                         raise ValueError(f"two pipeline stages hold {name!r}: the engine cannot tell which is current")
                     self._owner[name], shapes[name] = rank, shape
-        self._index({name: torch.empty(shape, dtype=dtype, device=device) for name, shape in shapes.items()})
+        self._index(
+            {
+                name: source[name].detach()
+                if name in source and name not in self._copied
+                else torch.empty(shape, dtype=dtype, device=device)
+                for name, shape in shapes.items()
+            }
+        )
         self.refit(module)
 
     def _index(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -154,9 +164,6 @@ class EngineWeights:
         self._layers = [
             {s: self.tensors.get(f"decoder.layers.{i}.{s}") for s in _SUFFIXES} for i in range(self.num_layers)
         ]
-
-    def _point_at(self, source: dict[str, torch.Tensor]) -> None:
-        self._index({name: t.detach() for name, t in source.items()})
 
     def refit(self, module: torch.nn.Module) -> bool:
         """Copy the policy's current parameters into the engine's tensors, in place (collective over the pipeline
@@ -169,28 +176,30 @@ class EngineWeights:
                 f"the policy's parameters differ from those the engine was built from ({diff}): "
                 "refit needs the same model and parallel layout; rebuild the engine"
             )
+        moved = False
         if self.shared:
-            moved = any(source[n].data_ptr() != self.tensors[n].data_ptr() for n in self._own)
+            read = [n for n in self._own if n not in self._copied]
+            moved = any(source[n].data_ptr() != self.tensors[n].data_ptr() for n in read)
             if moved:
-                if _why_not_shared(source, self.dtype, next(iter(self.tensors.values())).device, None):
+                if any(source[n].dtype != self.dtype or source[n].device != self.tensors[n].device for n in read):
                     raise ValueError("refit: the policy's parameters changed dtype or device; rebuild the engine")
-                self._point_at(source)
-            return moved
+                self._index({**self.tensors, **{n: source[n].detach() for n in read}})
         dst, src = [], []
-        for name in self._own:
+        for name in self._copied:
             s, target = source[name].detach(), self.tensors[name]
             if s.shape != target.shape:
                 raise ValueError(f"refit: {name} has shape {tuple(s.shape)}, the engine holds {tuple(target.shape)}")
             dst.append(target)
             src.append(s if s.device == target.device else s.to(target.device))
         with torch.no_grad():
-            torch._foreach_copy_(dst, src)
+            if dst:
+                torch._foreach_copy_(dst, src)
             if self.pp_group is not None:
                 import torch.distributed as dist
 
                 for name, target in self.tensors.items():  # the same order on every rank (sorted names)
                     dist.broadcast(target, src=self._owner[name], group=self.pp_group)
-        return False
+        return moved
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
@@ -210,8 +219,8 @@ class EngineWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def owned_nbytes(self) -> int:
-        """Bytes the engine holds on top of the policy: 0 with shared weights."""
-        return 0 if self.shared else self.nbytes()
+        """Bytes the engine holds on top of the policy (with shared weights: the copied vectors, if any)."""
+        return sum(self.tensors[n].numel() * self.tensors[n].element_size() for n in self._copied if n in self.tensors)
 
     def data_ptrs(self) -> dict[str, int]:
         return {name: t.data_ptr() for name, t in self.tensors.items()}
