@@ -47,11 +47,14 @@ def main() -> int:
     p.add_argument("--recompute", default="full", help="model.recompute of the actor")
     p.add_argument("--reference", default="swap", choices=["swap", "resident"], help="reference.mode")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another actor override")
+    p.add_argument("--layers", type=int, default=None, help="another depth of the 8B shape (the largest policy)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--timeout", type=float, default=560.0)
     a = p.parse_args()
-    shape = SHAPE_TINY if a.tiny else SHAPE_8B
+    shape = dict(SHAPE_TINY if a.tiny else SHAPE_8B)
+    if a.layers:
+        shape["num_layers"] = a.layers
     vocab, rollouts, prompt_len, response_len = (256, 8, 8, 8) if a.tiny else (32000, 256, 128, 256)
     exp = os.path.abspath(a.out_dir)
     os.makedirs(exp, exist_ok=False)

@@ -300,7 +300,7 @@ class NativeEngine:
         """Copy the policy's current weights into the engine's buffers (same storage before and after); with shared
         weights only a check that the policy's storage is where the captured graphs read it."""
         if self.weights.refit(unwrap_policy(policy)):
-            self._graphs.clear()  # they read the old addresses; re-captured on the next generate
+            self._drop_graphs()  # they read the old addresses; re-captured on the next generate
 
     def release_memory(self) -> None:
         """Free the KV cache (the largest buffer) so training can use the memory; weights and graphs stay."""
@@ -315,12 +315,17 @@ class NativeEngine:
         self.decoder.alloc_kv()
         self._released = False
         if self.decoder.kv.data_ptr() != self._kv_ptr:
-            self._graphs.clear()  # they address the old cache; re-captured on the next generate
+            self._drop_graphs()  # they address the old cache; re-captured on the next generate
             self._kv_ptr = self.decoder.kv.data_ptr()
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        if self._capturer is not None:
+            self._capturer.reset()
 
     def close(self) -> None:
         """Drop the CUDA graphs and the KV cache (see interfaces.py: before the process groups are destroyed)."""
-        self._graphs.clear()
+        self._drop_graphs()
         self.decoder.free_kv()
         self._released = True
         if self.on_gpu:
@@ -347,8 +352,13 @@ class CudaGraphCapturer:
     its replay. All graphs share one memory pool: they never run concurrently."""
 
     def __init__(self, warmup: int = 2):
-        self.pool = torch.cuda.graph_pool_handle()
         self.warmup = warmup
+        self.reset()
+
+    def reset(self) -> None:
+        """A new pool, for graphs captured after every earlier graph was dropped (a pool whose graphs are all gone
+        is freed by PyTorch's allocator and cannot be captured into again)."""
+        self.pool = torch.cuda.graph_pool_handle()
 
     def capture(self, step: Callable[[], None]) -> Callable[[], None]:
         side = torch.cuda.Stream()
