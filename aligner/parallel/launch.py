@@ -30,6 +30,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 from typing import NamedTuple
 
 import torch
@@ -220,15 +221,24 @@ def set_seed(seed: int) -> None:
 def shutdown(exit_code_if_stuck: int = 1, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
     """Destroy megatron's groups and the default process group (see the module docstring for what must be closed
     first). If the teardown has not returned after `timeout_s`, log it and end the process with
-    `exit_code_if_stuck` (the job's own result: its work is done or has failed already)."""
+    `exit_code_if_stuck` (the job's own result: its work is done or has failed already).
+
+    Called from a `finally` while an exception propagates (a failed rank): the exception is named at once, and its
+    traceback printed before an abandoned teardown ends the process (which would otherwise swallow it: the other
+    ranks, still in a collective, are what keeps the teardown from returning)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    failure = sys.exc_info()[1]
+    if isinstance(failure, (SystemExit, KeyboardInterrupt)):
+        failure = None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if not dist.is_initialized():
         return
     rank = dist.get_rank()
+    if failure is not None:
+        log.error("rank %d failed (%s: %s); tearing down", rank, type(failure).__name__, failure)
     done = threading.Event()
 
     def destroy():
@@ -237,6 +247,8 @@ def shutdown(exit_code_if_stuck: int = 1, timeout_s: float = SHUTDOWN_TIMEOUT_S)
 
     threading.Thread(target=destroy, name="aligner-shutdown", daemon=True).start()
     if not done.wait(timeout_s):
+        if failure is not None:
+            traceback.print_exception(failure)
         log.error("rank %d: destroy_process_group did not return within %g s; exiting without it", rank, timeout_s)
         sys.stdout.flush()
         sys.stderr.flush()

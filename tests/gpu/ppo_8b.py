@@ -4,12 +4,12 @@
         [--reference swap|resident] [--set generation.release_kv_cache=true ...]
     python tests/gpu/ppo_8b.py OUT_DIR --tiny     # CPU smoke of the same plumbing (tiny model, 2 gloo ranks)
 
-The actor job at TP=2 on GPUs 0,1 (32 layers, hidden 4096, 32 heads, 8 KV groups, FFN 14336, vocabulary 32000,
-random weights, bf16; the reference swapped to the host unless --reference resident), the ~1B critic and reward model of
-conf/bench/ppo_step_critic.yaml on GPU 1; 256 rollouts of 128 prompt + 256 generated tokens (EOS ignored), one PPO
-epoch of one mini-batch. Prints the mean phase times of the steps after the first, the training phases' model
-TFLOP/s (6·N·tokens for the update, 2·N·tokens per forward pass: policy and reference log-probs), KL at step 0 and
-the log-prob mismatch, and writes OUT_DIR/ppo_8b.json.
+The actor job at TP=2 (or DP=2 with --tp 1) on GPUs 0,1 (32 layers, hidden 4096, 32 heads, 8 KV groups, FFN
+14336, vocabulary 32000, random weights, bf16; the reference swapped to the host unless --reference resident), the
+~1B critic and reward model of conf/bench/ppo_step_critic.yaml on GPU 1; 256 rollouts of 128 prompt + 256 generated
+tokens (EOS ignored), one PPO epoch of one mini-batch. Prints the mean phase times of the steps after the first,
+the training phases' model TFLOP/s (6·N·tokens for the update, 2·N·tokens per forward pass: policy and reference
+log-probs), KL at step 0 and the log-prob mismatch, and writes OUT_DIR/ppo_8b.json.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main() -> int:
     p.add_argument("--recompute", default="full", help="model.recompute of the actor")
     p.add_argument("--reference", default="swap", choices=["swap", "resident"], help="reference.mode")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another actor override")
+    p.add_argument("--tp", type=int, default=2, choices=[1, 2], help="2: TP=2; 1: DP=2 (two full replicas)")
     p.add_argument("--layers", type=int, default=None, help="another depth of the 8B shape (the largest policy)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
@@ -66,12 +67,12 @@ def main() -> int:
         *(f"model.{k}={v}" for k, v in shape.items()),
         f"model.vocab_size={vocab}",
         f"model.recompute={a.recompute}",
-        "parallel.tensor_model_parallel_size=2",
+        f"parallel.tensor_model_parallel_size={a.tp}",
         f"reference.mode={a.reference}",
         f"ppo.rollout_batch_size={rollouts}",
         f"ppo.micro_batch_size={a.micro}",
         f"ppo.forward_micro_batch_size={a.forward_micro}",
-        f"generation.max_batch_size={rollouts}",
+        f"generation.max_batch_size={rollouts * a.tp // 2}",  # this rank's rows: the DP size is 2 / TP
         f"ppo.num_steps={a.steps}",
         f"data.train_file={prompts}",
         f"model.tokenizer={tokenizer}",
@@ -117,7 +118,7 @@ def main() -> int:
             phases_s={k: round(v, 3) for k, v in mean.items()},
             kl_step0=rows[0].get("ppo/kl"),
             logprob_mismatch=max(r.get("ppo/logprob_mismatch", float("nan")) for r in rows),
-            # per GPU: the actor's two TP ranks share the work
+            # per GPU: the actor's two ranks (TP=2, or DP=2 at --tp 1) share the work
             train_tflops_per_gpu=6 * n * tokens / mean["train"] / 1e12 / 2 if mean.get("train") else None,
             logprobs_tflops_per_gpu=2 * 2 * n * tokens / mean["logprobs"] / 1e12 / 2 if mean.get("logprobs") else None,
         )

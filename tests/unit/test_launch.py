@@ -64,3 +64,30 @@ def test_backend_choice_on_cpu():
         pick_backend("nccl")
     with pytest.raises(ValueError, match="auto, nccl or gloo"):
         pick_backend("mpi")
+
+
+def test_a_failing_rank_names_its_exception_even_when_teardown_is_abandoned():
+    """A rank that fails while its peers wait in a collective cannot finish destroy_process_group; shutdown then
+    ends the process itself. The exception must still be named at once and its traceback printed (it used to be
+    lost: only 'did not return' was logged). timeout_s=0 abandons the teardown at once."""
+    import os
+    import subprocess
+    import sys
+
+    from dist import free_port
+
+    code = (
+        "from aligner.parallel import initialize\n"
+        "from aligner.parallel.launch import shutdown\n"
+        f"initialize(1, 1, master_port={free_port()})\n"
+        "try:\n"
+        "    raise RuntimeError('boom in step 1')\n"
+        "finally:\n"
+        "    shutdown(exit_code_if_stuck=1, timeout_s=0)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "rank 0 failed (RuntimeError: boom in step 1); tearing down" in out.stderr
+    assert "Traceback (most recent call last)" in out.stderr and "RuntimeError: boom in step 1" in out.stderr
