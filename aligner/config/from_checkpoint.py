@@ -58,6 +58,7 @@ NOT_INHERITED = (
     "hidden_dropout",
     "attention_dropout",
     "recompute",
+    "sequence_parallel",
     "recompute_method",
     "recompute_num_layers",
 )

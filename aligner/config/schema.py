@@ -54,6 +54,7 @@ class ModelConfig:
     qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
     # Activation recomputation in training: memory for compute, a runtime setting never taken from a checkpoint.
     recompute: Literal["none", "selective", "full"] = "none"  # selective: attention core | full: whole layers
+    sequence_parallel: bool = False  # TP > 1: norms/residuals split along the sequence (less activation memory)
     recompute_method: Literal["uniform", "block"] = "uniform"  # full: every layer in chunks | the first N per stage
     recompute_num_layers: int = 1  # full: uniform: layers per recomputed chunk | block: layers recomputed per stage
 

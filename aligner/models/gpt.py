@@ -24,6 +24,7 @@ from aligner.config.schema import ModelConfig
 from aligner.families import family
 from aligner.models.attention import SDPAttention
 from aligner.models.dtypes import torch_dtype
+from aligner.models.norm import TorchNorm
 from aligner.models.rope import rope_inv_freq
 from aligner.parallel.device import current_device, on_gpu
 
@@ -86,6 +87,10 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         use_cpu_initialization=on_cpu,
         perform_initialization=True,
         attention_softmax_in_fp32=True,
+        # megatron's sequence parallelism (with TP > 1 only): the embedding scatters the sequence over the TP ranks,
+        # the parallel linears all-gather / reduce-scatter it, the output layer gathers it back; inputs must then be
+        # a multiple of TP long (aligner.models.gpt.pad_for_sequence_parallel)
+        sequence_parallel=cfg.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1,
         **_recompute(cfg),
     )
 
@@ -103,32 +108,46 @@ def _recompute(cfg: ModelConfig) -> dict:
     return {}
 
 
-def layer_spec(cfg: ModelConfig):
+def layer_spec(cfg: ModelConfig, config: TransformerConfig):
+    """Transformer Engine's layer spec, or megatron's local one with our attention core and norms (aligner.models.norm:
+    they work under sequence parallelism); the local one as a whole block so that the final norm is ours too."""
     backend = resolve_attention_backend(cfg.attention_backend)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
     spec = get_gpt_layer_local_spec(normalization=family(cfg.arch).normalization, qk_layernorm=cfg.qk_layernorm)
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
+    if cfg.qk_layernorm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = TorchNorm
     if backend == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
+        layer.self_attention.submodules.core_attention = SDPAttention
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 
 class ScalarHead(torch.nn.Module):
     """Stands where GPTModel's output layer does and maps hidden states to one value per position.
 
-    The hidden states entering the output layer are replicated across TP ranks (no sequence parallelism), so a
-    replicated [hidden, 1] projection gives identical values on every TP rank without any communication.
+    A replicated [hidden, 1] projection of hidden states that are replicated across TP ranks gives identical values
+    on every TP rank. Under sequence parallelism the hidden states arrive split along the sequence: they are
+    gathered first, and in the backward each rank keeps its own slice of the (identical) gradient.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, std: float, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
         torch.nn.init.normal_(self.weight, std=std)
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_SBH, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden_SBH = gather_from_sequence_parallel_region(hidden_SBH, tensor_parallel_output_grad=False)
         return F.linear(hidden_SBH, self.weight, self.bias), None
 
 
@@ -147,7 +166,7 @@ def build_gpt(cfg: ModelConfig, head: str = "lm") -> GPTModel:
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=layer_spec(cfg, config),
         vocab_size=padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre,
@@ -164,7 +183,9 @@ def build_gpt(cfg: ModelConfig, head: str = "lm") -> GPTModel:
         inv_freq = model.rotary_pos_emb.inv_freq
         model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(inv_freq.device)
     if head == "scalar" and post:
-        model.output_layer = ScalarHead(cfg.hidden_size, torch_dtype(cfg.params_dtype), cfg.init_method_std)
+        model.output_layer = ScalarHead(
+            cfg.hidden_size, torch_dtype(cfg.params_dtype), cfg.init_method_std, config.sequence_parallel
+        )
     return model.to(current_device())
 
 
@@ -172,6 +193,34 @@ def position_ids_like(tokens_BT: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens_BT.shape[1], device=tokens_BT.device).unsqueeze(0).expand_as(tokens_BT)
 
 
+def sequence_multiple(model) -> int:
+    """The length inputs must be a multiple of: TP under sequence parallelism, else 1."""
+    return parallel_state.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+
+
+def pad_for_sequence_parallel(multiple: int, tokens_BT, position_ids_BT, attention_mask=None):
+    """Right-pad one micro-batch to a multiple of `multiple` tokens (sequence parallelism splits the sequence
+    evenly over the TP ranks). Causal attention keeps real positions from seeing the padding, so their outputs
+    are unchanged; the caller cuts the outputs back to the input's length. A padded mask keeps the padding rows
+    causal (no row fully masked: no NaN in the backward)."""
+    T = tokens_BT.shape[1]
+    extra = -T % multiple
+    if extra == 0:
+        return tokens_BT, position_ids_BT, attention_mask
+    tokens_BT = F.pad(tokens_BT, (0, extra))
+    last = position_ids_BT[:, -1:]
+    position_ids_BT = torch.cat([position_ids_BT, last + torch.arange(1, extra + 1, device=last.device)], dim=1)
+    if attention_mask is not None:
+        full = T + extra
+        causal_masked = torch.ones(full, full, dtype=torch.bool, device=attention_mask.device).triu(1)
+        padded = causal_masked.expand(attention_mask.shape[0], 1, full, full).clone()
+        padded[:, :, :T, :T] = attention_mask
+        attention_mask = padded
+    return tokens_BT, position_ids_BT, attention_mask
+
+
 def forward(model: GPTModel, tokens_BT: torch.Tensor) -> torch.Tensor:
     """Plain (non-pipelined) causal forward of a whole model on this rank: logits_BTV/TP or values [B,T,1]."""
-    return model(tokens_BT, position_ids_like(tokens_BT), attention_mask=None)
+    T = tokens_BT.shape[1]
+    tokens, positions, _ = pad_for_sequence_parallel(sequence_multiple(model), tokens_BT, position_ids_like(tokens_BT))
+    return model(tokens, positions, attention_mask=None)[:, :T]

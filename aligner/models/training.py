@@ -36,7 +36,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from aligner.config.schema import ModelConfig, OptimConfig
-from aligner.models.gpt import build_gpt, position_ids_like
+from aligner.models.gpt import build_gpt, pad_for_sequence_parallel, position_ids_like, sequence_multiple
 from aligner.models.optim import ModelOptimizer, build_optimizer
 from aligner.parallel.device import current_device, on_gpu
 
@@ -147,15 +147,23 @@ class TrainableModel:
                         f"and {tuple(shape)}: pad them to a common length first"
                     )
 
+        multiple = sequence_multiple(self.module)
+        seq_length = shape[1] + (-shape[1] % multiple)
+
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             tokens = batch["tokens"]
+            T = tokens.shape[1]
             positions = batch.get("position_ids")
-            output = model(
+            tokens, positions, mask = pad_for_sequence_parallel(
+                multiple,
                 tokens,
                 position_ids_like(tokens) if positions is None else positions,
-                attention_mask=batch.get("attention_mask"),
+                batch.get("attention_mask"),
             )
+            output = model(tokens, positions, attention_mask=mask)
+            if tokens.shape[1] != T and self.last_stage:
+                output = output[:, :T]  # [B, T, ...]: the padding's outputs dropped
 
             def loss_func(batch, output):
                 if forward_only:
@@ -171,7 +179,7 @@ class TrainableModel:
             data_iterator=iter(micro_batches),
             model=self.model,
             num_microbatches=len(micro_batches),
-            seq_length=shape[1],
+            seq_length=seq_length,
             micro_batch_size=shape[0],
             forward_only=forward_only,
         )

@@ -49,7 +49,35 @@ class _CudaFactoriesToCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.autograd.backward:
+            return _backward_under_mode(*args, **kwargs)
+        if func is torch.Tensor.backward:
+            return _backward_under_mode(args[0], *args[1:], **kwargs)
         return func(*args, **kwargs)
+
+
+def _backward_under_mode(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None, **kw):
+    """torch.autograd.backward with the CPU mode on while the engine runs the backward functions (megatron's
+    sequence-parallel linears allocate on `torch.cuda.current_device()` there). A mode is off while its own handler
+    runs, and calling `backward` again would only come back to the handler: so this is backward's own body after
+    its dispatch check (torch 2.13: `_make_grads`, then `_engine_run_backward`)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    grad_tensors = kw.pop("gradient", grad_tensors)  # Tensor.backward's name for it
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False)
+    with _CudaFactoriesToCpu():
+        _engine_run_backward(
+            tensors,
+            grads,
+            create_graph if retain_graph is None else retain_graph,
+            create_graph,
+            inputs,
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
 
 
 class CpuRngStatesTracker:
