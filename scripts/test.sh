@@ -9,4 +9,4 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import aligner, megatron.
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"
