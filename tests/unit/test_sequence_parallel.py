@@ -9,25 +9,18 @@ from dist import run_ranks
 
 
 def _run(rank, world, head, sequence_parallel, packed):
-    from aligner.config import ModelConfig, OptimConfig
+    from critic_harness import tiny_model
+
+    from aligner.config import OptimConfig
     from aligner.data.packing import attention_mask_from_segments
     from aligner.models.training import TrainableModel
     from aligner.parallel import initialize
 
     initialize(tensor_parallel=world, seed=3)
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=64,
-        make_vocab_size_divisible_by=16,
-        max_position_embeddings=32,
-        sequence_parallel=sequence_parallel,
-    )
+    cfg = tiny_model(sequence_parallel=sequence_parallel)  # the CPU demo's llama shape
     model = TrainableModel(cfg, OptimConfig(lr=1e-2, clip_grad=0.0), head=head)
     assert model.module.config.sequence_parallel == sequence_parallel
-    tokens = torch.randint(0, 64, (4, 11), generator=torch.Generator().manual_seed(0))  # 11: padded to 12
+    tokens = torch.randint(0, 48, (4, 11), generator=torch.Generator().manual_seed(0))  # 11: padded to 12
     micro = [{"tokens": tokens[:2]}, {"tokens": tokens[2:]}]
     if packed:  # two samples per row: 5 and 6 tokens, positions restarting at each
         segments = torch.tensor([[0] * 5 + [1] * 6] * 2)
