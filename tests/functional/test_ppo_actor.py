@@ -35,19 +35,29 @@ REQUIRED = [
 ]
 
 
-def launch(exp_dir, *actor_overrides, timeout=900, critic=()):
-    cmd = [
-        sys.executable,
-        LAUNCHER,
-        "--exp-dir",
-        str(exp_dir),
-        "--actor",
-        "logging.progress_bar=false",
-        *actor_overrides,
-    ]
+def _launch_cmd(exp_dir, *actor_overrides, critic=(), launcher_args=()):
+    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(exp_dir), *launcher_args]
+    cmd += ["--actor", "logging.progress_bar=false", *actor_overrides]
     if critic:
         cmd += ["--critic", *critic]
+    return cmd
+
+
+def launch(exp_dir, *actor_overrides, timeout=900, critic=(), launcher_args=()):
+    cmd = _launch_cmd(exp_dir, *actor_overrides, critic=critic, launcher_args=launcher_args)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_in_background(exp_dir, *actor_overrides, launcher_args=()):
+    """A launch that runs while the test goes on (most of a tiny run is start-up and shut-down waiting, which two
+    runs overlap well on two cores); `finish(proc)` waits for it."""
+    cmd = _launch_cmd(exp_dir, *actor_overrides, launcher_args=launcher_args)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout=900):
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def read_metrics(exp_dir):
@@ -95,7 +105,7 @@ def test_resume_continues_exactly_and_never_pairs_an_uncommitted_critic_step(tmp
     the critic's orphan step is removed, never paired with an older actor state (issue 14)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     common = ("checkpoint.save_every=0", "validation.every=0")
-    assert launch(straight, "ppo.num_steps=4", *common).returncode == 0
+    straight_run = launch_in_background(straight, "ppo.num_steps=4", *common)
     first = launch(split, "ppo.num_steps=2", *common)
     assert first.returncode == 0, first.stderr[-3000:]
     assert step_dirs(split / "actor" / "checkpoints") == ["step_000002"]
@@ -109,6 +119,8 @@ def test_resume_continues_exactly_and_never_pairs_an_uncommitted_critic_step(tmp
     second = launch(split, "ppo.num_steps=4", *common)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "removing" in (split / "critic.log").read_text()  # the orphan step 3 of the critic
+    done = finish(straight_run)
+    assert done.returncode == 0, done.stderr[-3000:]
     a, b = read_metrics(straight), read_metrics(split)
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     for ra, rb in zip(a[2:], b[2:]):
@@ -299,26 +311,15 @@ def test_pipeline_parallel_actor_matches_one_process(tmp_path):
     from dist import run_ranks
 
     (ckpt,) = run_ranks(_demo_policy_checkpoint, 1, str(tmp_path / "init"))
-    runs = {}
-    for name, extra in (("pp1", []), ("pp2", ["--actor-procs", "2"])):
-        exp = tmp_path / name
-        cmd = [
-            sys.executable,
-            LAUNCHER,
-            "--exp-dir",
-            str(exp),
-            *extra,
-            "--actor",
-            "logging.progress_bar=false",
-            *PARITY_ARGS,
-            f"model.checkpoint={ckpt}",
-        ]
-        if name == "pp2":
-            cmd.append("parallel.pipeline_model_parallel_size=2")
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = read_metrics(exp)
-    a, b = runs["pp1"], runs["pp2"]
+    args = (*PARITY_ARGS, f"model.checkpoint={ckpt}")
+    pp1 = launch_in_background(tmp_path / "pp1", *args)
+    pp2 = launch(
+        tmp_path / "pp2", *args, "parallel.pipeline_model_parallel_size=2", launcher_args=("--actor-procs", "2")
+    )
+    assert pp2.returncode == 0, pp2.stderr[-3000:]
+    done = finish(pp1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = read_metrics(tmp_path / "pp1"), read_metrics(tmp_path / "pp2")
     assert len(a) == len(b) == 2
     for ra, rb in zip(a, b):
         for key, value in _comparable(ra).items():
