@@ -24,6 +24,7 @@ import torch
 
 from aligner.config.schema import ModelConfig
 from aligner.generation import GenerationConfig, SamplingParams, build_engine
+from benchmarks.profiling import format_profile, profile_call
 
 BENCH_MODEL = ModelConfig(
     arch="llama",
@@ -58,6 +59,7 @@ class BenchArgs:
     hf_compile: bool = True
     seed: int = 0
     profile: bool = False  # a torch-profiler table of the kernels of one greedy call at the largest batch
+    decode_attention: str = "auto"  # generation.decode_attention
 
 
 def _sync(device):
@@ -147,7 +149,10 @@ def run(args: BenchArgs) -> dict:
     policy = build_gpt(cfg).eval()
     device = next(policy.parameters()).device
     gen = GenerationConfig(
-        max_batch_size=max(args.batch_sizes), max_prompt_length=args.prompt_len, max_response_length=args.new_tokens
+        max_batch_size=max(args.batch_sizes),
+        max_prompt_length=args.prompt_len,
+        max_response_length=args.new_tokens,
+        decode_attention=args.decode_attention,
     )
     engine = build_engine(gen, cfg, policy)
     bw = copy_bandwidth(device)
@@ -174,6 +179,7 @@ def run(args: BenchArgs) -> dict:
             )
         },
         "engine_dtype": str(engine.weights.dtype),
+        "decode_attention": engine.decode_attention,
         "cuda_graphs": engine.use_graphs,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -247,54 +253,23 @@ def run(args: BenchArgs) -> dict:
 
 
 def profile_generate(engine, prompts, lengths, device, top: int = 15) -> dict:
-    """One greedy `generate` (after a warm-up) under torch.profiler: the `top` device kernels by total time (CPU ops
-    on CPU), each with its calls, total ms and share of the device time, plus the call's wall time. Kernels replayed
-    inside CUDA graphs are listed where the profiler sees them (CUPTI records graph kernels on recent drivers)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """One greedy `generate` (after a warm-up) under torch.profiler (benchmarks.profiling). Kernels replayed inside
+    CUDA graphs are listed where the profiler sees them (CUPTI records graph kernels on recent drivers)."""
     sp = SamplingParams(greedy=True, ignore_eos=True)
     engine.generate(prompts, lengths, sp)
-    gpu = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    _sync(device)
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        engine.generate(prompts, lengths, sp)
-        _sync(device)
-    wall_ms = (time.perf_counter() - start) * 1e3
-    events = prof.key_averages()
-    if gpu:
-        # self time: a CPU op's device time is its kernels' (counted once, under the kernels' own names)
-        rows = [(e.key, e.count, e.self_device_time_total / 1e3) for e in events if e.self_device_time_total > 0]
-    else:
-        rows = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in events if e.self_cpu_time_total > 0]
-    rows.sort(key=lambda r: -r[2])
-    total = sum(r[2] for r in rows) or 1.0
-    return {
-        "batch": int(prompts.shape[0]),
-        "wall_ms": wall_ms,
-        "device_ms_total": total,
-        "kernels": [
-            {"name": name[:120], "calls": calls, "ms": ms, "share": ms / total} for name, calls, ms in rows[:top]
-        ],
-    }
+    prof = profile_call(lambda: engine.generate(prompts, lengths, sp), device, top)
+    return {"batch": int(prompts.shape[0]), **prof}
 
 
-def format_profile(prof: dict) -> str:
-    lines = [
-        f"\nprofile: one greedy call at batch {prof['batch']}: wall {prof['wall_ms']:.1f} ms, "
-        f"kernel time {prof['device_ms_total']:.1f} ms",
-        f"{'kernel':<90}{'calls':>8}{'ms':>10}{'share':>8}",
-    ]
-    for k in prof["kernels"]:
-        lines.append(f"{k['name'][:88]:<90}{k['calls']:>8}{k['ms']:>10.2f}{k['share']:>8.1%}")
-    return "\n".join(lines)
+def format_generate_profile(prof: dict) -> str:
+    return format_profile(prof, f"one greedy call at batch {prof['batch']}")
 
 
 def format_table(report: dict) -> str:
     lines = [
         (
             f"device {report['device']}, engine {report['engine_dtype']}, cuda_graphs={report['cuda_graphs']}, "
+            f"decode attention {report.get('decode_attention', 'matmul')}, "
             f"prompt {report['prompt_len']} + {report['new_tokens']} new tokens"
         ),
         (

@@ -19,6 +19,7 @@ from aligner.models.gpt import build_gpt, forward
 from aligner.models.logprobs import default_tp_group, shift_for_next_token, vocab_parallel_logprobs
 from aligner.parallel.device import on_gpu
 from aligner.parallel.device import synchronize as sync
+from benchmarks.profiling import profile_call
 
 PRESETS = {
     "1b": dict(
@@ -59,7 +60,7 @@ def flops_per_step(cfg: ModelConfig, n_params: int, batch: int, seq: int) -> tup
     return dense, attn
 
 
-def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int) -> dict:
+def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int, profile: bool = False) -> dict:
     model = build_gpt(cfg)
     device = next(model.parameters()).device
     n_params = sum(p.numel() for n, p in model.named_parameters() if "word_embeddings" not in n)
@@ -84,7 +85,9 @@ def bench(cfg: ModelConfig, batch: int, seq: int, warmup: int, iters: int) -> di
     seconds = (time.perf_counter() - start) / iters
     dense, attn = flops_per_step(cfg, n_params, batch, seq)
     mem = torch.cuda.max_memory_allocated() / 1e9 if on_gpu() else float("nan")
+    extra = {"profile": profile_call(step, device)} if profile else {}
     return {
+        **extra,
         "attention": cfg.attention_backend,
         "recompute": cfg.recompute,
         "seconds": seconds,
@@ -106,15 +109,17 @@ def run(
     iters: int,
     peak_tflops: float,
     recompute: tuple[str, ...] = ("none",),
+    profile: bool = False,
 ) -> list[dict]:
     """One `bench` row per attention backend and activation recomputation (`model.recompute`), with its MFU (NaN on
-    CPU). Recomputed work is not counted in the FLOPs: the row's MFU is what the model's own work gets."""
+    CPU). Recomputed work is not counted in the FLOPs: the row's MFU is what the model's own work gets. With `profile`,
+    each row also holds a top-kernels table of one more step (benchmarks.profiling)."""
     gpu = on_gpu()
     rows = []
     for backend in backends:
         for mode in recompute:
             cfg = ModelConfig(**PRESETS[preset], params_dtype=dtype, attention_backend=backend, recompute=mode)
-            row = bench(cfg, batch, seq, warmup, iters)
+            row = bench(cfg, batch, seq, warmup, iters, profile)
             row["mfu"] = row["tflops_total"] / peak_tflops if gpu else float("nan")
             rows.append(row)
             if gpu:

@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.generation import BenchArgs, format_profile, format_table, run
+from benchmarks.generation import BenchArgs, format_generate_profile, format_table, run
 
 
 def main(argv=None) -> int:
@@ -25,6 +25,12 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="native engine only")
     parser.add_argument("--hf-no-compile", action="store_true", help="HF static cache without torch.compile")
     parser.add_argument("--profile", action="store_true", help="also a top-kernels table of one call (torch profiler)")
+    parser.add_argument(
+        "--decode-attention",
+        default="auto",
+        choices=["auto", "matmul", "sdpa", "flash"],
+        help="generation.decode_attention",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)
     args = BenchArgs(
@@ -35,6 +41,7 @@ def main(argv=None) -> int:
         skip_hf=a.skip_hf,
         hf_compile=not (a.hf_no_compile or a.tiny),
         profile=a.profile,
+        decode_attention=a.decode_attention,
     )
     try:
         report = run(args)
@@ -44,7 +51,7 @@ def main(argv=None) -> int:
         shutdown()
     print(format_table(report))
     if "profile" in report:
-        print(format_profile(report["profile"]))
+        print(format_generate_profile(report["profile"]))
     if a.out:
         tmp = a.out + ".tmp"
         with open(tmp, "w") as f:

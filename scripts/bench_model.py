@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from aligner.parallel import initialize, shutdown  # noqa: E402
 from benchmarks.model import PRESETS, format_table, run  # noqa: E402
+from benchmarks.profiling import format_profile  # noqa: E402
 
 
 def main(argv=None):
@@ -34,6 +35,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200 here: ~790)")
+    p.add_argument("--profile", action="store_true", help="also a top-kernels table of one step per row")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -52,12 +54,16 @@ def main(argv=None):
             args.iters,
             args.peak_tflops,
             recompute=tuple(args.recompute.split(",")),
+            profile=args.profile,
         )
     finally:
         shutdown()
     device = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"\nforward+backward, preset {args.preset}, batch {batch} x {seq} tokens, {dtype}, {device}")
     print(format_table(rows))
+    for r in rows:
+        if "profile" in r:
+            print(format_profile(r["profile"], f"one step, attention {r['attention']}, recompute {r['recompute']}"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

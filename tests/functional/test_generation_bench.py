@@ -23,6 +23,7 @@ def test_bench_generation_tiny(tmp_path):
             "--tiny",
             "--batch-sizes",
             "3",
+            "--profile",
             "--out",
             str(out),
         ],
@@ -41,3 +42,20 @@ def test_bench_generation_tiny(tmp_path):
     assert row["hf_static_common_prefix_frac"] == 1.0 and row["hf_dynamic_common_prefix_frac"] == 1.0
     assert row["logp_abs_diff_max"] < 1e-4
     assert report["refit_ms"] > 0 and report["copy_bandwidth_GBps"] > 0
+    prof = report["profile"]
+    assert prof["kernels"] and abs(sum(k["share"] for k in prof["by_kind"].values()) - 1) < 1e-6
+    assert "by kind:" in proc.stdout
+
+
+def test_profile_kinds_from_kernel_names():
+    """Names as the H200 profiles printed them (docs/PERF.md) land in the kind a reader expects."""
+    from benchmarks.profiling import kind_of
+
+    assert kind_of("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert kind_of("nvjet_tst_128x64_64x8_2x1_v_bz_badd_TNT") == "attention"  # scores over the KV cache
+    assert kind_of("void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
+    assert kind_of("triton_red_fused__fused_rms_norm_add_0") == "norm"
+    assert kind_of("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "copy/cast"
+    assert kind_of("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>") == (
+        "other elementwise"
+    )

@@ -115,7 +115,7 @@ def test_generation_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="generation.max_batch_size"):
         validate_generation(GenerationConfig(max_batch_size=0))
     with pytest.raises(ConfigError, match="generation.decode_attention"):
-        validate_generation(GenerationConfig(decode_attention="flash"))
+        validate_generation(GenerationConfig(decode_attention="flashinfer"))
 
     class Gpt2:
         arch, max_position_embeddings = "gpt2", 300

@@ -17,9 +17,15 @@ Sequences are right-padded and keep their natural positions: sample b's prompt o
 [0, len_b), its k-th generated token slot len_b + k. Prefill runs the padded prompts causally (padding sits after
 every real token, so no real token sees it) and writes K/V for all prompt slots; slots past len_b hold padding
 until decoding overwrites them, and decode masks every key past a sample's own position.
-KV cache: one tensor [layers, 2 (K, V), max_batch, KV groups / TP, max_prompt + max_response, head_dim], allocated
-once (or again after `free_kv`); decode attends over its first `kv_len` slots (a multiple of kv_block) through
-strided views, never copying or reallocating it.
+KV cache: one tensor, allocated once (or again after `free_kv`), never copied or reallocated; decode attends over
+its first `kv_len` slots (a multiple of kv_block) through strided views. Its layout follows the decode attention:
+- `matmul` (group-major) [layers, 2 (K, V), max_batch, KV groups / TP, max_seq, head_dim]: each sample's group is one
+  [kv_len, head_dim] matrix, the operand of a batched GEMM;
+- `sdpa` and `flash` (sequence-major) [layers, 2, max_batch, max_seq, KV groups / TP, head_dim]: a layer's K (or V)
+  is the packed [max_batch x max_seq, groups, head_dim] tensor of a variable-length attention kernel, sample b's
+  keys starting at row b x max_seq. `flash` is PyTorch's FlashAttention-2 kernel in its variable-length form with
+  `seqused_k` (b's first pos_b + 1 keys): it reads only the filled slots, handles GQA itself and splits long key
+  ranges over thread blocks (CUDA only, probed at build).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class Decoder:
         self.lo, self.w, self.group = layout, weights, tp_group
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
+        self.seq_major = decode_attention in ("sdpa", "flash")  # the cache layout (module docstring)
         self.scale = layout.head_dim**-0.5
         # Decode (one token per sample, fixed shapes per batch size) may use compiled kernels; prefill, whose shapes
         # change with every prompt width and whose time goes to GEMMs, always runs the plain ones.
@@ -106,10 +113,9 @@ class Decoder:
         lo = self.lo
         # Zeros, not empty: decode reads slots past a sample's position with weight exactly 0, and 0 * NaN (what
         # uninitialised memory may hold) would still be NaN. Slots are only ever overwritten with finite K/V after.
+        per_sample = (self.max_seq, lo.groups) if self.seq_major else (lo.groups, self.max_seq)
         self.kv = torch.zeros(
-            (lo.num_layers, 2, self.max_batch, lo.groups, self.max_seq, lo.head_dim),
-            dtype=self.kv_dtype,
-            device=self.device,
+            (lo.num_layers, 2, self.max_batch, *per_sample, lo.head_dim), dtype=self.kv_dtype, device=self.device
         )
 
     def free_kv(self) -> None:
@@ -193,7 +199,10 @@ class Decoder:
                 self._qkv5(qkv), cos, sin, *_qk_norms(lw)
             )  # q [B,T,G,r,D], kv_new [2,B,T,G,D]
             kv_2BGTD = kv_new.transpose(2, 3)
-            kv[i, :, row0 : row0 + B, :, :T] = kv_2BGTD
+            if self.seq_major:
+                kv[i, :, row0 : row0 + B, :T] = kv_new
+            else:
+                kv[i, :, row0 : row0 + B, :, :T] = kv_2BGTD
             q_BHTD = q.reshape(B, T, lo.heads, lo.head_dim).transpose(1, 2)
             out = F.scaled_dot_product_attention(
                 q_BHTD, kv_2BGTD[0], kv_2BGTD[1], is_causal=True, scale=self.scale, enable_gqa=lo.heads != lo.groups
@@ -213,7 +222,8 @@ class Decoder:
         G, r, D = lo.groups, lo.heads // lo.groups, lo.head_dim
         x = self._embed(tokens_B, pos_B)
         beyond_BL = self.key_index[:kv_len].unsqueeze(0) > pos_B.unsqueeze(1)
-        slot = pos_B.view(1, B, 1, 1, 1).expand(2, B, G, 1, D)
+        slot_dim = 2 if self.seq_major else 3  # of the layer's cache [2, B, ...]
+        slot = pos_B.view(1, B, 1, 1, 1).expand(*((2, B, 1, G, D) if self.seq_major else (2, B, G, 1, D)))
         cos = None if self.cos is None else self.cos[pos_B].view(B, 1, 1, D)
         sin = None if self.cos is None else self.sin_signed[pos_B].view(B, 1, 1, D)
         if self.decode_attention == "matmul":
@@ -224,12 +234,32 @@ class Decoder:
                 .expand(B, G, 1, kv_len)
                 .reshape(B * G, 1, kv_len)
             )
+        elif self.decode_attention == "flash":
+            T = self.max_seq
+            cu_q = self.rows[: B + 1].to(torch.int32)  # one query row per sample
+            cu_k = cu_q * T  # sample b's keys start at row b*T of the packed cache
+            used_k = (pos_B + 1).to(torch.int32)
 
         def attend(i, qkv, lw):
             q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
-            cache = kv[i, :, :B]  # [2, B, G, T, D]
-            cache.scatter_(3, slot, kv_new.unsqueeze(3).to(kv.dtype))
-            keys, values = cache[0, :, :, :kv_len], cache[1, :, :, :kv_len]  # [B,G,L,D] strided views, no copies
+            cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
+            cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim).to(kv.dtype))
+            if self.decode_attention == "flash":
+                out = flash_varlen(
+                    q.reshape(B, lo.heads, D).to(kv.dtype),
+                    cache[0].view(B * self.max_seq, G, D),
+                    cache[1].view(B * self.max_seq, G, D),
+                    cu_q,
+                    cu_k,
+                    kv_len,
+                    used_k,
+                    self.scale,
+                )
+                return out.reshape(B, lo.heads * D).to(qkv.dtype)
+            if self.seq_major:  # [B,G,L,D] strided views, no copies
+                keys, values = cache[0, :, :kv_len].transpose(1, 2), cache[1, :, :kv_len].transpose(1, 2)
+            else:
+                keys, values = cache[0, :, :, :kv_len], cache[1, :, :, :kv_len]
             if self.decode_attention == "sdpa":
                 out = F.scaled_dot_product_attention(
                     q.reshape(B, lo.heads, 1, D).to(kv.dtype),
@@ -264,3 +294,41 @@ class Decoder:
             dist.all_gather_into_tensor(gathered, logits_local_BV.contiguous(), group=self.group)
             logits_local_BV = gathered.view(lo.tp, B, lo.vocab_local).transpose(0, 1).reshape(B, -1)
         return logits_local_BV[:, : lo.vocab_size].float()
+
+
+def flash_varlen(q_BHD, k_packed, v_packed, cu_q, cu_k, max_k: int, used_k, scale: float) -> torch.Tensor:
+    """One query per sample against its first used_k[b] keys of the packed cache (rows cu_k[b] ...): PyTorch's
+    FlashAttention-2 forward in its variable-length form. Returns [B, H, D]."""
+    out = torch.ops.aten._flash_attention_forward(
+        q_BHD, k_packed, v_packed, cu_q, cu_k, 1, max_k, 0.0, False, False, scale=scale, seqused_k=used_k
+    )[0]
+    return out
+
+
+def flash_decode_unavailable(dtype: torch.dtype, head_dim: int, device: torch.device) -> str | None:
+    """Why `decode_attention=flash` cannot run here (None if it can): CUDA, 16-bit activations, and a tiny call that
+    must match plain attention (catches a PyTorch built without FlashAttention or without `seqused_k`)."""
+    if device.type != "cuda":
+        return "it needs a CUDA device"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FlashAttention needs bfloat16 or float16 activations, the engine runs {dtype}"
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        B, T, G, r, D = 2, 8, 2, 2, head_dim
+        q = torch.randn(B, G * r, D, generator=g, device=device, dtype=dtype)
+        k = torch.randn(B * T, G, D, generator=g, device=device, dtype=dtype)
+        v = torch.randn(B * T, G, D, generator=g, device=device, dtype=dtype)
+        cu = torch.arange(B + 1, device=device, dtype=torch.int32)
+        used = torch.tensor([3, 8], device=device, dtype=torch.int32)
+        out = flash_varlen(q, k, v, cu, cu * T, T, used, D**-0.5)
+        for b in range(B):
+            n = int(used[b])
+            kb = k[b * T : b * T + n].float().repeat_interleave(r, dim=1)  # [n, H, D]
+            vb = v[b * T : b * T + n].float().repeat_interleave(r, dim=1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), kb) * D**-0.5, dim=-1)
+            ref = torch.einsum("hn,nhd->hd", p, vb)
+            if not torch.allclose(out[b].float(), ref, atol=2e-2, rtol=2e-2):
+                return "PyTorch's flash kernel ignored seqused_k here (its answer differs from plain attention)"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
+        return f"PyTorch's flash attention kernel failed here ({type(exc).__name__}: {exc})"
+    return None

@@ -30,7 +30,7 @@ import torch
 from aligner.config.generation import GenerationConfig
 from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
-from aligner.generation.native.decoder import Decoder, Layout
+from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unavailable
 from aligner.generation.native.fused import triton_available
 from aligner.generation.native.sampling import (
     sample_tokens,
@@ -106,6 +106,17 @@ class NativeEngine:
         self.max_batch = gen_cfg.max_batch_size
         self.max_seq = gen_cfg.max_prompt_length + gen_cfg.max_response_length
         self.max_new = gen_cfg.max_response_length
+        attention = gen_cfg.decode_attention
+        if attention in ("auto", "flash"):
+            why_not = flash_decode_unavailable(kv_dtype, layout.head_dim, self.device)
+            if why_not is not None and attention == "flash":
+                raise ValueError(
+                    f"generation.decode_attention=flash is not possible here: {why_not}; use auto or matmul"
+                )
+            attention = "flash" if why_not is None else "matmul"
+        self.decode_attention = attention
+        if gen_cfg.decode_attention == "auto" and self.on_gpu:
+            log.info("generation engine: decode attention %s%s", attention, "" if why_not is None else f" ({why_not})")
         compile_ = gen_cfg.compile_elementwise == "on" or (
             gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available()
         )
@@ -117,7 +128,7 @@ class NativeEngine:
             self.max_seq,
             kv_dtype,
             self.device,
-            gen_cfg.decode_attention,
+            attention,
             compile_elementwise=compile_,
             inv_freq=module.rotary_pos_emb.inv_freq if layout.family.rope else None,
         )
