@@ -30,6 +30,7 @@ def kind_of(name: str) -> str:
 
 def profile_call(fn, device: torch.device, top: int = 15) -> dict:
     """Run `fn()` once under the profiler (the caller warms up first): top kernels and the split by kind."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     gpu = device.type == "cuda"
@@ -43,8 +44,12 @@ def profile_call(fn, device: torch.device, top: int = 15) -> dict:
             torch.cuda.synchronize(device)
     wall_ms = (time.perf_counter() - start) * 1e3
     events = prof.key_averages()
-    if gpu:
-        rows = [(e.key, e.count, e.self_device_time_total / 1e3) for e in events if e.self_device_time_total > 0]
+    if gpu:  # the kernels themselves (a CPU op's device time is its kernels': counting both would count twice)
+        rows = [
+            (e.key, e.count, e.self_device_time_total / 1e3)
+            for e in events
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+        ]
     else:
         rows = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in events if e.self_cpu_time_total > 0]
     rows.sort(key=lambda r: -r[2])

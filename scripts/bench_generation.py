@@ -27,8 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="also a top-kernels table of one call (torch profiler)")
     parser.add_argument(
         "--decode-attention",
-        default="auto",
-        choices=["auto", "matmul", "sdpa", "flash"],
+        default="matmul",
+        choices=["matmul", "sdpa", "flash"],
         help="generation.decode_attention",
     )
     parser.add_argument("--out", default=None, help="write the report as JSON here")

@@ -98,6 +98,7 @@ class Decoder:
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)
         self.rows = torch.arange(max_batch, device=device)
+        self.cu_rows = torch.arange(max_batch + 1, device=device, dtype=torch.int32)  # flash's cumulative offsets
         self.cos = self.sin_signed = None
         if layout.family.rope:
             # megatron's RotaryEmbedding: the angles in float32, cos/sin cast to the activation dtype.
@@ -236,7 +237,7 @@ class Decoder:
             )
         elif self.decode_attention == "flash":
             T = self.max_seq
-            cu_q = self.rows[: B + 1].to(torch.int32)  # one query row per sample
+            cu_q = self.cu_rows[: B + 1]  # one query row per sample
             cu_k = cu_q * T  # sample b's keys start at row b*T of the packed cache
             used_k = (pos_B + 1).to(torch.int32)
 

@@ -106,17 +106,11 @@ class NativeEngine:
         self.max_batch = gen_cfg.max_batch_size
         self.max_seq = gen_cfg.max_prompt_length + gen_cfg.max_response_length
         self.max_new = gen_cfg.max_response_length
-        attention = gen_cfg.decode_attention
-        if attention in ("auto", "flash"):
+        attention = self.decode_attention = gen_cfg.decode_attention
+        if attention == "flash":
             why_not = flash_decode_unavailable(kv_dtype, layout.head_dim, self.device)
-            if why_not is not None and attention == "flash":
-                raise ValueError(
-                    f"generation.decode_attention=flash is not possible here: {why_not}; use auto or matmul"
-                )
-            attention = "flash" if why_not is None else "matmul"
-        self.decode_attention = attention
-        if gen_cfg.decode_attention == "auto" and self.on_gpu:
-            log.info("generation engine: decode attention %s%s", attention, "" if why_not is None else f" ({why_not})")
+            if why_not is not None:
+                raise ValueError(f"generation.decode_attention=flash is not possible here: {why_not}; use matmul")
         compile_ = gen_cfg.compile_elementwise == "on" or (
             gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available()
         )
