@@ -61,6 +61,7 @@ NOT_INHERITED = (
     "sequence_parallel",
     "recompute_method",
     "recompute_num_layers",
+    "rope_fusion",
 )
 
 

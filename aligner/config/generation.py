@@ -25,9 +25,7 @@ class GenerationConfig:
     share_weights: Literal["auto", "on", "off"] = "auto"  # engine reads the policy tensors, no copy (auto: if it can)
     cuda_graphs: bool = True  # capture the decode step on GPU (ignored on CPU)
     compile_elementwise: Literal["auto", "on", "off"] = "auto"  # torch.compile of norms/RoPE/activations (auto: GPU)
-    # matmul: batched GEMMs, GQA without copies (fastest measured, docs/PERF.md); flash: FlashAttention-2 over each
-    # sample's filled slots (CUDA); sdpa: PyTorch's SDPA with a mask
-    decode_attention: Literal["matmul", "sdpa", "flash"] = "matmul"
+    decode_attention: Literal["matmul", "sdpa", "flash"] = "matmul"  # matmul: batched GEMMs (fastest measured)
     kv_block: int = 64  # decode attends over the cache rounded up to a multiple of this (one graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
     check_done_every: int = 16  # decode steps between host checks of "every sample ended" (each check syncs)

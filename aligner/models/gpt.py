@@ -76,13 +76,14 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         fp16=dtype == torch.float16,
         pipeline_dtype=pipeline_dtype or dtype,
         # megatron's jit-fused SwiGLU and bias-dropout-add need neither apex nor TE: on for the GPU. GELU stays
-        # unfused so GPT-2's tanh approximation is the same function on every device. Fusions that need apex or TE
-        # (persistent layer norm, fused RoPE, masked softmax) stay off: the SDPA path needs none of them.
+        # unfused so GPT-2's tanh approximation is the same function on every device. Fused RoPE: TE's kernel or
+        # aligner's compiled one (aligner.models.rope_fusion, model.rope_fusion). Fusions that need apex or TE
+        # (persistent layer norm, masked softmax) stay off: the SDPA path needs neither.
         bias_activation_fusion=traits.gated_mlp and traits.activation == "silu" and not on_cpu,
         bias_dropout_fusion=not on_cpu,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=_rope_fusion(cfg, traits, not on_cpu),
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
         perform_initialization=True,
@@ -93,6 +94,15 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         sequence_parallel=cfg.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1,
         **_recompute(cfg),
     )
+
+
+def _rope_fusion(cfg: ModelConfig, traits, gpu: bool) -> bool:
+    from aligner.models import rope_fusion as rope
+
+    if not rope.wanted(cfg.rope_fusion, traits.rope, traits.rotary_interleaved, gpu):
+        return False
+    rope.install()  # before TransformerConfig checks that a fused kernel exists
+    return True
 
 
 def _recompute(cfg: ModelConfig) -> dict:
