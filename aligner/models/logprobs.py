@@ -5,6 +5,9 @@ The softmax normaliser is assembled with two all-reduces over the TP group (max,
 token's logit comes from the one rank that owns it (an all-reduce of a masked gather). Columns at or past
 `vocab_size` (megatron's padding) are masked to -inf, so they carry no probability and no gradient.
 Temperature divides the logits before the softmax, exactly as the sampler does.
+Memory: the logits are read in row chunks (CHUNK_ELEMENTS float32 values at a time) in the forward and again in
+the backward, which recomputes the probabilities; nothing of the float32 [tokens, vocabulary] size is kept for
+backward (it was two such tensors: ~1 GB per 8k tokens of a 32k vocabulary, 4 GB at a 128k one).
 
 Alignment: callers pass logits of positions 0..T-2 and targets = tokens 1..T-1 (the log-prob of token t+1 comes
 from position t); `shift_for_next_token` does that slicing.
@@ -22,64 +25,96 @@ def _tp_info(group):
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def _masked_scaled(logits_BTv, temperature, vocab_size, rank, world):
-    """Temperature-scaled float32 logits with vocabulary padding set to -inf; also the slice's start index."""
-    local_v = logits_BTv.shape[-1]
-    start = rank * local_v
-    logits = logits_BTv.float()
+# Rows of logits turned into float32 at a time: 2^26 elements (256 MiB) per pass, whatever the vocabulary and
+# micro-batch. The float32 softmax over the whole [tokens, vocabulary] block is never held.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def _scaled_chunk(logits_Nv, temperature, pad_v):
+    """float32 logits of some rows, divided by the temperature, vocabulary padding at -inf."""
+    z = logits_Nv.float()
     if temperature != 1.0:
-        logits = logits / temperature
-    if vocab_size is not None and start + local_v > vocab_size:
-        pad = torch.arange(start, start + local_v, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(pad, float("-inf"))
-    return logits, start
+        z = z / temperature
+    return z if pad_v is None else z.masked_fill(pad_v, float("-inf"))
+
+
+def _chunks(B: int, T: int, width: int, chunk_elements: int) -> list[tuple[slice, slice]]:
+    """(samples, positions) index pairs covering [B, T], each at most ~chunk_elements x width values: whole samples
+    where they fit (slicing the first dimension never copies, also for the shifted, non-contiguous logits)."""
+    rows = max(1, chunk_elements // max(1, width))
+    if T <= rows:
+        step = rows // T
+        return [(slice(b, min(B, b + step)), slice(0, T)) for b in range(0, B, step)]
+    return [(slice(b, b + 1), slice(t, min(T, t + rows))) for b in range(B) for t in range(0, T, rows)]
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
-    """Returns (logp of targets, entropy), both [B, T]; backward is exact and purely local after the forward's
-    reductions (softmax of the slice minus one-hot of the owned target)."""
+    """(logp of targets, entropy), both [B, T] float32, from this rank's [B, T, v] logit slice, in chunks.
+
+    Forward: pass 1, each position's max over the slice (all-reduced MAX over TP); pass 2, per position
+    sum exp(z - max), sum exp(z - max) * (z - max) and the target's z - max on the rank that owns it (one all-reduce
+    of the three). Saved for backward: the logits themselves (already alive as the model's output) and
+    per-position statistics. Backward recomputes each chunk's probabilities and writes d/dlogits in the logits'
+    dtype: p * (-g_logp - g_ent * (z - mean)) + onehot * g_logp, over the temperature (the shift cancels)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group, world, rank, start):
-        local_v = logits.shape[-1]
-        max_local = logits.max(dim=-1).values
-        max_global = max_local.clone()
+    def forward(ctx, logits, targets, group, world, start, temperature, vocab_size, chunk_elements):
+        B, T, local_v = logits.shape
+        dev = logits.device
+        pad_v = None
+        if vocab_size is not None and start + local_v > vocab_size:
+            pad_v = torch.arange(start, start + local_v, device=dev) >= vocab_size
+        chunks = _chunks(B, T, local_v, chunk_elements)
+        max_BT = torch.empty(B, T, dtype=torch.float32, device=dev)
+        for c in chunks:
+            max_BT[c] = _scaled_chunk(logits[c], temperature, pad_v).max(dim=-1).values
         if world > 1:
-            dist.all_reduce(max_global, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - max_global.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(-1)
-        # sum p*shifted for the entropy: H = log Z - sum p * shifted, with Z = sum exp(shifted)
-        sum_exp_shifted = (exp * torch.where(torch.isinf(shifted), 0.0, shifted)).sum(-1)
+            dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=group)
         owned = (targets >= start) & (targets < start + local_v)
-        local_idx = (targets - start).clamp(0, local_v - 1)
-        # where, not multiply: a slice that is all padding holds -inf, and -inf * 0 is nan
-        target_shifted = torch.where(owned, shifted.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1), 0.0)
-        stats = torch.stack([sum_exp, sum_exp_shifted, target_shifted])
+        idx = (targets - start).clamp(0, local_v - 1)
+        stats = torch.zeros(3, B, T, dtype=torch.float32, device=dev)  # sum_exp, sum_exp_shifted, target
+        for c in chunks:
+            shifted = _scaled_chunk(logits[c], temperature, pad_v) - max_BT[c].unsqueeze(-1)
+            exp = shifted.exp()
+            stats[(0, *c)] = exp.sum(-1)
+            # H = log Z - sum p * shifted; padding (-inf, weight 0) contributes 0, not nan
+            stats[(1, *c)] = (exp * torch.where(torch.isinf(shifted), 0.0, shifted)).sum(-1)
+            # where, not multiply: a slice that is all padding holds -inf, and -inf * 0 is nan
+            target = shifted.gather(-1, idx[c].unsqueeze(-1)).squeeze(-1)
+            stats[(2, *c)] = torch.where(owned[c], target, 0.0)
         if world > 1:
             dist.all_reduce(stats, group=group)
         sum_exp, sum_exp_shifted, target_shifted = stats
         log_z = sum_exp.log()
         logp = target_shifted - log_z
-        probs_mean_shifted = sum_exp_shifted / sum_exp
-        entropy = log_z - probs_mean_shifted
-        probs = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(probs, shifted, owned, local_idx, log_z, probs_mean_shifted)
+        mean_shifted = sum_exp_shifted / sum_exp
+        entropy = log_z - mean_shifted
+        ctx.save_for_backward(logits, owned, idx, max_BT, log_z, mean_shifted)
+        ctx.pad_v, ctx.temperature, ctx.chunks = pad_v, temperature, chunks
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        probs, shifted, owned, local_idx, log_z, mean_shifted = ctx.saved_tensors
-        grad = torch.zeros_like(probs)
-        if grad_logp is not None:
-            grad = grad - probs * grad_logp.unsqueeze(-1)
-            onehot = torch.zeros_like(probs).scatter_(-1, local_idx.unsqueeze(-1), 1.0) * owned.unsqueeze(-1)
-            grad = grad + onehot * grad_logp.unsqueeze(-1)
-        if grad_entropy is not None:
-            # dH/dz_i = -p_i (z_i - sum_j p_j z_j), z the shifted logits (the shift cancels).
-            finite_shifted = torch.where(torch.isinf(shifted), 0.0, shifted)
-            grad = grad - probs * (finite_shifted - mean_shifted.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
-        return grad, None, None, None, None, None
+        logits, owned, idx, max_BT, log_z, mean_shifted = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for c in ctx.chunks:
+            shifted = _scaled_chunk(logits[c], ctx.temperature, ctx.pad_v) - max_BT[c].unsqueeze(-1)
+            probs = (shifted - log_z[c].unsqueeze(-1)).exp()
+            coeff = torch.zeros_like(probs)
+            if grad_logp is not None:
+                coeff = coeff - grad_logp[c].unsqueeze(-1)
+            if grad_entropy is not None:
+                # dH/dz_i = -p_i (z_i - sum_j p_j z_j), z the shifted logits
+                finite = torch.where(torch.isinf(shifted), 0.0, shifted)
+                coeff = coeff - grad_entropy[c].unsqueeze(-1) * (finite - mean_shifted[c].unsqueeze(-1))
+            grad = probs * coeff
+            if grad_logp is not None:
+                hit = torch.where(owned[c], grad_logp[c], 0.0).unsqueeze(-1)
+                grad = grad.scatter_add(-1, idx[c].unsqueeze(-1), hit)
+            if ctx.temperature != 1.0:
+                grad = grad / ctx.temperature
+            grad_logits[c] = grad
+        return grad_logits, None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -89,15 +124,25 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     with_entropy: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ):
     """Log-prob of `targets_BT` under softmax(logits / temperature) over the full (unpadded) vocabulary.
 
-    logits_BTv: this TP rank's vocabulary slice (any float dtype; computed in float32).
-    Returns logp_BT (float32), or (logp_BT, entropy_BT) with `with_entropy`. Differentiable w.r.t. logits.
+    logits_BTv: this TP rank's vocabulary slice (any float dtype; computed in float32, about `chunk_elements`
+    values at a time). Returns logp_BT (float32), or (logp_BT, entropy_BT) with `with_entropy`. Differentiable
+    w.r.t. logits; the gradient comes back in the logits' dtype.
     """
     group, world, rank = _tp_info(tp_group)
-    logits, start = _masked_scaled(logits_BTv, temperature, vocab_size, rank, world)
-    logp, entropy = _VocabParallelLogProbs.apply(logits, targets_BT.long(), group, world, rank, start)
+    logp, entropy = _VocabParallelLogProbs.apply(
+        logits_BTv,
+        targets_BT.long(),
+        group,
+        world,
+        rank * logits_BTv.shape[-1],
+        float(temperature),
+        vocab_size,
+        chunk_elements,
+    )
     return (logp, entropy) if with_entropy else logp
 
 

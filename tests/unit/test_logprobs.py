@@ -50,3 +50,49 @@ def test_shift_alignment():
     lg, tg = shift_for_next_token(logits, tokens)
     assert lg.shape == (1, 3, 3) and tg.tolist() == [[6, 7, 8]]
     assert torch.equal(lg[0, 0], logits[0, 0])
+
+
+@pytest.mark.parametrize("chunk_elements", [16 * 3, 16 * 5 * 2])  # positions split inside a sample; whole samples
+def test_chunks_change_nothing(chunk_elements):
+    """Any chunking gives the one-chunk answer, forward and backward, on the shifted (non-contiguous) logits that
+    the losses pass, with temperature, padding and both outputs."""
+    torch.manual_seed(1)
+    full = torch.randn(3, 6, 16, dtype=torch.float64) * 3
+    targets = torch.randint(0, 13, (3, 5))
+    w1, w2 = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    results = []
+    for chunk in (1 << 30, chunk_elements):
+        x = full.clone().requires_grad_()
+        logits, _ = shift_for_next_token(x, torch.zeros(3, 6, dtype=torch.long))
+        assert not logits.is_contiguous()
+        logp, ent = vocab_parallel_logprobs(
+            logits, targets, temperature=0.7, vocab_size=13, with_entropy=True, chunk_elements=chunk
+        )
+        ((logp * w1).sum() + (ent * w2).sum()).backward()
+        results.append((logp, ent, x.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_backward_keeps_no_float32_copy_of_the_vocabulary():
+    """What autograd keeps between forward and backward: the bf16 logits themselves and per-position statistics,
+    never a float32 [tokens, vocabulary] tensor; the gradient comes back in bf16."""
+    B, T, V = 2, 7, 64
+    logits = (torch.randn(B, T, V) * 2).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (B, T))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, ent = vocab_parallel_logprobs(logits, targets, with_entropy=True, chunk_elements=V)
+    big = [t for t in saved if t.numel() >= B * T * V]
+    assert len(big) == 1 and big[0].dtype == torch.bfloat16 and big[0].data_ptr() == logits.data_ptr()
+    (logp.sum() + ent.sum()).backward()
+    assert logits.grad.dtype == torch.bfloat16
+    ref = logits.detach().float().requires_grad_()
+    lp = torch.log_softmax(ref, -1)
+    (lp.gather(-1, targets.unsqueeze(-1)).sum() - (lp.exp() * lp).sum()).backward()
+    torch.testing.assert_close(logits.grad.float(), ref.grad, rtol=2e-2, atol=4e-3)
