@@ -91,11 +91,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         entropy = log_z - mean_shifted
         ctx.save_for_backward(logits, owned, idx, max_BT, log_z, mean_shifted)
         ctx.pad_v, ctx.temperature, ctx.chunks = pad_v, temperature, chunks
+        ctx.set_materialize_grads(False)  # an output the loss does not use (often the entropy) costs no backward work
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, owned, idx, max_BT, log_z, mean_shifted = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 8
         grad_logits = torch.empty_like(logits)
         for c in ctx.chunks:
             shifted = _scaled_chunk(logits[c], ctx.temperature, ctx.pad_v) - max_BT[c].unsqueeze(-1)
