@@ -98,7 +98,7 @@ def test_backward_keeps_no_float32_copy_of_the_vocabulary():
     torch.testing.assert_close(logits.grad.float(), ref.grad, rtol=2e-2, atol=4e-3)
 
 
-def test_an_unused_output_gets_no_gradient_work_and_the_same_answer():
+def test_with_the_entropy_unused_by_the_loss_the_gradient_is_the_logp_one():
     torch.manual_seed(2)
     logits = torch.randn(2, 4, 10, dtype=torch.float64)
     targets = torch.randint(0, 10, (2, 4))
