@@ -23,7 +23,9 @@ def main(argv) -> int:
     if wants_help(argv):  # every config key, its value and its meaning, from the schema
         print(config_help(CriticJobConfig, argv, "ppo_critic", __doc__))
         return 0
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    from aligner.utils.logs import setup_logging
+
+    setup_logging(logging.WARNING)  # the job's format; ranks other than 0 only from ERROR up
     try:
         cfg = load_critic_config(argv, default_name="ppo_critic")
     except ConfigError as exc:
