@@ -87,6 +87,8 @@ class OptimConfig:
     warmup_steps: int = 0  # optimizer steps of linear warm-up to lr
     lr_decay_steps: Optional[int] = None  # None = constant after warm-up
     use_distributed_optimizer: bool = True  # megatron's, on GPU; ignored on CPU
+    overlap_grad_reduce: bool = False  # DP > 1: reduce gradients in buckets during the backward, not after it
+    grad_bucket_size: Optional[int] = None  # elements per gradient bucket with overlap (None = megatron's default)
 
 
 @dataclass

@@ -80,12 +80,20 @@ class TrainableModel:
                 p.requires_grad_(False)
             self.model = [module]
             return
+        # With overlap, megatron's DDP starts each bucket's reduction (all-reduce, or reduce-scatter under the
+        # distributed optimizer) from a backward hook once the bucket's last gradient of the last micro-batch is in;
+        # the schedule holds it back for the earlier micro-batches (no_sync) and finalize_model_grads waits for it.
+        overlap = optim_cfg.overlap_grad_reduce and parallel_state.get_data_parallel_world_size() > 1
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=overlap,
             use_distributed_optimizer=optim_cfg.use_distributed_optimizer and on_gpu(),
+            bucket_size=optim_cfg.grad_bucket_size if overlap else None,
         )
-        self.model = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)]
+        ddp = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)
+        if overlap:
+            self.config.no_sync_func, self.config.grad_sync_func = ddp.no_sync, ddp.start_grad_sync
+        self.model = [ddp]
         self.optimizer = build_optimizer(self.model, self.config, optim_cfg)
 
     @property

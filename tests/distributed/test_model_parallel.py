@@ -33,7 +33,7 @@ def _full_weights(rank, world, arch):
     return full_state_dict(build_gpt(cfg), cfg)
 
 
-def _run(rank, world, tp, pp, arch, full):
+def _run(rank, world, tp, pp, arch, full, overlap=False, steps=1):
     from megatron.core import parallel_state as ps
 
     from aligner.config import OptimConfig
@@ -44,7 +44,12 @@ def _run(rank, world, tp, pp, arch, full):
 
     initialize(tensor_parallel=tp, pipeline_parallel=pp, seed=3)
     cfg = _model_cfg(arch)
-    model = TrainableModel(cfg, OptimConfig(lr=1e-3, clip_grad=0.0))
+    # overlap: buckets of 2000 elements, so that several reductions start during the backward
+    optim = OptimConfig(lr=1e-3, clip_grad=0.0, overlap_grad_reduce=overlap, grad_bucket_size=2000)
+    model = TrainableModel(cfg, optim)
+    assert model.model[0].ddp_config.overlap_grad_reduce == (overlap and world // (tp * pp) > 1)
+    if overlap:
+        assert len(model.model[0].buffers[0].buckets) > 1
     load_full_state_dict(model.module, full, cfg)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -63,7 +68,10 @@ def _run(rank, world, tp, pp, arch, full):
         return nll / total_tokens, {"nll_sum": nll.detach()}
 
     logps = model.forward(micro, logp)
-    result = model.step(micro, loss_fn)
+    for _ in range(steps):  # megatron's DDP overlaps from the second step on (the first counts each bucket's grads)
+        result = model.step(micro, loss_fn)
+    if overlap:
+        assert all(not g.is_first_batch for g in model.model[0].bucket_groups), "the overlapped path ran"
     metrics = {"grad_norm": result["grad_norm"], "nll_sum": sum(s["nll_sum"] for s in result["stats"])}
     grads = full_state_dict(model.module, cfg, grads=True)
     return {
@@ -107,7 +115,11 @@ def test_pp2_matches_pp1():
     _compare(base, run_ranks(_run, 2, 1, 2, "llama", full), dp=1)
 
 
-def test_dp2_half_batches_match_one_big_batch():
+@pytest.mark.parametrize("overlap", [False, True], ids=["reduce-after", "overlap-grad-reduce"])
+def test_dp2_half_batches_match_one_big_batch(overlap):
+    """With overlap, two steps: megatron's DDP launches bucket reductions from the backward only from the second
+    step on; the second step's gradients (after one update) must still be one big batch's."""
     full = run_ranks(_full_weights, 1, "llama")[0]
-    base = run_ranks(_run, 1, 1, 1, "llama", full)
-    _compare(base, run_ranks(_run, 2, 1, 1, "llama", full), dp=2)
+    steps = 2 if overlap else 1
+    base = run_ranks(_run, 1, 1, 1, "llama", full, False, steps)
+    _compare(base, run_ranks(_run, 2, 1, 1, "llama", full, overlap, steps), dp=2)
