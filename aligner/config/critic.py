@@ -84,6 +84,9 @@ class CriticJobConfig:
     reward_std: Optional[float] = None  # see reward_mean; null: reward_stats.json of the reward model, else 1
     reward_fn: Optional[str] = None  # path.py[:name] (default name reward_fn), as the actor's reward.fn: REWARDS.md
     tokenizer: Optional[str] = None  # decodes tokens for reward_fn (tokenizer.json or an HF tokenizer directory)
+    reward_fn_workers: int = 2  # processes (beside rank 0) that run reward_fn; a crashed one is replaced
+    reward_fn_timeout: float = 60.0  # seconds one call of reward_fn may take: then critic_infer fails naming it
+    reward_fn_samples_per_call: int = 1  # samples per call of reward_fn (a failure names the call's samples)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how both models are split over the ranks
     optim: OptimConfig = field(default_factory=OptimConfig)  # the critic's optimizer
     train: CriticTrainConfig = field(default_factory=CriticTrainConfig)  # how critic_train requests train
@@ -126,6 +129,11 @@ class CriticJobConfig:
                     "reward_fn scores decoded text: set tokenizer (a tokenizer.json or an "
                     "HF tokenizer directory)" + (" or model.tokenizer" if self.model is not None else ""),
                 )
+            for key in ("reward_fn_workers", "reward_fn_samples_per_call"):
+                if getattr(self, key) < 1:
+                    raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
+            if not self.reward_fn_timeout > 0:
+                raise ConfigError("reward_fn_timeout", f"must be > 0 seconds, got {self.reward_fn_timeout}")
         t, s = self.train, self.server
         for key, value in (
             ("train.global_batch_size", t.global_batch_size),

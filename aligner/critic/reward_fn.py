@@ -6,10 +6,11 @@ responses: list[str])`, plus `labels: list[str | None]` (critic_infer's optional
 it accepts `labels` or **kwargs, and returns one finite float per sample. Text comes from decoding tokens with the
 job's tokenizer, special tokens skipped: the prompt is `tokens[:prompt_length]`, the response
 `tokens[prompt_length:length]` (the whole sequence without prompt_lengths).
-Failures raise RewardFunctionError naming the function and, for a bad score, the sample: it raised (sys.exit too:
-user code must not stop the critic job), returned something other than one number per sample, or a number that is
-not finite in float32 (the dtype rewards are used in). Unlike the actor's RewardPool, the function runs in the
-critic's own process: it has no per-call timeout.
+The function runs in worker processes (aligner.rewards.pool, as the actor's reward.fn does), started on the
+critic's rank 0 only: a call that hangs past `reward_fn_timeout` or crashes its process is killed and replaced, and
+every failure raises RewardFunctionError naming the function and the sample: it raised (sys.exit too), returned
+something other than one number per sample, or a number that is not finite in float32 (the dtype rewards are
+used in). The critic job itself stays up and answers the next request.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from aligner.rewards.function import RewardFunctionError, accepts_labels, call, load_function
+from aligner.rewards.function import RewardFunctionError
+from aligner.rewards.pool import RewardPool
 
 __all__ = ["RewardFunction", "RewardFunctionError", "load_tokenizer_decode"]
 
@@ -38,13 +40,13 @@ def load_tokenizer_decode(path: str) -> Callable[[Sequence[int]], str]:
 
 
 class RewardFunction:
-    """The function of `spec` (`path.py[:name]`) plus the tokenizer that turns token rows back into text."""
+    """The function of `spec` (`path.py[:name]`) in a pool of worker processes, plus the tokenizer that turns token
+    rows back into text. `workers=0`: no pool (the ranks other than 0, which never call it)."""
 
-    def __init__(self, spec: str, tokenizer_path: str):
+    def __init__(self, spec: str, tokenizer_path: str, workers: int, timeout_s: float, samples_per_call: int = 1):
         self.spec = spec
-        self.fn = load_function(spec)
         self.decode = load_tokenizer_decode(tokenizer_path)
-        self.takes_labels = accepts_labels(self.fn)
+        self.pool = RewardPool(spec, workers, timeout_s, samples_per_call, keys="reward_fn_") if workers else None
 
     def texts(self, tokens_BT: np.ndarray, lengths_B: np.ndarray, prompt_lengths_B: np.ndarray | None):
         prompts, responses = [], []
@@ -63,34 +65,11 @@ class RewardFunction:
         labels: list | None = None,
     ) -> np.ndarray:
         """Rewards float32 [B] for the rows of `tokens_BT`."""
+        if self.pool is None:
+            raise RuntimeError("this rank holds no reward-function workers (they run on rank 0)")
         prompts, responses = self.texts(tokens_BT, lengths_B, prompt_lengths_B)
-        labels = labels if labels is not None else [None] * len(prompts)
-        try:
-            out = call(self.fn, self.takes_labels, prompts, responses, labels)
-        except BaseException as exc:  # SystemExit too: user code must not stop the critic job
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            what = f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit) else f"raised {exc!r}"
-            raise RewardFunctionError(f"reward function {self.spec} {what}") from exc
-        try:
-            scores = [float(s) for s in out]
-        except (TypeError, ValueError) as exc:
-            raise RewardFunctionError(
-                f"reward function {self.spec} must return a list of floats, got {type(out).__name__}: {exc}"
-            ) from exc
-        if len(scores) != len(prompts):
-            raise RewardFunctionError(
-                f"reward function {self.spec} returned {len(scores)} scores for {len(prompts)} samples: return one "
-                "per sample"
-            )
-        # Checked in float32, the dtype the rewards are used in: 1e39 is finite as a Python float, inf here.
-        with np.errstate(over="ignore", invalid="ignore"):
-            rewards = np.asarray(scores, dtype=np.float64).astype(np.float32)
-        bad = np.flatnonzero(~np.isfinite(rewards))
-        if bad.size:
-            i = int(bad[0])
-            raise RewardFunctionError(
-                f"reward function {self.spec} returned {scores[i]} for sample {i} (prompt {prompts[i][:50]!r}, "
-                f"response {responses[i][:60]!r}), not a finite float32: return finite scores"
-            )
-        return rewards
+        return self.pool.score(prompts, responses, labels)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()

@@ -565,6 +565,7 @@ class CriticServer:
             # loaded); objects that live until exit need not be scanned again: moved out of the collector's view.
             gc.freeze()
             self._triton.stop()
+        self.service.close()
         try:
             self.channel.send(OP_STOP, arg=code)
         except Exception as exc:  # noqa: BLE001 - the other ranks may already be gone

@@ -104,7 +104,12 @@ class CriticService:
             mean, std = self.reward_mean, self.reward_std
             LOG.warning("reward model scores standardised with mean %g, std %g, from %s", mean, std, source)
         # Loaded on every rank (a broken file fails everywhere at start-up), called on global rank 0 only.
-        self.reward_function = RewardFunction(cfg.reward_fn, cfg.tokenizer_path) if cfg.reward_fn else None
+        self.reward_function = None
+        if cfg.reward_fn:  # the workers on rank 0, the one rank that calls the function (_rewards_from_fn)
+            workers = cfg.reward_fn_workers if _global_rank() == 0 else 0
+            self.reward_function = RewardFunction(
+                cfg.reward_fn, cfg.tokenizer_path, workers, cfg.reward_fn_timeout, cfg.reward_fn_samples_per_call
+            )
         self.run_id: str | None = None  # set by resume(): the actor's run
         self.base_step = 0  # the step the critic's state corresponds to (resumed or last saved)
         self.trains_since_base = 0
@@ -112,6 +117,11 @@ class CriticService:
         dist_ckpt.start_writer()  # not inside the first critic_save request
 
     # -- layout helpers ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the reward function's worker processes (idempotent; they also exit when this process does)."""
+        if self.reward_function is not None:
+            self.reward_function.close()
+
     def _my_rows(self, batch: int) -> tuple[int, int]:
         return dp_rows(batch, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
 

@@ -113,10 +113,19 @@ class _Worker:
 
 
 class RewardPool:
-    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 60.0, samples_per_call: int = 1):
+    def __init__(
+        self,
+        spec: str,
+        num_workers: int = 2,
+        timeout_s: float = 60.0,
+        samples_per_call: int = 1,
+        keys: str = "reward.",
+    ):
+        """`keys`: how the job's config names the settings (errors say e.g. `reward.timeout`)."""
         if num_workers < 1 or samples_per_call < 1 or not timeout_s > 0:
             raise ValueError("num_workers and samples_per_call must be >= 1 and timeout_s > 0")
         self.spec, self.timeout_s, self.samples_per_call = spec, float(timeout_s), samples_per_call
+        self.keys = keys
         self._ctx = mp.get_context("spawn")
         self.workers: list[_Worker] = []
         try:
@@ -136,7 +145,9 @@ class RewardPool:
         if hi - lo == 1:
             where = f"sample {lo} of {batch}"
         else:
-            where = f"one call on samples {lo}..{hi - 1} of {batch} (reward.samples_per_call={self.samples_per_call})"
+            where = (
+                f"one call on samples {lo}..{hi - 1} of {batch} ({self.keys}samples_per_call={self.samples_per_call})"
+            )
         sample = f"prompt {_short(prompts[lo], 50)}, response {_short(responses[lo], 50)}"
         return RewardFunctionError(f"reward function {self.spec} failed on {where} ({sample}): {what}")
 
@@ -222,7 +233,7 @@ class RewardPool:
                             batch,
                             prompts,
                             responses,
-                            f"no answer within reward.timeout={self.timeout_s:g} s (the worker was killed)",
+                            f"no answer within {self.keys}timeout={self.timeout_s:g} s (the worker was killed)",
                         )
         except BaseException:
             for i in busy:  # their answers would arrive during the next batch

@@ -171,56 +171,88 @@ def _encode(text):
     return Tokenizer.from_file(TOKENIZER).encode(text, add_special_tokens=False).ids  # pieces: no <bos>
 
 
+def _reward_function(spec, workers=1, timeout_s=30.0, samples_per_call=1):
+    return RewardFunction(str(spec), TOKENIZER, workers, timeout_s, samples_per_call)
+
+
 def test_reward_function_decodes_prompt_and_response(tmp_path):
-    fn = RewardFunction(os.path.join(REPO, "conf", "demo", "reward.py"), TOKENIZER)
-    prompt, response = _encode("say a: cat:"), _encode("aab")
-    row = prompt + response
-    tokens = np.array([row + [0, 0], row[: len(prompt) + 1] + [0] * 4])
-    lengths = np.array([len(row), len(prompt) + 1])
-    prompts, responses = fn.texts(tokens, lengths, np.array([len(prompt)] * 2))
-    assert prompts == ["say a: cat:"] * 2 and responses == ["aab", "a"]
-    np.testing.assert_allclose(fn(tokens, lengths, np.array([len(prompt)] * 2), ["a", "b"]), [2 / 3, 0.0])
-    # without prompt lengths the whole sequence is the response
-    whole = fn(tokens, lengths)
-    text = "say a: cat:aab"
-    assert whole[0] == pytest.approx(text.count("a") / len(text))
+    fn = _reward_function(os.path.join(REPO, "conf", "demo", "reward.py"), workers=2)
+    try:
+        prompt, response = _encode("say a: cat:"), _encode("aab")
+        row = prompt + response
+        tokens = np.array([row + [0, 0], row[: len(prompt) + 1] + [0] * 4])
+        lengths = np.array([len(row), len(prompt) + 1])
+        prompts, responses = fn.texts(tokens, lengths, np.array([len(prompt)] * 2))
+        assert prompts == ["say a: cat:"] * 2 and responses == ["aab", "a"]
+        np.testing.assert_allclose(fn(tokens, lengths, np.array([len(prompt)] * 2), ["a", "b"]), [2 / 3, 0.0])
+        # without prompt lengths the whole sequence is the response
+        whole = fn(tokens, lengths)
+        text = "say a: cat:aab"
+        assert whole[0] == pytest.approx(text.count("a") / len(text))
+    finally:
+        fn.close()
 
 
 @pytest.mark.parametrize(
     "body, text",
     [
-        ("def reward_fn(p, r):\n    return [1.0]\n", "returned 1 scores for 2 samples"),
-        ("def reward_fn(p, r):\n    return [1.0, float('nan')]\n", "returned nan for sample 1"),
+        ("def reward_fn(p, r):\n    return []\n", "sample 0 of 2 (prompt '', response '"),
+        ("def reward_fn(p, r):\n    return [float('nan')]\n", "sample 0 of 2 (prompt '', response 'bc'): returned nan"),
         # finite as a Python float, inf in float32 (the dtype rewards are used in)
-        ("def reward_fn(p, r):\n    return [1e39, 0.0]\n", "returned 1e+39 for sample 0"),
-        ("def reward_fn(p, r):\n    raise KeyError('boom')\n", "raised KeyError('boom')"),
-        ("import sys\ndef reward_fn(p, r):\n    sys.exit(3)\n", "called sys.exit(3)"),
-        ("def reward_fn(p, r):\n    return 3\n", "must return a list of floats"),
+        ("def reward_fn(p, r):\n    return [1e39]\n", "returned 1e+39, which is not a finite float32"),
+        ("def reward_fn(p, r):\n    raise KeyError('boom')\n", "raised KeyError: 'boom'"),
+        ("import sys\ndef reward_fn(p, r):\n    sys.exit(3)\n", "raised SystemExit: 3"),
+        ("def reward_fn(p, r):\n    return 3\n", "returned 3, not a list of numbers"),
+        ("import os\ndef reward_fn(p, r):\n    os._exit(7)\n", "exited with code 7"),
     ],
 )
-def test_reward_function_errors_name_the_file(tmp_path, body, text):
+def test_reward_function_errors_name_the_file_and_the_sample(tmp_path, body, text):
+    """The critic's reward function runs in worker processes (aligner.rewards.pool): whatever it does, the critic
+    process gets a RewardFunctionError naming the function and the sample, and stays up."""
     path = tmp_path / "bad.py"
     path.write_text(body)
-    fn = RewardFunction(str(path), TOKENIZER)
-    with pytest.raises(RewardFunctionError) as info:
-        fn(np.array([[5, 6], [7, 8]]), np.array([2, 2]))
-    assert text in str(info.value) and str(path) in str(info.value)
+    fn = _reward_function(path)
+    try:
+        with pytest.raises(RewardFunctionError) as info:
+            fn(np.array([[5, 6], [7, 8]]), np.array([2, 2]), np.array([0, 0]))
+        assert text in str(info.value) and str(path) in str(info.value), str(info.value)
+    finally:
+        fn.close()
+
+
+def test_a_hung_reward_function_is_stopped_and_named(tmp_path):
+    path = tmp_path / "slow.py"
+    path.write_text("import time\ndef reward_fn(p, r):\n    time.sleep(600 if r[0] == 'a' else 0)\n    return [1.0]\n")
+    fn = _reward_function(path, workers=2, timeout_s=1.0)
+    try:
+        a, b = _encode("a"), _encode("b")
+        with pytest.raises(RewardFunctionError, match=r"sample 0 of 2 .* no answer within reward_fn_timeout=1 s"):
+            fn(np.array([a, b]), np.array([1, 1]), np.array([0, 0]))
+        # the worker was replaced: the next request is answered
+        np.testing.assert_array_equal(fn(np.array([b, b]), np.array([1, 1]), np.array([0, 0])), [1.0, 1.0])
+    finally:
+        fn.close()
 
 
 def test_reward_function_named_in_the_spec(tmp_path):
     """`path.py:name`, as the actor's reward.fn: the same loader (aligner.rewards.function); errors name the spec."""
     path = tmp_path / "judge.py"
-    path.write_text("def judge(p, r):\n    return [0.5] * len(p)\n\ndef broken(p, r):\n    return [0.5, 1e39]\n")
-    np.testing.assert_array_equal(RewardFunction(f"{path}:judge", TOKENIZER)(np.array([[5, 6]]), np.array([2])), [0.5])
-    with pytest.raises(RewardFunctionError, match=f"{path}:broken returned 1e\\+39 for sample 1"):
-        RewardFunction(f"{path}:broken", TOKENIZER)(np.array([[5, 6], [7, 8]]), np.array([2, 2]))
+    path.write_text("def judge(p, r):\n    return [0.5] * len(p)\n\ndef broken(p, r):\n    return [1e39]\n")
+    good, broken = _reward_function(f"{path}:judge"), _reward_function(f"{path}:broken")
+    try:
+        np.testing.assert_array_equal(good(np.array([[5, 6]]), np.array([2])), [0.5])
+        with pytest.raises(RewardFunctionError, match=f"{path}:broken failed on sample 0"):
+            broken(np.array([[5, 6], [7, 8]]), np.array([2, 2]))
+    finally:
+        good.close()
+        broken.close()
 
 
 def test_reward_function_file_without_reward_fn(tmp_path):
     path = tmp_path / "empty.py"
     path.write_text("x = 1\n")
     with pytest.raises(RewardFunctionError, match="defines no callable"):
-        RewardFunction(str(path), TOKENIZER)
+        _reward_function(path)
 
 
 # -- client ----------------------------------------------------------------------------------------------
