@@ -23,9 +23,10 @@ its first `kv_len` slots (a multiple of kv_block) through strided views. Its lay
   [kv_len, head_dim] matrix, the operand of a batched GEMM;
 - `sdpa` and `flash` (sequence-major) [layers, 2, max_batch, max_seq, KV groups / TP, head_dim]: a layer's K (or V)
   is the packed [max_batch x max_seq, groups, head_dim] tensor of a variable-length attention kernel, sample b's
-  keys starting at row b x max_seq. `flash` is PyTorch's FlashAttention-2 kernel in its variable-length form with
-  `seqused_k` (b's first pos_b + 1 keys): it reads only the filled slots, handles GQA itself and splits long key
-  ranges over thread blocks (CUDA only, probed at build).
+  keys starting at row b x max_seq. `flash` is PyTorch's FlashAttention-2 forward in its variable-length form with
+  `seqused_k` (b's first pos_b + 1 keys): it reads only the filled slots and handles GQA itself (CUDA only, probed
+  at build); on the H200 it ran slower than `matmul` (PyTorch's build picks its prefill kernel, not a split-KV
+  decode kernel: docs/PERF.md).
 """
 
 from __future__ import annotations
