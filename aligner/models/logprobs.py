@@ -66,8 +66,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             pad_v = torch.arange(start, start + local_v, device=dev) >= vocab_size
         chunks = _chunks(B, T, local_v, chunk_elements)
         max_BT = torch.empty(B, T, dtype=torch.float32, device=dev)
-        for c in chunks:
-            max_BT[c] = _scaled_chunk(logits[c], temperature, pad_v).max(dim=-1).values
+        for c in chunks:  # in the logits' own dtype: max commutes with the (exact) cast and the division by T > 0
+            chunk = logits[c] if pad_v is None else logits[c].masked_fill(pad_v, float("-inf"))
+            max_BT[c] = chunk.amax(dim=-1).float()
+        if temperature != 1.0:
+            max_BT /= temperature
         if world > 1:
             dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=group)
         owned = (targets >= start) & (targets < start + local_v)
@@ -103,9 +106,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         for c in ctx.chunks:
             shifted = _scaled_chunk(logits[c], ctx.temperature, ctx.pad_v) - max_BT[c].unsqueeze(-1)
             probs = (shifted - log_z[c].unsqueeze(-1)).exp()
-            coeff = torch.zeros_like(probs)
+            coeff = 0.0  # per element: -g_logp - g_ent * (z - mean), broadcast from [b, t, 1] where it can be
             if grad_logp is not None:
-                coeff = coeff - grad_logp[c].unsqueeze(-1)
+                coeff = -grad_logp[c].unsqueeze(-1)
             if grad_entropy is not None:
                 # dH/dz_i = -p_i (z_i - sum_j p_j z_j), z the shifted logits
                 finite = torch.where(torch.isinf(shifted), 0.0, shifted)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from aligner.parallel.device import triton_available
+
 _compiled = None
 
 
@@ -55,10 +57,4 @@ def wanted(setting: str, rope: bool, interleaved: bool, gpu: bool) -> bool:
         return False
     if setting == "on":
         return True
-    if not gpu:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return gpu and triton_available()

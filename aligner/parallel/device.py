@@ -18,6 +18,15 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
 
 
+def triton_available() -> bool:
+    """Whether Triton (torch.compile's GPU backend) imports here: the optional compiled kernels ask this."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def synchronize() -> None:
     """Wait for queued device work (a no-op on the CPU); timers call it so that a phase's time is its own."""
     if on_gpu():

@@ -31,7 +31,6 @@ from aligner.config.generation import GenerationConfig
 from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
 from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unavailable
-from aligner.generation.native.fused import triton_available
 from aligner.generation.native.sampling import (
     sample_tokens,
     token_logprobs,
@@ -39,6 +38,7 @@ from aligner.generation.native.sampling import (
 )
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
 from aligner.models.dtypes import torch_dtype
+from aligner.parallel.device import triton_available
 
 log = logging.getLogger(__name__)
 

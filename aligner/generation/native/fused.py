@@ -66,11 +66,3 @@ def make_kernels(family: FamilySpec, eps: float, compile_: bool, qk_norm: bool =
         wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True)  # noqa: E731
         return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
     return Kernels(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
