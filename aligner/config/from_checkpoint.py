@@ -62,6 +62,7 @@ NOT_INHERITED = (
     "recompute_method",
     "recompute_num_layers",
     "rope_fusion",
+    "logprob_fusion",
 )
 
 

@@ -22,6 +22,7 @@ from megatron.core.transformer import TransformerConfig
 
 from aligner.config.schema import ModelConfig
 from aligner.families import family
+from aligner.models import logprobs
 from aligner.models.attention import SDPAttention
 from aligner.models.dtypes import torch_dtype
 from aligner.models.norm import TorchNorm
@@ -51,6 +52,7 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
     dtype = torch_dtype(cfg.params_dtype)
     traits = family(cfg.arch)
     on_cpu = not on_gpu()
+    logprobs.set_fusion(cfg.logprob_fusion)  # the process's log-prob kernels (aligner.models.logprobs), chosen here
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,

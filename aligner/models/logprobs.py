@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from aligner.parallel.device import triton_available
+
 
 def _tp_info(group):
     if group is None or not dist.is_initialized():
@@ -36,6 +38,76 @@ def _scaled_chunk(logits_Nv, temperature, pad_v):
     if temperature != 1.0:
         z = z / temperature
     return z if pad_v is None else z.masked_fill(pad_v, float("-inf"))
+
+
+# The per-chunk maths: plain tensor code, run as it is (eagerly: a pass over the chunk per operation, float32
+# intermediates of the chunk's size) or compiled by torch.compile into a few fused kernels that read the logits once
+# per pass and keep nothing of the chunk's size in float32 (`model.logprob_fusion`).
+
+
+def _chunk_max(logits_c, pad_v):
+    """Each row's max in the logits' own dtype (max commutes with the exact cast and with division by T > 0)."""
+    chunk = logits_c if pad_v is None else logits_c.masked_fill(pad_v, float("-inf"))
+    return chunk.amax(dim=-1).float()
+
+
+def _chunk_stats(logits_c, max_c, idx_c, owned_c, temperature: float, pad_v):
+    """[3, rows]: sum exp(z - max), sum exp(z - max) * (z - max), and the target's z - max where this rank owns it."""
+    shifted = _scaled_chunk(logits_c, temperature, pad_v) - max_c.unsqueeze(-1)
+    exp = shifted.exp()
+    # H = log Z - sum p * shifted; padding (-inf, weight 0) contributes 0, not nan
+    sum_exp_shifted = (exp * torch.where(torch.isinf(shifted), 0.0, shifted)).sum(-1)
+    # where, not multiply: a slice that is all padding holds -inf, and -inf * 0 is nan
+    target = torch.where(owned_c, shifted.gather(-1, idx_c.unsqueeze(-1)).squeeze(-1), 0.0)
+    return torch.stack((exp.sum(-1), sum_exp_shifted, target))
+
+
+def _chunk_grad(logits_c, max_c, log_z_c, mean_c, idx_c, owned_c, g_logp_c, g_ent_c, temperature: float, pad_v):
+    """d loss / d logits of the chunk, in the logits' dtype: p * (-g_logp - g_ent * (z - mean)) + onehot * g_logp,
+    over the temperature (the shift by the max cancels). g_logp_c or g_ent_c may be None (that output unused)."""
+    shifted = _scaled_chunk(logits_c, temperature, pad_v) - max_c.unsqueeze(-1)
+    probs = (shifted - log_z_c.unsqueeze(-1)).exp()
+    coeff = 0.0  # per element, broadcast from [rows, 1] where it can be
+    if g_logp_c is not None:
+        coeff = -g_logp_c.unsqueeze(-1)
+    if g_ent_c is not None:
+        # dH/dz_i = -p_i (z_i - sum_j p_j z_j), z the shifted logits
+        finite = torch.where(torch.isinf(shifted), 0.0, shifted)
+        coeff = coeff - g_ent_c.unsqueeze(-1) * (finite - mean_c.unsqueeze(-1))
+    grad = probs * coeff
+    if g_logp_c is not None:
+        # the one-hot as a comparison with the column index (fuses with the rest; no scatter pass)
+        cols = torch.arange(logits_c.shape[-1], device=logits_c.device)
+        hit = torch.where(owned_c, g_logp_c, 0.0).unsqueeze(-1)
+        grad = grad + torch.where(cols == idx_c.unsqueeze(-1), hit, 0.0)
+    if temperature != 1.0:
+        grad = grad / temperature
+    return grad.to(logits_c.dtype)
+
+
+_EAGER = (_chunk_max, _chunk_stats, _chunk_grad)
+_compiled: tuple | None = None
+_fusion = "auto"
+
+
+def set_fusion(setting: str) -> None:
+    """`model.logprob_fusion`: auto (compiled on a GPU with Triton), on (always compiled, also on the CPU), off."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"model.logprob_fusion must be auto, on or off, not {setting!r}")
+    global _fusion
+    _fusion = setting
+
+
+def _kernels(device: torch.device) -> tuple:
+    """The chunk functions to run for logits on `device`: compiled where `set_fusion`'s setting applies."""
+    if _fusion == "off" or (_fusion == "auto" and not (device.type == "cuda" and triton_available())):
+        return _EAGER
+    global _compiled
+    if _compiled is None:
+        # dynamic=None: a chunk of a new shape (the last, shorter one; another micro-batch length) recompiles once
+        # with symbolic shapes, later ones reuse it
+        _compiled = tuple(torch.compile(f, dynamic=None, fullgraph=True) for f in _EAGER)
+    return _compiled
 
 
 def _chunks(B: int, T: int, width: int, chunk_elements: int) -> list[tuple[slice, slice]]:
@@ -65,26 +137,19 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         if vocab_size is not None and start + local_v > vocab_size:
             pad_v = torch.arange(start, start + local_v, device=dev) >= vocab_size
         chunks = _chunks(B, T, local_v, chunk_elements)
+        chunk_max, chunk_stats, chunk_grad = _kernels(dev)
         max_BT = torch.empty(B, T, dtype=torch.float32, device=dev)
-        for c in chunks:  # in the logits' own dtype: max commutes with the (exact) cast and the division by T > 0
-            chunk = logits[c] if pad_v is None else logits[c].masked_fill(pad_v, float("-inf"))
-            max_BT[c] = chunk.amax(dim=-1).float()
+        for c in chunks:
+            max_BT[c] = chunk_max(logits[c], pad_v)
         if temperature != 1.0:
             max_BT /= temperature
         if world > 1:
             dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=group)
         owned = (targets >= start) & (targets < start + local_v)
         idx = (targets - start).clamp(0, local_v - 1)
-        stats = torch.zeros(3, B, T, dtype=torch.float32, device=dev)  # sum_exp, sum_exp_shifted, target
+        stats = torch.empty(3, B, T, dtype=torch.float32, device=dev)  # sum_exp, sum_exp_shifted, target
         for c in chunks:
-            shifted = _scaled_chunk(logits[c], temperature, pad_v) - max_BT[c].unsqueeze(-1)
-            exp = shifted.exp()
-            stats[(0, *c)] = exp.sum(-1)
-            # H = log Z - sum p * shifted; padding (-inf, weight 0) contributes 0, not nan
-            stats[(1, *c)] = (exp * torch.where(torch.isinf(shifted), 0.0, shifted)).sum(-1)
-            # where, not multiply: a slice that is all padding holds -inf, and -inf * 0 is nan
-            target = shifted.gather(-1, idx[c].unsqueeze(-1)).squeeze(-1)
-            stats[(2, *c)] = torch.where(owned[c], target, 0.0)
+            stats[(slice(None), *c)] = chunk_stats(logits[c], max_BT[c], idx[c], owned[c], temperature, pad_v)
         if world > 1:
             dist.all_reduce(stats, group=group)
         sum_exp, sum_exp_shifted, target_shifted = stats
@@ -93,7 +158,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         mean_shifted = sum_exp_shifted / sum_exp
         entropy = log_z - mean_shifted
         ctx.save_for_backward(logits, owned, idx, max_BT, log_z, mean_shifted)
-        ctx.pad_v, ctx.temperature, ctx.chunks = pad_v, temperature, chunks
+        ctx.pad_v, ctx.temperature, ctx.chunks, ctx.chunk_grad = pad_v, temperature, chunks, chunk_grad
         ctx.set_materialize_grads(False)  # an output the loss does not use (often the entropy) costs no backward work
         return logp, entropy
 
@@ -104,22 +169,18 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             return (None,) * 8
         grad_logits = torch.empty_like(logits)
         for c in ctx.chunks:
-            shifted = _scaled_chunk(logits[c], ctx.temperature, ctx.pad_v) - max_BT[c].unsqueeze(-1)
-            probs = (shifted - log_z[c].unsqueeze(-1)).exp()
-            coeff = 0.0  # per element: -g_logp - g_ent * (z - mean), broadcast from [b, t, 1] where it can be
-            if grad_logp is not None:
-                coeff = -grad_logp[c].unsqueeze(-1)
-            if grad_entropy is not None:
-                # dH/dz_i = -p_i (z_i - sum_j p_j z_j), z the shifted logits
-                finite = torch.where(torch.isinf(shifted), 0.0, shifted)
-                coeff = coeff - grad_entropy[c].unsqueeze(-1) * (finite - mean_shifted[c].unsqueeze(-1))
-            grad = probs * coeff
-            if grad_logp is not None:
-                hit = torch.where(owned[c], grad_logp[c], 0.0).unsqueeze(-1)
-                grad = grad.scatter_add(-1, idx[c].unsqueeze(-1), hit)
-            if ctx.temperature != 1.0:
-                grad = grad / ctx.temperature
-            grad_logits[c] = grad
+            grad_logits[c] = ctx.chunk_grad(
+                logits[c],
+                max_BT[c],
+                log_z[c],
+                mean_shifted[c],
+                idx[c],
+                owned[c],
+                None if grad_logp is None else grad_logp[c],
+                None if grad_entropy is None else grad_entropy[c],
+                ctx.temperature,
+                ctx.pad_v,
+            )
         return grad_logits, None, None, None, None, None, None, None
 
 

@@ -14,6 +14,7 @@ Layouts (actor | critic, both jobs on the same two GPUs where they have two rank
   tp2:  actor TP=2 on GPUs 0,1 | critic DP=2 on GPUs 0,1
   pp2:  actor PP=2 on GPUs 0,1 | critic TP=2 on GPUs 0,1
   dp2:  actor DP=2 on GPUs 0,1 | critic on GPU 1
+  dp2-overlap: as dp2, with optim.overlap_grad_reduce (several gradient buckets)
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ LAYOUTS = {
         critic_procs=2,
     ),
     "dp2": dict(actor=[], critic=[], actor_gpus="0,1", critic_gpus="1", actor_procs=2, critic_procs=1),
+    # DP=2 with the gradient reduce overlapped with the backward (megatron's DDP buckets; small buckets: several)
+    "dp2-overlap": dict(
+        actor=["optim.overlap_grad_reduce=true", "optim.grad_bucket_size=20000"],
+        critic=[],
+        actor_gpus="0,1",
+        critic_gpus="1",
+        actor_procs=2,
+        critic_procs=1,
+    ),
 }
 COMMON = ["logging.progress_bar=false", "validation.every=0", "logging.samples_every=0", "checkpoint.save_every=0"]
 
