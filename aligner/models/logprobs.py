@@ -138,9 +138,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             pad_v = torch.arange(start, start + local_v, device=dev) >= vocab_size
         chunks = _chunks(B, T, local_v, chunk_elements)
         chunk_max, chunk_stats, chunk_grad = _kernels(dev)
+        # The kernels always see logits that do not require grad: a scoring pass (no grad) and the update's forward
+        # then run the same compiled kernels, so equal logits give equal log-probs bit for bit (KL 0 at step 0);
+        # torch.compile would otherwise compile another variant for the update, with other reduction splits.
+        data = logits.detach()
         max_BT = torch.empty(B, T, dtype=torch.float32, device=dev)
         for c in chunks:
-            max_BT[c] = chunk_max(logits[c], pad_v)
+            max_BT[c] = chunk_max(data[c], pad_v)
         if temperature != 1.0:
             max_BT /= temperature
         if world > 1:
@@ -149,7 +153,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         idx = (targets - start).clamp(0, local_v - 1)
         stats = torch.empty(3, B, T, dtype=torch.float32, device=dev)  # sum_exp, sum_exp_shifted, target
         for c in chunks:
-            stats[(slice(None), *c)] = chunk_stats(logits[c], max_BT[c], idx[c], owned[c], temperature, pad_v)
+            stats[(slice(None), *c)] = chunk_stats(data[c], max_BT[c], idx[c], owned[c], temperature, pad_v)
         if world > 1:
             dist.all_reduce(stats, group=group)
         sum_exp, sum_exp_shifted, target_shifted = stats
@@ -167,10 +171,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logits, owned, idx, max_BT, log_z, mean_shifted = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
             return (None,) * 8
-        grad_logits = torch.empty_like(logits)
+        data = logits.detach()
+        grad_logits = torch.empty_like(data)
         for c in ctx.chunks:
             grad_logits[c] = ctx.chunk_grad(
-                logits[c],
+                data[c],
                 max_BT[c],
                 log_z[c],
                 mean_shifted[c],

@@ -148,6 +148,26 @@ def test_compiled_chunks_match_the_eager_ones(fusion, device):
         torch.testing.assert_close(grad_c.float(), grad_e.float(), rtol=1.6e-2, atol=1e-5)  # one bf16 rounding
 
 
+def test_scoring_and_update_passes_run_the_same_compiled_kernels(fusion):
+    """KL 0 at step 0 needs equal logits to give equal log-probs in a no-grad scoring pass and in the update's
+    forward. Both must run the same compiled kernels: a variant compiled for logits that require grad (dynamic
+    shapes, other reduction splits) gave a GRPO step-0 KL of -3.6e-12 on the GPU."""
+    from torch._dynamo.utils import counters
+
+    fusion("on")
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    V = 300
+    logits = (torch.randn(7, 11, V) * 3).bfloat16()  # chunks of 3, 3 and 1 samples: two shapes, as in a real pass
+    targets = torch.randint(0, V, (7, 11))
+    with torch.no_grad():
+        scored = vocab_parallel_logprobs(logits, targets, chunk_elements=V * 11 * 3)
+    graphs = counters["stats"]["unique_graphs"]
+    trained = vocab_parallel_logprobs(logits.clone().requires_grad_(), targets, chunk_elements=V * 11 * 3)
+    assert counters["stats"]["unique_graphs"] == graphs, "the update's forward compiled kernels of its own"
+    assert torch.equal(trained, scored)
+
+
 def test_fusion_setting_is_checked():
     with pytest.raises(ValueError, match="auto, on or off"):
         logprobs.set_fusion("yes")
