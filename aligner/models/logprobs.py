@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from aligner.models.compiled import CompiledOrEager
 from aligner.parallel.device import triton_available
 
 
@@ -106,7 +107,7 @@ def _kernels(device: torch.device) -> tuple:
     if _compiled is None:
         # dynamic=None: a chunk of a new shape (the last, shorter one; another micro-batch length) recompiles once
         # with symbolic shapes, later ones reuse it
-        _compiled = tuple(torch.compile(f, dynamic=None, fullgraph=True) for f in _EAGER)
+        _compiled = tuple(CompiledOrEager(f, "model.logprob_fusion", dynamic=None, fullgraph=True) for f in _EAGER)
     return _compiled
 
 

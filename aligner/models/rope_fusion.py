@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from aligner.models.compiled import CompiledOrEager
 from aligner.parallel.device import triton_available
 
 _compiled = None
@@ -37,7 +38,7 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) 
     global _compiled
     if _compiled is None:
         # dynamic=None: the first new sequence length recompiles once with symbolic shapes, later ones reuse it
-        _compiled = torch.compile(rope_bshd, dynamic=None, fullgraph=True)
+        _compiled = CompiledOrEager(rope_bshd, "model.rope_fusion", dynamic=None, fullgraph=True)
     return _compiled(t, freqs)
 
 

@@ -171,3 +171,28 @@ def test_scoring_and_update_passes_run_the_same_compiled_kernels(fusion):
 def test_fusion_setting_is_checked():
     with pytest.raises(ValueError, match="auto, on or off"):
         logprobs.set_fusion("yes")
+
+
+def test_a_failed_compile_falls_back_to_the_eager_maths(fusion, monkeypatch, caplog):
+    """The fused kernels are accelerators: where torch.compile cannot build them (here for real: inductor without a
+    working C++ compiler, caches off) the log-probs run eagerly after one warning naming the setting."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(logprobs, "_compiled", None)
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    logits = (torch.randn(2, 5, 30) * 3).bfloat16().requires_grad_()
+    targets = torch.randint(0, 30, (2, 5))
+    fusion("off")
+    eager = vocab_parallel_logprobs(logits, targets)
+    fusion("on")
+    with caplog.at_level("WARNING"):
+        fallback = vocab_parallel_logprobs(logits, targets)
+        fallback.sum().backward()
+    assert torch.equal(fallback, eager)
+    warnings = [r.getMessage() for r in caplog.records if "model.logprob_fusion" in r.getMessage()]
+    assert warnings and "InvalidCxxCompiler" in warnings[0] and "eagerly" in warnings[0], warnings
+    assert all(k.failure for k in logprobs._compiled[:2]), "the forward's kernels are marked failed"
+    torch._dynamo.reset()
