@@ -146,7 +146,9 @@ def main(argv=None) -> int:
             print(f"bench_ppo_step: {exc}", file=sys.stderr)
             return 1
     phases = ", ".join(f"{k} {v:.3f}" for k, v in result["phases_s"].items())
-    print(f"{a.mode}: step {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s ({phases})")
+    per_gpu = result.get("tokens_per_s_per_gpu")
+    per_gpu = f" ({per_gpu:,.0f} per GPU, {result['gpus']} GPUs)" if per_gpu else ""
+    print(f"{a.mode}: step {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s{per_gpu} ({phases})")
     if a.out:
         write_json(a.out, result)
     return 0

@@ -21,7 +21,7 @@ import sys
 import time
 from importlib import metadata
 
-from benchmarks.ppo_step.workload import MODEL_KEYS, DeviceMemoryPoller, Workload, result
+from benchmarks.ppo_step.workload import MODEL_KEYS, DeviceMemoryPoller, Workload, gpus_used, result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 LAUNCHER = os.path.join(ROOT, "launchers", "local", "ppo.py")
@@ -155,6 +155,17 @@ def _device_name() -> str:
     return "cpu"
 
 
+def _visible_gpus() -> int:
+    """GPUs this process (and the jobs it launches) can see: CUDA_VISIBLE_DEVICES, else nvidia-smi's list."""
+    if _device_name() == "cpu":
+        return 0
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed:
+        return len([d for d in listed.split(",") if d.strip()])
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return len(out.stdout.strip().splitlines())
+
+
 def _version(dist_name: str) -> str | None:
     try:
         return metadata.version(dist_name)
@@ -273,6 +284,7 @@ def run(
         w,
         timings,
         warmup,
+        gpus=gpus_used(_visible_gpus(), actor_gpus, critic_gpus),
         wall_s=wall_s,
         memory={"gpu_mem_peak_gb": peak_gb},
         device=_device_name(),

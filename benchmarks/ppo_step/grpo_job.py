@@ -21,12 +21,13 @@ from benchmarks.ppo_step.aligner_jobs import (
     _device_name,
     _model_shape,
     _version,
+    _visible_gpus,
     launch,
     read_metrics,
     write_prompts,
     write_tokenizer,
 )
-from benchmarks.ppo_step.workload import MODEL_KEYS, Workload, result
+from benchmarks.ppo_step.workload import MODEL_KEYS, Workload, gpus_used, result
 
 KL_COEF = 0.04
 
@@ -113,6 +114,7 @@ def run(
         w,
         timings,
         warmup,
+        gpus=gpus_used(_visible_gpus(), actor_gpus),
         wall_s=wall_s,
         memory={"gpu_mem_peak_gb": peak_gb},
         device=_device_name(),

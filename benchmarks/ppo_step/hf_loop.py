@@ -283,6 +283,7 @@ def run(w: Workload, steps: int, warmup: int, device: str | None = None, compile
         w,
         timings,
         warmup,
+        gpus=1 if dev.type == "cuda" else 0,
         setup_s=setup_s,
         memory=memory,
         checks={"kl_step0": kl[0]},

@@ -56,6 +56,7 @@ def compare(hf: dict, al: dict) -> tuple[list[list[str]], list[str]]:
     rows += [
         ["step", f"{hf['step_s']:.3f}", f"{al['step_s']:.3f}"],
         ["rollout tokens/s (of step time)", f"{hf['tokens_per_s']:,.0f}", f"{al['tokens_per_s']:,.0f}"],
+        ["rollout tokens/s per GPU (GPUs)", _per_gpu(hf), _per_gpu(al)],
         [
             "generated tokens/s (of generate)",
             f"{hf['generated_tokens_per_s']:,.0f}",
@@ -66,6 +67,12 @@ def compare(hf: dict, al: dict) -> tuple[list[list[str]], list[str]]:
         ["peak allocated by torch (GB)", _gb(hf, "torch_peak_allocated_gb"), _gb(al, "torch_peak_allocated_gb")],
     ]
     return rows, problems
+
+
+def _per_gpu(record: dict) -> str:
+    """Throughput per occupied GPU, with their number ("-" on the CPU and in records older than the field)."""
+    per_gpu = record.get("tokens_per_s_per_gpu")
+    return f"{per_gpu:,.0f} ({record['gpus']})" if per_gpu else "-"
 
 
 def speedup(hf: dict, al: dict) -> float:
@@ -138,6 +145,7 @@ def render_single(record: dict) -> str:
     rows += [
         ["step", f"{record['step_s']:.3f}"],
         ["rollout tokens/s (of step time)", f"{record['tokens_per_s']:,.0f}"],
+        ["rollout tokens/s per GPU (GPUs)", _per_gpu(record)],
         ["generated tokens/s (of generate)", f"{record['generated_tokens_per_s']:,.0f}"],
         ["peak GPU memory, all processes (GB)", _gb(record, "gpu_mem_peak_gb")],
     ]

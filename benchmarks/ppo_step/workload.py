@@ -149,8 +149,18 @@ def summarize(step_timings: list[dict], warmup: int) -> tuple[dict, list[dict]]:
     return means, timed
 
 
-def result(mode: str, workload: Workload, step_timings: list[dict], warmup: int, **extra) -> dict:
-    """The JSON record of one mode (see the package docstring)."""
+def gpus_used(visible: int, *device_lists: str | None) -> int:
+    """GPUs a run occupies: the union of its jobs' device lists ("0,1", "1"); without lists every process takes the
+    first visible device (one GPU, none on the CPU)."""
+    given = [d for d in device_lists if d is not None]
+    if not given:
+        return min(visible, 1)
+    return len({g.strip() for d in given for g in d.split(",") if g.strip()})
+
+
+def result(mode: str, workload: Workload, step_timings: list[dict], warmup: int, gpus: int = 0, **extra) -> dict:
+    """The JSON record of one mode (see the package docstring); `gpus`: how many the run occupied (0 on the CPU),
+    for the per-GPU throughput."""
     means, timed = summarize(step_timings, warmup)
     return {
         "mode": mode,
@@ -160,6 +170,8 @@ def result(mode: str, workload: Workload, step_timings: list[dict], warmup: int,
         "phases_s": {k: v for k, v in means.items() if k != "step"},
         "step_s": means["step"],
         "tokens_per_s": workload.step_tokens / means["step"],
+        "gpus": gpus,
+        "tokens_per_s_per_gpu": workload.step_tokens / means["step"] / gpus if gpus else None,
         "generated_tokens_per_s": workload.rollouts * workload.response_len / means["generate"],
         "per_step_s": step_timings,
         **extra,

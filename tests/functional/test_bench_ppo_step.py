@@ -71,6 +71,7 @@ def _check_record(r, mode, phases):
     assert (w["num_layers"], w["hidden_size"], w["rollouts"], w["prompt_len"], w["response_len"]) == (2, 64, 8, 8, 8)
     assert r["step_s"] == pytest.approx(r["per_step_s"][1]["step"])
     assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_s"])
+    assert r["gpus"] == 0 and r["tokens_per_s_per_gpu"] is None, "no GPU occupied on the CPU"
     # the phases partition the step: their sum plus the unphased rest is the step
     assert sum(r["phases_s"].values()) == pytest.approx(r["step_s"], rel=1e-6)
 
@@ -193,3 +194,12 @@ def test_grpo_mode_tiny(tmp_path):
     bad = bench("--mode", "grpo", "--tiny", "--exp-dir", str(tmp_path / "bad"), "--actor", "ppo.kl.coef=0.1")
     assert bad.returncode == 2 and "ppo.kl.coef" in bad.stderr, bad.stderr[-2000:]
     assert not os.path.exists(tmp_path / "bad" / "launcher.log"), "nothing is launched"
+
+
+def test_gpus_used_counts_the_union_of_the_jobs_devices():
+    from benchmarks.ppo_step.workload import gpus_used
+
+    assert gpus_used(2, "0", "1") == 2  # the two-GPU mode
+    assert gpus_used(2, "0,1", "1") == 2  # a critic sharing one of the actor's GPUs
+    assert gpus_used(2, "0") == 1
+    assert gpus_used(2, None, None) == 1 and gpus_used(0, None) == 0  # default device; the CPU
