@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import time
 
 import numpy as np
 import torch
@@ -49,6 +47,7 @@ from aligner.generation import ReleasableMemory, SamplingParams, build_engine
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
 from aligner.parallel import current_device, is_logging_rank, synchronize
+from aligner.parallel.stopping import StepStopper
 from aligner.parallel.watchdog import PhaseWatchdog
 from aligner.ppo.reference import build_reference
 from aligner.ppo.reward_sources import TrainedCritic, build_reward_source
@@ -81,7 +80,6 @@ class PPOTrainer:
         rank = dist.get_rank()
         self.watchdog = PhaseWatchdog(cfg.parallel.timeout_minutes * 60, lambda: f"rank {rank}, step {self.step}:")
         self.timer = Timer(synchronize, watch=self.watchdog)
-        self.stop_requested = False
 
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -136,8 +134,7 @@ class PPOTrainer:
     def fit(self) -> str | None:
         """Run until ppo.num_steps, SIGTERM or max_time; returns the path of the metrics file (logging rank)."""
         cfg = self.cfg
-        self._install_signal_handlers()
-        start = time.monotonic()
+        stopper = StepStopper(cfg.max_time)
         bar = Progress(cfg.ppo.num_steps, self.step, is_logging_rank() and cfg.logging.progress_bar, "ppo")
         last_saved = self.step if self.resumed else None
         try:
@@ -150,9 +147,8 @@ class PPOTrainer:
                 self.writer.log(self.step, metrics)
                 self.step += 1
                 bar.update(reward=f"{metrics['rollout/reward_mean']:.3f}", kl=f"{metrics['ppo/kl']:.4f}")
-                out_of_time = cfg.max_time is not None and time.monotonic() - start > cfg.max_time
-                if self._agree(self.stop_requested or out_of_time):
-                    reason = "SIGTERM" if self.stop_requested else "max_time"
+                reason = stopper.after_step()
+                if reason:
                     log.warning("stopping at step %d (%s): checkpointing", self.step, reason)
                     self.save()
                     last_saved = self.step
@@ -646,19 +642,6 @@ class PPOTrainer:
             f"none of the committed steps {committed.steps} of run {self.run_id} in {root} can be resumed (see the "
             "warnings above): restore them, or start a new run in another exp_dir"
         )
-
-    def _install_signal_handlers(self) -> None:
-        def request_stop(signum, frame):
-            self.stop_requested = True
-
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGUSR1, request_stop)
-
-    def _agree(self, flag: bool) -> bool:
-        """True on every rank if any rank's flag is set (so all ranks stop at the same step)."""
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
 
     def close(self) -> None:
         """Free the engine (its CUDA graphs hold the TP communicator: before shutdown) and the reward source."""

@@ -19,18 +19,16 @@ Contract
 from __future__ import annotations
 
 import logging
-import signal
-import time
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from aligner.checkpoint import dist_ckpt
 from aligner.config.train import TrainJobConfig
 from aligner.data.prompts import PromptSampler
 from aligner.models.training import TrainableModel
-from aligner.parallel import current_device, is_logging_rank, on_gpu, synchronize
+from aligner.parallel import is_logging_rank, on_gpu, synchronize
+from aligner.parallel.stopping import StepStopper
 from aligner.utils.metrics import MetricsWriter, Progress, Timer
 
 log = logging.getLogger(__name__)
@@ -61,7 +59,6 @@ class SupervisedLoop:
     def __init__(self, cfg: TrainJobConfig, task: Task, job: str):
         self.cfg, self.task, self.job = cfg, task, job
         self.timer = Timer(synchronize)
-        self.stop_requested = False
         n = task.num_examples()
         self.sampler = PromptSampler(n, cfg.data.seed, cfg.data.shuffle)
         t = cfg.train
@@ -78,8 +75,7 @@ class SupervisedLoop:
     def fit(self) -> str | None:
         """Train until `num_steps`, a stop signal or max_time; returns the metrics file's path (logging rank)."""
         cfg = self.cfg
-        self._install_signal_handlers()
-        start = time.monotonic()
+        stopper = StepStopper(cfg.max_time)
         bar = Progress(self.num_steps, self.step, is_logging_rank() and cfg.logging.progress_bar, self.job)
         last_saved = self.step if dist_ckpt.latest_checkpoint(cfg.checkpoint_dir) else None
         try:
@@ -95,9 +91,8 @@ class SupervisedLoop:
                 self.writer.log(self.step, metrics)
                 self.step += 1
                 bar.update(loss=f"{metrics['train/loss']:.4f}")
-                out_of_time = cfg.max_time is not None and time.monotonic() - start > cfg.max_time
-                if self._agree(self.stop_requested or out_of_time):
-                    reason = "a stop signal" if self.stop_requested else "max_time"
+                reason = stopper.after_step()
+                if reason:
                     log.warning("stopping at step %d (%s): checkpointing", self.step, reason)
                     self.save()
                     last_saved = self.step
@@ -158,16 +153,3 @@ class SupervisedLoop:
         model.steps_taken = int(state.get("optimizer_steps", 0))
         model.skipped_steps = int(state.get("skipped_steps", 0))
         log.warning("resumed from %s at step %d", path, self.step)
-
-    def _install_signal_handlers(self) -> None:
-        def request_stop(signum, frame):
-            self.stop_requested = True
-
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGUSR1, request_stop)  # the Slurm launcher's signal (srun forwards it to the tasks)
-
-    def _agree(self, flag: bool) -> bool:
-        """True on every rank if any rank's flag is set (all ranks stop after the same step)."""
-        t = torch.tensor([1.0 if flag else 0.0], device=current_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
