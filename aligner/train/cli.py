@@ -1,10 +1,13 @@
-"""The three trainers' entry-point body (scripts/train_{sft,reward_model,dpo}.py call `run`): parse the config ->
-check it against the world size -> initialise the communicators -> build the task -> run the loop -> shut down.
+"""The training jobs' entry-point body: parse the config -> check it against the world size -> initialise the
+communicators -> take the experiment directory's lock -> train -> shut down. `run_job` serves the PPO actor
+(scripts/train_ppo_actor.py) and, through `run`, the supervised trainers (scripts/train_{sft,reward_model,dpo}.py).
 
-A config error (before or after initialisation) or a DataError is one line on stderr and exit code 2 on every
-rank (every rank reads the same config and files); anything else is a traceback and exit 1. The logging rank prints
-`metrics: <path>` last (unless ALIGNER_NO_METRICS_LINE is set: a launcher that prints it itself).
-Nothing heavy is imported before the config is valid: a bad command line fails in well under a second.
+A user's mistake or a state to fix by hand is one line on stderr and exit code 2 on every rank (every rank reads the
+same config and files and raises alike): a config error (before or after initialisation), a bad dataset line, a
+checkpoint that cannot be resumed, an experiment directory another run holds, and what the caller adds. Anything
+else is a bug of ours: a traceback and exit 1. The logging rank prints `metrics: <path>` last (unless
+ALIGNER_NO_METRICS_LINE is set: a launcher that prints it itself). Nothing heavy is imported before the config is
+valid: a bad command line fails in well under a second.
 """
 
 from __future__ import annotations
@@ -17,8 +20,16 @@ from aligner.config.errors import ConfigError
 from aligner.data.rows import DataError
 
 
-def run(name: str, argv: Sequence[str], load_config: Callable, build: Callable) -> int:
-    """`load_config(argv) -> cfg`; `build(cfg) -> task` (aligner.train.loop.Task), called after initialisation."""
+def run_job(
+    name: str,
+    argv: Sequence[str],
+    load_config: Callable,
+    fit: Callable,
+    what: str,
+    user_errors: tuple[type[BaseException], ...] = (),
+) -> int:
+    """`load_config(argv) -> cfg`; `fit(cfg) -> metrics path or None`, called after initialisation with the lock on
+    `cfg.exp_dir` held (`what` names the job in the lock, for a second run's error)."""
     from aligner.utils.logs import setup_logging
 
     setup_logging()
@@ -31,19 +42,32 @@ def run(name: str, argv: Sequence[str], load_config: Callable, build: Callable) 
     except ConfigError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
+    from aligner.checkpoint.dist_ckpt import CheckpointError
     from aligner.parallel import initialize_job, shutdown
-    from aligner.train.loop import SupervisedLoop
+    from aligner.utils.lock import LockError, hold_for_job
 
     initialize_job(cfg.parallel, cfg.seed)
     code = 1  # an exception below: its traceback, then exit 1
     try:
-        metrics_path = SupervisedLoop(cfg, build(cfg), name).fit()
+        lock = hold_for_job(cfg.exp_dir, what)  # noqa: F841 - held until the process ends
+        metrics_path = fit(cfg)
         if metrics_path and not os.environ.get("ALIGNER_NO_METRICS_LINE"):
             print(f"metrics: {os.path.abspath(metrics_path)}", flush=True)
         code = 0
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, CheckpointError, LockError, *user_errors) as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         code = 2
     finally:
         shutdown(exit_code_if_stuck=code)
     return code
+
+
+def run(name: str, argv: Sequence[str], load_config: Callable, build: Callable) -> int:
+    """A supervised trainer: `build(cfg) -> task` (aligner.train.loop.Task), run by the shared loop."""
+
+    def fit(cfg):
+        from aligner.train.loop import SupervisedLoop
+
+        return SupervisedLoop(cfg, build(cfg), name).fit()
+
+    return run_job(name, argv, load_config, fit, f"the {name} job")

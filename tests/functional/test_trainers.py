@@ -155,3 +155,18 @@ def test_mistakes_are_one_line_and_exit_2(overrides, text, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("train_dpo: ") and text in last, last
     assert "Traceback" not in proc.stderr
+
+
+def test_an_experiment_directory_in_use_is_refused_in_one_line(tmp_path):
+    """Two runs writing one experiment directory would interleave checkpoints: the second is refused, exit 2."""
+    from aligner.utils.lock import hold
+
+    lock = hold(str(tmp_path), "a run of this test")
+    try:
+        proc = train("sft", tmp_path, "train.max_steps=1")
+    finally:
+        lock.release()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("train_sft: ") and "in use by another run (a run of this test" in last, last
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
