@@ -6,6 +6,8 @@ home (the CPU path is the development and CI path; see cpu_compat.py).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -18,8 +20,10 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether Triton (torch.compile's GPU backend) imports here: the optional compiled kernels ask this."""
+    """Whether Triton (torch.compile's GPU backend) imports here: the optional compiled kernels ask this (the log-probs
+    on every call: answered once per process)."""
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -34,6 +34,7 @@ class StepStopper:
         out_of_time = self.max_time is not None and time.monotonic() - self.start > self.max_time
         flags = torch.tensor([float(self.signalled), float(out_of_time)], device=current_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0].item():
+        signalled, spent = flags.tolist()  # one device-to-host copy
+        if signalled:
             return "a stop signal"
-        return "max_time" if flags[1].item() else None
+        return "max_time" if spent else None

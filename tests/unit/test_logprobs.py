@@ -178,8 +178,6 @@ def test_a_failed_compile_falls_back_to_the_eager_maths(fusion, monkeypatch, cap
     working C++ compiler, caches off) the log-probs run eagerly after one warning naming the setting."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
     monkeypatch.setattr(logprobs, "_compiled", None)
     torch._dynamo.reset()
     torch.manual_seed(5)
@@ -188,9 +186,11 @@ def test_a_failed_compile_falls_back_to_the_eager_maths(fusion, monkeypatch, cap
     fusion("off")
     eager = vocab_parallel_logprobs(logits, targets)
     fusion("on")
-    with caplog.at_level("WARNING"):
-        fallback = vocab_parallel_logprobs(logits, targets)
-        fallback.sum().backward()
+    # torch's own config patch (restored on exit): no working C++ compiler, nothing from the caches
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",), "fx_graph_cache": False}):
+        with caplog.at_level("WARNING"):
+            fallback = vocab_parallel_logprobs(logits, targets)
+            fallback.sum().backward()
     assert torch.equal(fallback, eager)
     warnings = [r.getMessage() for r in caplog.records if "model.logprob_fusion" in r.getMessage()]
     assert warnings and "InvalidCxxCompiler" in warnings[0] and "eagerly" in warnings[0], warnings
