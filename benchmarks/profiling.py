@@ -11,21 +11,7 @@ import time
 
 import torch
 
-# substrings of kernel names, first match wins (cuBLAS GEMMs are "nvjet_*"/"sm90_xmma_gemm*"/"cutlass*" here)
-KINDS = (
-    ("attention", ("flash", "fmha", "attention", "badd", "softmax")),
-    ("gemm", ("nvjet", "gemm", "cutlass", "cublas", "addmm", "aten::mm", "aten::bmm", "matmul")),
-    ("norm", ("norm",)),
-    ("copy/cast", ("copy", "cast", "aten::cat", "catarray", "fill")),
-)
-
-
-def kind_of(name: str) -> str:
-    low = name.lower()
-    for kind, needles in KINDS:
-        if any(n in low for n in needles):
-            return kind
-    return "other elementwise"
+from aligner.utils.profiling import kind_of
 
 
 def profile_call(fn, device: torch.device, top: int = 15) -> dict:

@@ -28,10 +28,12 @@ from aligner.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    ProfiledLoggingConfig,
     validate_checkpoint,
     validate_layout,
     validate_model,
     validate_optim,
+    validate_profiling,
 )
 
 
@@ -147,7 +149,7 @@ class ReferenceConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(ProfiledLoggingConfig):
     tensorboard: bool = True  # also write metrics to <exp_dir>/tensorboard
     samples_every: int = 5  # write decoded samples every N steps (0 = never)
     num_samples: int = 4  # samples written each time
@@ -194,6 +196,7 @@ class ActorJobConfig(JobPaths):
         validate_optim(self.optim)
         validate_generation(self.generation, self.model)
         validate_checkpoint(self.checkpoint)
+        validate_profiling(self.logging)
         p, s, k = self.ppo, self.sampling, self.ppo.kl
         for key in (
             "num_steps",

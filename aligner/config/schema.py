@@ -8,7 +8,7 @@ Job-level schemas (the actor's, the critic's) compose these sections in their ow
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from aligner import families
@@ -99,6 +99,25 @@ class CheckpointConfig:
     dir: Optional[str] = None  # None = <exp_dir>/checkpoints
     resume: bool = True  # continue from the latest complete checkpoint under `dir`
     keep: Optional[int] = 2  # keep only the newest N checkpoints (None = all)
+
+
+@dataclass
+class ProfiledLoggingConfig:
+    """The profiling keys every training job's `logging` section has (aligner.utils.profiling)."""
+
+    profile_step: int = -1  # run this step under torch.profiler: a trace and a per-phase table in <exp_dir>/profile
+    profile_ranks: list[int] = field(default_factory=lambda: [0])  # the global ranks that profile it
+
+
+def validate_profiling(logging, prefix: str = "logging") -> None:
+    _check(
+        logging.profile_step >= -1, f"{prefix}.profile_step", f"must be >= 0 (or -1: none), got {logging.profile_step}"
+    )
+    _check(
+        all(r >= 0 for r in logging.profile_ranks),
+        f"{prefix}.profile_ranks",
+        f"must be global ranks (>= 0), got {list(logging.profile_ranks)}",
+    )
 
 
 def validate_model(model: ModelConfig, prefix: str = "model") -> None:

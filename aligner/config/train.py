@@ -24,11 +24,13 @@ from aligner.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    ProfiledLoggingConfig,
     validate_batch,
     validate_checkpoint,
     validate_layout,
     validate_model,
     validate_optim,
+    validate_profiling,
 )
 
 
@@ -68,7 +70,7 @@ class TrainCheckpointConfig(CheckpointConfig):
 
 
 @dataclass
-class TrainLoggingConfig:
+class TrainLoggingConfig(ProfiledLoggingConfig):
     tensorboard: bool = True
     progress_bar: bool = True
 
@@ -93,6 +95,7 @@ class TrainJobConfig(JobPaths):
         validate_model(self.model)
         validate_optim(self.optim)
         validate_checkpoint(self.checkpoint)
+        validate_profiling(self.logging)
         t, d = self.train, self.data
         check(t.max_steps is None or t.max_steps >= 1, "train.max_steps", "must be >= 1 (or null: max_epochs)")
         for key in ("max_epochs", "global_batch_size", "micro_batch_size"):

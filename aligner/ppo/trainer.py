@@ -46,7 +46,7 @@ from aligner.data.tokenizer import load_tokenizer
 from aligner.generation import ReleasableMemory, SamplingParams, build_engine
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
-from aligner.parallel import current_device, is_logging_rank, synchronize
+from aligner.parallel import current_device, is_logging_rank, on_gpu, synchronize
 from aligner.parallel.stopping import StepStopper
 from aligner.parallel.watchdog import PhaseWatchdog
 from aligner.ppo.reference import build_reference
@@ -63,6 +63,7 @@ from aligner.ppo.rollout import (
     select_rows,
 )
 from aligner.utils.metrics import MetricsWriter, Progress, Timer
+from aligner.utils.profiling import profiler_for
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ class PPOTrainer:
         last_saved = self.step if self.resumed else None
         try:
             while self.step < cfg.ppo.num_steps:
-                metrics = self.train_step()
+                with profiler_for(cfg.logging, cfg.exp_dir, self.step, dist.get_rank(), on_gpu(), self.timer):
+                    metrics = self.train_step()
                 if cfg.validation.every and self.val_data and (self.step + 1) % cfg.validation.every == 0:
                     with self.timer("validation"):
                         metrics.update(self.validate())

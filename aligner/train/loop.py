@@ -22,6 +22,7 @@ import logging
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from aligner.checkpoint import dist_ckpt
 from aligner.config.train import TrainJobConfig
@@ -30,6 +31,7 @@ from aligner.models.training import TrainableModel
 from aligner.parallel import is_logging_rank, on_gpu, synchronize
 from aligner.parallel.stopping import StepStopper
 from aligner.utils.metrics import MetricsWriter, Progress, Timer
+from aligner.utils.profiling import profiler_for
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ class SupervisedLoop:
         last_saved = self.step if dist_ckpt.latest_checkpoint(cfg.checkpoint_dir) else None
         try:
             while self.step < self.num_steps:
-                metrics = self.train_step()
+                with profiler_for(cfg.logging, cfg.exp_dir, self.step, dist.get_rank(), on_gpu(), self.timer):
+                    metrics = self.train_step()
                 if self._validation_due():
                     with self.timer("validation"):
                         metrics.update(self.task.validate())

@@ -16,16 +16,21 @@ from contextlib import contextmanager, nullcontext
 
 class Timer:
     """Accumulates wall-clock seconds per name (`timing/<name>`); `sync` is called before reading the clock so
-    device work is counted where it was issued; with `watch`, every timed phase is also watched for hangs."""
+    device work is counted where it was issued; with `watch`, every timed phase is also watched for hangs; while
+    `annotate` is set (aligner.utils.profiling.StepProfiler), every phase is also a profiler range."""
 
     def __init__(self, sync=None, watch=None):
         self.sync = sync or (lambda: None)
         self.watch = watch  # an object with a `phase(name)` context (aligner.parallel.watchdog), or None
+        self.annotate = None  # a `name -> context` while a step is profiled, else None
         self.totals: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
-        with self.watch.phase(name) if self.watch is not None else nullcontext():
+        with (
+            self.watch.phase(name) if self.watch is not None else nullcontext(),
+            self.annotate(name) if self.annotate is not None else nullcontext(),
+        ):
             self.sync()
             start = time.perf_counter()
             try:

@@ -81,7 +81,6 @@ def check_configs(w: Workload, actor_argv: list[str], critic_argv: list[str]) ->
             "ppo.rollout_batch_size": actor.ppo.rollout_batch_size,
             "generation.max_prompt_length": actor.generation.max_prompt_length,
             "generation.max_response_length": actor.generation.max_response_length,
-            "ppo.micro_batch_size": actor.ppo.micro_batch_size,
             "ppo.num_mini_batches": actor.ppo.num_mini_batches,
             "ppo.epochs": actor.ppo.epochs,
             "sampling.ignore_eos": actor.sampling.ignore_eos,
@@ -94,7 +93,6 @@ def check_configs(w: Workload, actor_argv: list[str], critic_argv: list[str]) ->
             "ppo.rollout_batch_size": w.rollouts,
             "generation.max_prompt_length": w.prompt_len,
             "generation.max_response_length": w.response_len,
-            "ppo.micro_batch_size": w.micro_batch,
             "ppo.num_mini_batches": w.num_mini_batches,
             "ppo.epochs": w.epochs,
             "sampling.ignore_eos": True,
@@ -113,16 +111,16 @@ def check_configs(w: Workload, actor_argv: list[str], critic_argv: list[str]) ->
     got.update(
         {
             "critic: train.global_batch_size": critic.train.global_batch_size,
-            "critic: train.micro_batch_size": critic.train.micro_batch_size,
             "critic: train.epochs": critic.train.epochs,
         }
     )
-    # Forward-only micro-batch sizes (actor ppo.forward_micro_batch_size, critic infer.micro_batch_size) change how
-    # the same work is cut, not the work: they may differ from the HF loop's.
+    # Micro-batch sizes (actor ppo.micro_batch_size and forward_micro_batch_size, critic train.micro_batch_size and
+    # infer.micro_batch_size) change how the same work is cut, not the work: each optimizer step still averages the
+    # loss over the same mini-batch of rollouts (gradients accumulate over its micro-batches). They may differ from
+    # the HF loop's; the result records the overrides.
     want.update(
         {
             "critic: train.global_batch_size": w.rollouts // w.num_mini_batches,
-            "critic: train.micro_batch_size": w.micro_batch,
             "critic: train.epochs": w.epochs,
         }
     )

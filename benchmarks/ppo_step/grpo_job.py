@@ -48,7 +48,6 @@ def check_config(w: Workload, actor_argv: list[str]) -> Workload:
         "generation.max_response_length": (cfg.generation.max_response_length, w.response_len),
         "sampling.max_new_tokens": (cfg.max_new_tokens, w.response_len),
         "sampling.ignore_eos": (cfg.sampling.ignore_eos, True),
-        "ppo.micro_batch_size": (p.micro_batch_size, w.micro_batch),
         "ppo.num_mini_batches": (p.num_mini_batches, w.num_mini_batches),
         "ppo.epochs": (p.epochs, w.epochs),
         "ppo.kl.placement": (p.kl.placement, "loss"),

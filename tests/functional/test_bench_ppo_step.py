@@ -122,10 +122,10 @@ def test_aligner_config_must_match_workload(tmp_path):
         "--exp-dir",
         str(tmp_path / "run"),
         "--actor",
-        "ppo.micro_batch_size=2",
+        "ppo.epochs=2",
         timeout=120,
     )
-    assert proc.returncode == 2 and "ppo.micro_batch_size" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "ppo.epochs" in proc.stderr, proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "run" / "launcher.log"), "nothing is launched"
     proc = bench(
         "--mode",

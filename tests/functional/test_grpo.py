@@ -2,6 +2,7 @@
 (a smoke test of the recipe's name); the critic job in reward-only mode scores for GRPO; a failing reward function
 stops the job with exit 2, naming the function and the sample, on every rank; no process is left behind."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -107,6 +108,8 @@ def test_recipe_smoke(tmp_path, recipe):
     """Each recipe's settings, two steps on the tiny model, the actor job alone. grpo_dapo_math: the strict math
     checker gives every group the same reward, so dynamic sampling draws up to its cap and fills the batch."""
     extra = list(TINY) if recipe != "rloo_demo" else ["ppo.num_steps=2", "logging.progress_bar=false"]
+    if recipe == "rloo_demo":  # and the second step under the profiler (logging.profile_step)
+        extra += ["logging.profile_step=1"]
     if recipe == "grpo_dapo_math":
         extra += ["ppo.overlong.buffer=4"]
     cmd = [
@@ -129,6 +132,15 @@ def test_recipe_smoke(tmp_path, recipe):
         assert all("rollout/overlong_penalty_mean" in r for r in rows)
     if recipe == "grpo_math":
         assert "ppo/kl_loss" in rows[0], "KL as a loss term"
+    profiled = sorted(os.listdir(tmp_path / "actor" / "profile")) if recipe == "rloo_demo" else []
+    if recipe == "rloo_demo":
+        assert profiled == ["step1-rank0.json.gz", "step1-rank0.summary.json"], profiled
+        with open(tmp_path / "actor" / "profile" / "step1-rank0.summary.json") as f:
+            phases = json.load(f)["phases"]
+        assert {"step", "generate", "logprobs", "train", "refit"} <= set(phases), phases
+        assert phases["step"]["wall_ms"] >= phases["generate"]["wall_ms"] + phases["train"]["wall_ms"] > 0
+        with gzip.open(tmp_path / "actor" / "profile" / "step1-rank0.json.gz", "rt") as f:
+            assert "phase/train" in f.read(), "the phases are named ranges in the trace"
     assert not left_behind(str(tmp_path))
 
 
