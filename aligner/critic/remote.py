@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.critic.protocol import CriticCheckpointError
+from aligner.parallel import host_group
 from aligner.parallel.device import current_device
 
 T = TypeVar("T")
@@ -165,8 +166,9 @@ class RemoteCritic:
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
                 failure = (isinstance(exc, CriticCheckpointError), f"{type(exc).__name__}: {exc}")
                 original = exc
-        box = [failure]
-        dist.broadcast_object_list(box, src=0, device=self.device)
+        box = [failure]  # over the host group: the other ranks wait for rank 0's HTTP answer on the CPU
+        group = host_group()
+        dist.broadcast_object_list(box, src=0, group=group, device=torch.device("cpu") if group else self.device)
         if box[0] is None:
             return result
         if original is not None:

@@ -4,8 +4,8 @@ Contract
 - `serve(service, cfg) -> exit code` is called on every rank after the service is built. Global rank 0 starts
   Triton with the endpoints of aligner.critic.protocol (reward-only mode: critic_infer alone) and runs
   `CriticServer`; the other ranks run `run_worker`, which waits for a command from rank 0 and runs the same service
-  call. Only the default process group (made by aligner.parallel.initialize) is used: rank 0 broadcasts a 5-integer
-  header (op, B, T, flags, arg), then the tensors.
+  call. Rank 0 broadcasts a 5-integer header (op, B, T, flags, arg) over the host group (gloo: a waiting worker
+  holds no GPU collective), then the tensors over the default group (both made by aligner.parallel.initialize).
 - Threads: PyTriton calls the endpoint callables in its own threads. A callable validates its request (a bad one is
   answered at once with the reason), then queues a job for the main thread and waits for the result. Only the main
   thread broadcasts and runs models: the CPU compatibility layer's TorchFunctionMode is thread-local, collectives
@@ -44,6 +44,7 @@ from aligner.critic import protocol
 from aligner.critic.auth import authorised, load_token
 from aligner.critic.protocol import CriticRequestError, check_infer, check_run_id, check_step, check_train
 from aligner.critic.reward_fn import RewardFunctionError
+from aligner.parallel import host_group
 from aligner.parallel.device import on_gpu
 
 LOG = logging.getLogger(__name__)
@@ -121,7 +122,9 @@ def _python_stubs() -> list:
 
 # -- command channel (rank 0 -> all ranks) ----------------------------------------------------------------
 class CommandChannel:
-    """Header + tensors broadcast from global rank 0 over the default group (a no-op in a world of one)."""
+    """Commands from global rank 0 (a no-op in a world of one): the header over the host group, so that a worker
+    waiting for the next command holds no GPU collective (aligner.parallel.launch, host_group: a pending NCCL
+    broadcast spins on a GPU the actor may share), then the tensors over the default group."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -130,14 +133,14 @@ class CommandChannel:
     def send(self, op: int, batch: int = 0, seq: int = 0, flags: int = 0, arg: int = 0, tensors=()) -> None:
         if not self.active:
             return
-        header = torch.tensor([op, batch, seq, flags, arg], dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
+        header = torch.tensor([op, batch, seq, flags, arg], dtype=torch.int64)
+        dist.broadcast(header, src=0, group=host_group())
         for t in tensors:
             dist.broadcast(torch.as_tensor(t).to(self.device).contiguous(), src=0)
 
     def recv(self) -> tuple[int, int, int, int, int]:
-        header = torch.empty(5, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
+        header = torch.empty(5, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=host_group())
         return tuple(int(v) for v in header.tolist())
 
     def recv_tensor(self, shape, dtype) -> torch.Tensor:

@@ -54,6 +54,7 @@ from aligner.critic.protocol import (
     check_train,
 )
 from aligner.critic.reward_fn import RewardFunction, RewardFunctionError
+from aligner.parallel import host_group
 from aligner.parallel.device import current_device
 from aligner.rl import explained_variance, global_token_count, reduce_stats, value_loss
 from aligner.rl._dist import all_reduce_
@@ -185,9 +186,10 @@ class CriticService:
         return torch.cat(outs)[:rows]
 
     def _rewards_from_fn(self, tokens, lengths, prompt_lengths, labels) -> torch.Tensor:
-        """Rank 0 runs the reward function; [ok, rewards...] is broadcast so every rank returns (or raises) alike."""
+        """Rank 0 runs the reward function; [ok, rewards...] is broadcast so every rank returns (or raises) alike.
+        Over the host group: the other ranks wait on the CPU while rank 0 computes."""
         batch = tokens.shape[0]
-        packet = torch.zeros(batch + 1, dtype=torch.float64, device=self.device)
+        packet = torch.zeros(batch + 1, dtype=torch.float64)
         error = None
         if _global_rank() == 0:
             try:
@@ -196,10 +198,10 @@ class CriticService:
             except RewardFunctionError as exc:
                 error = exc
         if _world() > 1:
-            dist.broadcast(packet, src=0)
+            dist.broadcast(packet, src=0, group=host_group())
         if packet[0].item() != 1.0:
             raise error or RewardFunctionError("the reward function failed on rank 0 (see rank 0's error)")
-        return packet[1:].to(torch.float32).cpu()
+        return packet[1:].to(torch.float32)
 
     # -- train -------------------------------------------------------------------------------------------
     def train(self, tokens_BT, lengths_B, returns_BT, prev_values_BT, mask_BT) -> dict[str, float]:

@@ -5,6 +5,7 @@ from aligner.parallel.device import current_device, on_gpu, synchronize
 from aligner.parallel.launch import (
     RankInfo,
     discover,
+    host_group,
     initialize,
     initialize_job,
     is_logging_rank,
@@ -17,6 +18,7 @@ __all__ = [
     "RankInfo",
     "current_device",
     "discover",
+    "host_group",
     "initialize",
     "initialize_job",
     "is_logging_rank",

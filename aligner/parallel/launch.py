@@ -9,6 +9,13 @@ A plain `python script.py` is a world of one.
 picks the backend (NCCL on GPU, gloo on CPU), binds the local GPU, creates the default process group and
 megatron-core's TP/PP/DP groups, and seeds megatron's RNG tracker. Nothing else in aligner creates communicators.
 
+`host_group()` is a gloo group of every rank, made by `initialize` beside NCCL's default group: a rank that waits
+for another rank's host-side work (the critic job's workers for rank 0's next command, the actor's ranks for rank
+0's HTTP answer) waits in it, on the CPU. A pending NCCL collective is a kernel that spins on its GPU until the
+data comes; on a GPU that another job shares (the critic beside an actor rank), that kernel takes the other job's
+time slices: measured on 2x H200, a critic job at DP=2 beside the 8B actor's TP pair made its generation 2.2x
+slower (docs/PERF.md, eighth session). None before `initialize` (then the default group serves).
+
 `shutdown(exit_code_if_stuck)` destroys them at the end of a job. Whatever captured collectives into CUDA graphs
 (the generation engine at TP > 1) must be closed before: NCCL's communicator teardown waits for those graphs, and
 a TP=2 actor that kept them hung in `destroy_process_group` forever (seen on 2x H200, tests/gpu/probe_shutdown.py).
@@ -44,6 +51,7 @@ SHUTDOWN_TIMEOUT_S = 60.0
 NCCL_ENV_DEFAULTS = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 
 log = logging.getLogger(__name__)
+_HOST_GROUP = None  # host_group(): made by initialize on NCCL, dropped by shutdown
 
 
 class RankInfo(NamedTuple):
@@ -186,8 +194,16 @@ def initialize(
             create_gloo_process_groups=not on_gpu(),
             distributed_timeout_minutes=timeout_minutes,
         )
+    global _HOST_GROUP
+    if _HOST_GROUP is None:  # on CPU too (a second gloo group): the code path the GPUs run is the one tested
+        _HOST_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
     set_seed(seed)
     return info
+
+
+def host_group():
+    """The gloo group of every rank for host-side waits (see the module docstring); None: the default group."""
+    return _HOST_GROUP
 
 
 def initialize_job(parallel, seed: int) -> RankInfo:
@@ -232,6 +248,8 @@ def shutdown(exit_code_if_stuck: int = 1, timeout_s: float = SHUTDOWN_TIMEOUT_S)
     failure = sys.exc_info()[1]
     if isinstance(failure, (SystemExit, KeyboardInterrupt)):
         failure = None
+    global _HOST_GROUP
+    _HOST_GROUP = None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if not dist.is_initialized():

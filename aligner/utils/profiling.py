@@ -3,12 +3,14 @@
 Contract: the loop wraps the chosen step in `StepProfiler(out_dir, step, rank, gpu, timer)`; while it is open the
 timer's phases are also profiler ranges (`phase/<name>`), so they show as named spans in the trace. On exit it
 writes `<out_dir>/step<N>-rank<R>.json.gz` (a Chrome trace: Perfetto or chrome://tracing open it) and
-`step<N>-rank<R>.summary.json`, and returns the summary: for each phase its wall time, the time the device was
-busy with kernels during it (the union of kernel intervals, so overlapping streams count once) and its top
-kernels. A phase whose device is idle for much of its wall time waits on the host (kernel launches, host syncs,
-the other job sharing the GPU) rather than computing. The timer synchronises the device at phase boundaries, so a
-kernel belongs to the phase whose window holds it. On CPU there are no kernels: busy time is None and the top
-entries are CPU ops (self time over the whole step). Files are written to a temporary name, then renamed.
+`step<N>-rank<R>.summary.json`, logs a table and keeps the summary: for each phase its wall time, the time the
+device was busy with kernels during it (the union of kernel intervals, so overlapping streams count once), its
+kernel time by kind (GEMM, attention, communication, ...) and its top kernels. A phase whose device is idle for
+much of its wall time waits on the host (kernel launches, host syncs, the other job sharing the GPU) rather than
+computing. The timer synchronises the device at phase boundaries, so a kernel belongs to the phase whose window
+holds it. The profiler's own per-op cost slows host-bound stretches: compare the profiled step's phase times with
+an unprofiled step's. On CPU there are no kernels: busy time is None and the top entries are CPU ops (self time
+over the whole step). Files are written to a temporary name, then renamed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ PHASE = "phase/"
 
 # substrings of kernel names, first match wins (cuBLAS GEMMs are "nvjet_*"/"sm90_xmma_gemm*"/"cutlass*" on H200)
 KINDS = (
+    ("communication", ("nccl", "gloo")),
     ("attention", ("flash", "fmha", "attention", "badd", "softmax")),
     ("gemm", ("nvjet", "gemm", "cutlass", "cublas", "addmm", "aten::mm", "aten::bmm", "matmul")),
     ("norm", ("norm",)),
@@ -68,6 +71,13 @@ def _top(rows: list[tuple[str, float]], n: int) -> list[dict]:
     return [{"name": k[:120], "kind": kind_of(k), "calls": c, "ms": us / 1e3} for k, (c, us) in ranked]
 
 
+def _by_kind(rows: list[tuple[str, float]]) -> dict[str, float]:
+    kinds: dict[str, float] = {}
+    for name, us in rows:
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + us / 1e3
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+
+
 def summarize(events, gpu: bool, top: int = 8) -> dict:
     """Per-phase wall, busy and top kernels from a profiler's `events()` (FunctionEvents, times in us)."""
     from torch.autograd import DeviceType
@@ -75,7 +85,8 @@ def summarize(events, gpu: bool, top: int = 8) -> dict:
     phases, kernels, cpu_ops = [], [], []
     for e in events:
         if e.device_type == DeviceType.CUDA:
-            kernels.append((e.time_range.start, e.time_range.end, e.name))
+            if not e.name.startswith(PHASE):  # the device-side copy of a phase range is no kernel
+                kernels.append((e.time_range.start, e.time_range.end, e.name))
         elif e.name.startswith(PHASE):
             phases.append((e.name[len(PHASE) :], e.time_range.start, e.time_range.end))
         elif not gpu and e.self_cpu_time_total > 0:
@@ -92,6 +103,7 @@ def summarize(events, gpu: bool, top: int = 8) -> dict:
             entry["busy_ms"] = sum(busy_time([(s, e) for s, e, _ in inside], a, b) for a, b in windows) / 1e3
             entry["busy_share"] = entry["busy_ms"] / entry["wall_ms"] if entry["wall_ms"] else 0.0
             entry["top"] = _top([(n, e - s) for s, e, n in inside], top)
+            entry["by_kind_ms"] = _by_kind([(n, e - s) for s, e, n in inside])
     step_top = _top([(n, e - s) for s, e, n in kernels], top) if gpu else _top(cpu_ops, top)
     return {"phases": out, "top": step_top, "device": "cuda" if gpu else "cpu"}
 

@@ -49,6 +49,9 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another actor override")
     p.add_argument("--tp", type=int, default=2, choices=[1, 2], help="2: TP=2; 1: DP=2 (two full replicas)")
     p.add_argument("--layers", type=int, default=None, help="another depth of the 8B shape (the largest policy)")
+    p.add_argument(
+        "--critic-dp", type=int, default=1, choices=[1, 2], help="2: the critic job at DP=2 on both GPUs (not on GPU 1)"
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--timeout", type=float, default=560.0)
@@ -87,8 +90,8 @@ def main() -> int:
     cmd = [
         sys.executable, os.path.join(ROOT, "launchers", "local", "ppo.py"),
         "--actor-config", f"bench/ppo_step_actor{suffix}", "--critic-config", f"bench/ppo_step_critic{suffix}",
-        "--exp-dir", exp, "--actor-procs", "2",
-        *([] if a.tiny else ["--actor-gpus", "0,1", "--critic-gpus", "1"]),
+        "--exp-dir", exp, "--actor-procs", "2", "--critic-procs", str(a.critic_dp),
+        *([] if a.tiny else ["--actor-gpus", "0,1", "--critic-gpus", "1" if a.critic_dp == 1 else "0,1"]),
         "--actor", *actor, "--critic", *critic,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
