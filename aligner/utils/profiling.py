@@ -85,7 +85,9 @@ def summarize(events, gpu: bool, top: int = 8) -> dict:
     phases, kernels, cpu_ops = [], [], []
     for e in events:
         if e.device_type == DeviceType.CUDA:
-            if not e.name.startswith(PHASE):  # the device-side copy of a phase range is no kernel
+            # Device-side annotations (a phase's range, c10d's "nccl:all_reduce" around its kernels) are no kernels:
+            # counting them would count that time twice.
+            if not (getattr(e, "is_user_annotation", False) or e.name.startswith(PHASE)):
                 kernels.append((e.time_range.start, e.time_range.end, e.name))
         elif e.name.startswith(PHASE):
             phases.append((e.name[len(PHASE) :], e.time_range.start, e.time_range.end))

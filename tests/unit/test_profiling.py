@@ -69,3 +69,39 @@ def test_bad_profile_keys_name_the_key(key, value):
     setattr(cfg.logging, key, value)
     with pytest.raises(ConfigError, match=f"logging.{key}"):
         cfg.validate()
+
+
+def test_kernels_are_attributed_to_the_phase_whose_window_holds_them():
+    """The GPU path of the summary on hand-made events: busy time is the union over streams, and device-side
+    annotations (a phase's own range, c10d's range around a collective) are not counted as kernels."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from aligner.utils.profiling import summarize
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(
+            name=name,
+            time_range=SimpleNamespace(start=start, end=end),
+            device_type=device,
+            is_user_annotation=annotation,
+            self_cpu_time_total=0,
+        )
+
+    events = [
+        event("phase/generate", 0, 1000, DeviceType.CPU, annotation=True),
+        event("phase/train", 1000, 3000, DeviceType.CPU, annotation=True),
+        event("phase/generate", 0, 1000, annotation=True),  # the phase's device-side copy
+        event("nvjet_gemm_a", 100, 500),
+        event("nvjet_gemm_a", 600, 800),
+        event("nccl:all_reduce", 1100, 1600, annotation=True),  # c10d's range around the kernel below
+        event("ncclDevKernel_AllReduce_Sum_bf16", 1100, 1600),
+        event("nvjet_gemm_b", 1400, 2000),  # overlaps the all-reduce on another stream
+    ]
+    phases = summarize(events, gpu=True)["phases"]
+    assert phases["generate"]["wall_ms"] == 1.0 and phases["generate"]["busy_ms"] == 0.6
+    assert phases["train"]["busy_ms"] == 0.9  # 1100..2000, the overlap counted once
+    assert phases["train"]["by_kind_ms"] == {"gemm": 0.6, "communication": 0.5}
+    assert [k["name"] for k in phases["generate"]["top"]] == ["nvjet_gemm_a"]
+    assert phases["generate"]["top"][0]["calls"] == 2
