@@ -5,6 +5,7 @@
     python scripts/bench_ppo_step.py --report hf.json aligner.json      # both tables, the speed-up, markdown
     python scripts/bench_ppo_step.py --mode grpo --out grpo.json        # a GRPO step, the actor job alone
     add --tiny for the CPU smoke size (2 layers, hidden 64, 8 rollouts of 8 + 8 tokens)
+    add --profile (aligner, grpo) to run one more step under torch.profiler, outside the means: its phase table
 
 Workload (benchmarks/ppo_step/workload.py): ~1B Llama-style policy, reference, critic and reward model, 512 rollouts
 of 128 prompt + 256 generated tokens (EOS ignored), micro-batches of 16, one PPO epoch. Each mode runs --steps steps
@@ -54,6 +55,12 @@ def parse(argv):
         help="aligner, grpo: GPUs of the actor job, e.g. 0 (default: the jobs see every GPU)",
     )
     p.add_argument("--critic-gpus", default=None, metavar="LIST", help="aligner: GPUs of the critic job, e.g. 1")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="aligner, grpo: one more step under torch.profiler (not in the means): its per-phase table, the trace "
+        "under EXP_DIR/actor/profile/",
+    )
     a = p.parse_args(argv)
     if bool(a.mode) == bool(a.report):
         p.error("give exactly one of --mode or --report")
@@ -74,6 +81,14 @@ def report(paths) -> int:
     return 0 if comparable else 2
 
 
+def print_profile(result: dict) -> None:
+    if "profile" in result:
+        from aligner.utils.profiling import format_summary
+
+        s = result["profile"]["summary"]
+        print(format_summary(s, f"profiled step {s['step']} (not in the means), rank 0; trace {s['trace']}"))
+
+
 def grpo(a) -> int:
     from aligner.config import ConfigError
     from benchmarks.ppo_step import grpo_job
@@ -92,6 +107,7 @@ def grpo(a) -> int:
             a.actor,
             a.timeout,
             actor_gpus=a.actor_gpus,
+            profile=a.profile,
         )
     except (ConfigError, WorkloadMismatch, FileExistsError) as exc:
         print(f"bench_ppo_step: {exc}", file=sys.stderr)
@@ -100,6 +116,7 @@ def grpo(a) -> int:
         print(f"bench_ppo_step: {exc}", file=sys.stderr)
         return 1
     print(render_single(result))
+    print_profile(result)
     if a.out:
         write_json(a.out, result)
     return 0
@@ -138,6 +155,7 @@ def main(argv=None) -> int:
                 a.timeout,
                 actor_gpus=a.actor_gpus,
                 critic_gpus=a.critic_gpus,
+                profile=a.profile,
             )
         except (ConfigError, aligner_jobs.WorkloadMismatch, FileExistsError) as exc:
             print(f"bench_ppo_step: {exc}", file=sys.stderr)
@@ -149,6 +167,7 @@ def main(argv=None) -> int:
     per_gpu = result.get("tokens_per_s_per_gpu")
     per_gpu = f" ({per_gpu:,.0f} per GPU, {result['gpus']} GPUs)" if per_gpu else ""
     print(f"{a.mode}: step {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s{per_gpu} ({phases})")
+    print_profile(result)
     if a.out:
         write_json(a.out, result)
     return 0

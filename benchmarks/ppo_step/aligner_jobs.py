@@ -214,6 +214,21 @@ def launch(cmd: list[str], exp_dir: str, timeout_s: float, late: str, what: str)
     return wall_s, poller.peak_gb()
 
 
+def profile_overrides(steps: int, profile: bool) -> list[str]:
+    """The actor's step count, plus with `profile` one more step under the profiler (logging.profile_step)."""
+    return [f"ppo.num_steps={steps + 1}", f"logging.profile_step={steps}"] if profile else [f"ppo.num_steps={steps}"]
+
+
+def split_profiled(timings: list[dict], exp_dir: str, steps: int, profile: bool) -> tuple[list[dict], dict]:
+    """With `profile`: the timed steps without the profiled last one (the profiler slows it), and a record of that
+    step (its phase seconds and rank 0's summary, aligner.utils.profiling); else (timings, {})."""
+    if not profile:
+        return timings, {}
+    with open(os.path.join(exp_dir, "actor", "profile", f"step{steps}-rank0.summary.json")) as f:
+        summary = json.load(f)
+    return timings[:steps], {"profile": {"step_s": timings[steps], "summary": summary}}
+
+
 def run(
     w: Workload,
     steps: int,
@@ -226,9 +241,11 @@ def run(
     timeout_s: float = 480.0,
     actor_gpus: str | None = None,
     critic_gpus: str | None = None,
+    profile: bool = False,
 ) -> dict:
     """Run the two jobs for `steps` PPO steps in a fresh `exp_dir`; the result record (see workload.result).
-    `actor_gpus` / `critic_gpus`: the launcher's --actor-gpus / --critic-gpus (None: both jobs see every GPU)."""
+    `actor_gpus` / `critic_gpus`: the launcher's --actor-gpus / --critic-gpus (None: both jobs see every GPU).
+    `profile`: one more step under the profiler, outside the means (split_profiled)."""
     if os.path.exists(exp_dir) and os.listdir(exp_dir):
         raise FileExistsError(f"{exp_dir} is not empty: give a new --exp-dir (a run never resumes an old one)")
     os.makedirs(exp_dir, exist_ok=True)
@@ -236,7 +253,7 @@ def run(
     write_tokenizer(tokenizer, w.vocab_size)
     write_prompts(prompts, w.rollouts, w.prompt_len - 1, w.vocab_size)
     actor_ovr = [
-        f"ppo.num_steps={steps}",
+        *profile_overrides(steps, profile),
         f"data.train_file={prompts}",
         f"model.tokenizer={tokenizer}",
         *actor_overrides,
@@ -271,6 +288,7 @@ def run(
         {k.removeprefix("timing/"): v for k, v in r.items() if k.startswith("timing/") and k not in CRITIC_WAIT_PARTS}
         for r in rows
     ]
+    timings, profiled = split_profiled(timings, exp_dir, steps, profile)
     checks = {
         "kl_step0": rows[0]["ppo/kl"],
         "logprob_mismatch_max": max(r["ppo/logprob_mismatch_max"] for r in rows),
@@ -297,4 +315,5 @@ def run(
             "actor_gpus": actor_gpus,
             "critic_gpus": critic_gpus,
         },
+        **profiled,
     )

@@ -23,7 +23,9 @@ from benchmarks.ppo_step.aligner_jobs import (
     _version,
     _visible_gpus,
     launch,
+    profile_overrides,
     read_metrics,
+    split_profiled,
     write_prompts,
     write_tokenizer,
 )
@@ -74,15 +76,17 @@ def run(
     actor_overrides=(),
     timeout_s: float = 480.0,
     actor_gpus: str | None = None,
+    profile: bool = False,
 ) -> dict:
-    """Run the actor job for `steps` GRPO steps in a fresh `exp_dir`; the result record (workload.result)."""
+    """Run the actor job for `steps` GRPO steps in a fresh `exp_dir`; the result record (workload.result).
+    `profile`: one more step under the profiler, outside the means (aligner_jobs.split_profiled)."""
     if os.path.exists(exp_dir) and os.listdir(exp_dir):
         raise FileExistsError(f"{exp_dir} is not empty: give a new --exp-dir (a run never resumes an old one)")
     os.makedirs(exp_dir, exist_ok=True)
     tokenizer, prompts = os.path.join(exp_dir, "tokenizer.json"), os.path.join(exp_dir, "prompts.jsonl")
     write_tokenizer(tokenizer, w.vocab_size)
     write_prompts(prompts, w.prompts, w.prompt_len - 1, w.vocab_size)
-    actor_ovr = [f"ppo.num_steps={steps}", f"data.train_file={prompts}", f"model.tokenizer={tokenizer}"]
+    actor_ovr = [*profile_overrides(steps, profile), f"data.train_file={prompts}", f"model.tokenizer={tokenizer}"]
     actor_ovr += list(actor_overrides)
     w = check_config(w, ["--config-name", actor_config, *actor_ovr])
 
@@ -98,6 +102,7 @@ def run(
             f"steps {bad}: responses shorter than {w.response_len} tokens: EOS was not ignored (sampling.ignore_eos)"
         )
     timings = [{k.removeprefix("timing/"): v for k, v in r.items() if k.startswith("timing/")} for r in rows]
+    timings, profiled = split_profiled(timings, exp_dir, steps, profile)
     checks = {
         "kl_step0": rows[0]["ppo/kl"],
         "logprob_mismatch_max": max(r["ppo/logprob_mismatch_max"] for r in rows),
@@ -121,4 +126,5 @@ def run(
         exp_dir=exp_dir,
         versions={k: _version(k) for k in ("torch", "megatron-core")},
         settings={"actor_config": actor_config, "actor_overrides": list(actor_overrides), "actor_gpus": actor_gpus},
+        **profiled,
     )

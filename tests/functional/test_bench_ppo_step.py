@@ -182,9 +182,14 @@ def test_grpo_mode_tiny(tmp_path):
     reference, a reward function), the phase table, KL 0 at step 0, the log-prob mismatch; a config that is not the
     workload is refused before anything starts."""
     out = tmp_path / "grpo.json"
-    proc = bench("--mode", "grpo", "--tiny", "--steps", "2", "--exp-dir", str(tmp_path / "run"), "--out", str(out))
+    run = tmp_path / "run"
+    proc = bench("--mode", "grpo", "--tiny", "--steps", "2", "--profile", "--exp-dir", str(run), "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = _load(out)
+    # --profile: a third step under the profiler, left out of the two timed ones, its phase table printed
+    assert len(r["per_step_s"]) == 2 and r["profile"]["step_s"]["train"] > 0
+    assert {"generate", "logprobs", "train"} <= set(r["profile"]["summary"]["phases"])
+    assert os.path.exists(run / "actor" / "profile" / "step2-rank0.json.gz") and "profiled step 2" in proc.stdout
     _check_record(r, "grpo", ("generate", "logprobs", "reward_wait", "advantages", "train", "refit"))
     assert r["workload"]["samples_per_prompt"] == 2
     c = r["checks"]

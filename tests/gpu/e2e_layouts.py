@@ -204,15 +204,16 @@ def main() -> int:
     os.makedirs(a.out_dir, exist_ok=True)
     names = a.only or list(LAYOUTS)
     if a.parallel:
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor, as_completed
 
         with ThreadPoolExecutor(len(names) + 1) as pool:
             jobs = [pool.submit(run_layout, name, a.out_dir, a.steps) for name in names]
             if not a.no_sigterm:
                 jobs.append(pool.submit(run_sigterm, a.out_dir))
-            results = [job.result() for job in jobs]
-        for r in results:
-            print(json.dumps(r), flush=True)
+            results = []
+            for job in as_completed(jobs):  # each result as soon as it is there (a cut-short run keeps them)
+                results.append(job.result())
+                print(json.dumps(results[-1]), flush=True)
     else:
         results = []
         for name in names:

@@ -1,7 +1,7 @@
 """GPU check (by hand on a two-GPU machine; not collected by pytest): issue 12's 8B-class PPO step.
 
     python tests/gpu/ppo_8b.py OUT_DIR [--micro 16] [--forward-micro 16] [--recompute full] [--steps 3]
-        [--reference swap|resident] [--set generation.release_kv_cache=true ...]
+        [--reference swap|resident] [--critic-dp 1|2] [--profile] [--set generation.release_kv_cache=true ...]
     python tests/gpu/ppo_8b.py OUT_DIR --tiny     # CPU smoke of the same plumbing (tiny model, 2 gloo ranks)
 
 The actor job at TP=2 (or DP=2 with --tp 1) on GPUs 0,1 (32 layers, hidden 4096, 32 heads, 8 KV groups, FFN
@@ -53,6 +53,9 @@ def main() -> int:
         "--critic-dp", type=int, default=1, choices=[1, 2], help="2: the critic job at DP=2 on both GPUs (not on GPU 1)"
     )
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--profile", action="store_true", help="one more step under torch.profiler on both ranks, not in the means"
+    )
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--timeout", type=float, default=560.0)
     a = p.parse_args()
@@ -76,7 +79,8 @@ def main() -> int:
         f"ppo.micro_batch_size={a.micro}",
         f"ppo.forward_micro_batch_size={a.forward_micro}",
         f"generation.max_batch_size={rollouts * a.tp // 2}",  # this rank's rows: the DP size is 2 / TP
-        f"ppo.num_steps={a.steps}",
+        f"ppo.num_steps={a.steps + a.profile}",
+        *([f"logging.profile_step={a.steps}", "logging.profile_ranks=[0,1]"] if a.profile else []),
         f"data.train_file={prompts}",
         f"model.tokenizer={tokenizer}",
         *a.set,
@@ -111,6 +115,10 @@ def main() -> int:
     metrics = os.path.join(exp, "actor", "metrics.jsonl")
     rows = read_metrics(metrics) if os.path.exists(metrics) else []
     result = {"rc": proc.returncode, "wall_s": round(wall, 1), "steps": len(rows), "settings": vars(a)}
+    if a.profile and len(rows) > a.steps:  # the profiled step: its phases and where its summaries are
+        result["profiled_step_s"] = {k.removeprefix("timing/"): v for k, v in rows[a.steps].items() if "timing/" in k}
+        result["profile_dir"] = os.path.join(exp, "actor", "profile")
+        rows = rows[: a.steps]
     timed = rows[1:] or rows
     if timed:
         phases = sorted({k for r in timed for k in r if k.startswith("timing/")})
