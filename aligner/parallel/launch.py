@@ -51,7 +51,7 @@ SHUTDOWN_TIMEOUT_S = 60.0
 NCCL_ENV_DEFAULTS = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 
 log = logging.getLogger(__name__)
-_HOST_GROUP = None  # host_group(): made by initialize on NCCL, dropped by shutdown
+_HOST = None  # host_group(): (the default group it was made beside, the gloo group); made by initialize
 
 
 class RankInfo(NamedTuple):
@@ -194,16 +194,21 @@ def initialize(
             create_gloo_process_groups=not on_gpu(),
             distributed_timeout_minutes=timeout_minutes,
         )
-    global _HOST_GROUP
-    if _HOST_GROUP is None:  # on CPU too (a second gloo group): the code path the GPUs run is the one tested
-        _HOST_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+    global _HOST
+    if host_group() is None:  # on CPU too (a second gloo group): the code path the GPUs run is the one tested
+        _HOST = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes)))
     set_seed(seed)
     return info
 
 
 def host_group():
-    """The gloo group of every rank for host-side waits (see the module docstring); None: the default group."""
-    return _HOST_GROUP
+    """The gloo group of every rank for host-side waits (see the module docstring); None (use the default group)
+    before `initialize`, and once the default group it was made beside is gone."""
+    import torch.distributed as dist
+
+    if _HOST is not None and dist.is_initialized() and _HOST[0] is dist.group.WORLD:
+        return _HOST[1]
+    return None
 
 
 def initialize_job(parallel, seed: int) -> RankInfo:
@@ -248,8 +253,8 @@ def shutdown(exit_code_if_stuck: int = 1, timeout_s: float = SHUTDOWN_TIMEOUT_S)
     failure = sys.exc_info()[1]
     if isinstance(failure, (SystemExit, KeyboardInterrupt)):
         failure = None
-    global _HOST_GROUP
-    _HOST_GROUP = None
+    global _HOST
+    _HOST = None
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if not dist.is_initialized():
