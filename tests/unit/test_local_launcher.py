@@ -26,6 +26,16 @@ def test_gpu_lists_become_each_jobs_visible_devices():
     assert gpu_env(" 4, 5,6 ", 1, "--critic-gpus") == {"CUDA_VISIBLE_DEVICES": "4,5,6"}
 
 
+def test_a_critic_on_some_of_the_actors_gpus_is_pointed_out():
+    launcher = _launcher()
+    note, env = launcher.sharing_note, launcher.gpu_env
+    assert note(env("0", 1, "a"), env("1", 1, "c")) is None  # GPUs of its own
+    assert note({}, env("0", 1, "c")) is None  # the actor sees every GPU: nothing to compare
+    assert note(env("0,1", 2, "a"), env("0,1", 2, "c")) == "the actor and critic jobs share GPU(s) 0,1"  # spread
+    uneven = note(env("0,1", 2, "a"), env("1", 1, "c"))
+    assert uneven.startswith("the actor and critic jobs share GPU(s) 1; the actor's ranks on GPU(s) 0 will wait")
+
+
 @pytest.mark.parametrize(
     "gpus, procs, text",
     [
