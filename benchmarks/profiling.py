@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from aligner.utils.profiling import kind_of
+from aligner.utils.profiling import kind_of, time_by_kind
 
 
 def profile_call(fn, device: torch.device, top: int = 15) -> dict:
@@ -40,9 +40,7 @@ def profile_call(fn, device: torch.device, top: int = 15) -> dict:
         rows = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in events if e.self_cpu_time_total > 0]
     rows.sort(key=lambda r: -r[2])
     total = sum(r[2] for r in rows) or 1.0
-    kinds: dict[str, float] = {}
-    for name, _, ms in rows:
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
+    kinds = time_by_kind([(name, ms) for name, _, ms in rows])
     return {
         "wall_ms": wall_ms,
         "device_ms_total": total,
@@ -50,7 +48,7 @@ def profile_call(fn, device: torch.device, top: int = 15) -> dict:
             {"name": name[:120], "calls": calls, "ms": ms, "share": ms / total, "kind": kind_of(name)}
             for name, calls, ms in rows[:top]
         ],
-        "by_kind": {k: {"ms": v, "share": v / total} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "by_kind": {k: {"ms": v, "share": v / total} for k, v in kinds.items()},
     }
 
 

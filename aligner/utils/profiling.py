@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from contextlib import contextmanager, nullcontext
-
-import torch
+from contextlib import nullcontext
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +69,11 @@ def _top(rows: list[tuple[str, float]], n: int) -> list[dict]:
     return [{"name": k[:120], "kind": kind_of(k), "calls": c, "ms": us / 1e3} for k, (c, us) in ranked]
 
 
-def _by_kind(rows: list[tuple[str, float]]) -> dict[str, float]:
+def time_by_kind(rows: list[tuple[str, float]]) -> dict[str, float]:
+    """(name, time) rows summed by kind_of(name), largest first (same unit as given)."""
     kinds: dict[str, float] = {}
-    for name, us in rows:
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + us / 1e3
+    for name, t in rows:
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + t
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
@@ -104,8 +103,9 @@ def summarize(events, gpu: bool, top: int = 8) -> dict:
             inside = [k for k in kernels if any(a <= k[0] < b for a, b in windows)]
             entry["busy_ms"] = sum(busy_time([(s, e) for s, e, _ in inside], a, b) for a, b in windows) / 1e3
             entry["busy_share"] = entry["busy_ms"] / entry["wall_ms"] if entry["wall_ms"] else 0.0
-            entry["top"] = _top([(n, e - s) for s, e, n in inside], top)
-            entry["by_kind_ms"] = _by_kind([(n, e - s) for s, e, n in inside])
+            rows = [(n, e - s) for s, e, n in inside]
+            entry["top"] = _top(rows, top)
+            entry["by_kind_ms"] = time_by_kind([(n, us / 1e3) for n, us in rows])
     step_top = _top([(n, e - s) for s, e, n in kernels], top) if gpu else _top(cpu_ops, top)
     return {"phases": out, "top": step_top, "device": "cuda" if gpu else "cpu"}
 
@@ -142,17 +142,12 @@ class StepProfiler:
         self.trace_path = os.path.join(out_dir, f"step{step}-rank{rank}.json.gz")
         self.summary_path = os.path.join(out_dir, f"step{step}-rank{rank}.summary.json")
 
-    @contextmanager
-    def _range(self, name: str):
-        with torch.profiler.record_function(PHASE + name):
-            yield
-
     def __enter__(self):
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, record_function
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.gpu else [])
         self._prof = profile(activities=activities)
-        self.timer.annotate = self._range
+        self.timer.annotate = lambda name: record_function(PHASE + name)
         self._prof.__enter__()
         return self
 
