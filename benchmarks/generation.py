@@ -59,7 +59,7 @@ class BenchArgs:
     hf_compile: bool = True
     seed: int = 0
     profile: bool = False  # a torch-profiler table of the kernels of one greedy call at the largest batch
-    decode_attention: str = "matmul"  # generation.decode_attention
+    decode_attention: str = "auto"  # generation.decode_attention
 
 
 def _sync(device):

@@ -27,9 +27,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="also a top-kernels table of one call (torch profiler)")
     parser.add_argument(
         "--decode-attention",
-        default="matmul",
-        choices=["matmul", "sdpa", "flash"],
-        help="generation.decode_attention",
+        default="auto",
+        choices=["auto", "matmul", "sdpa", "flash", "triton"],
+        help="generation.decode_attention (default: the engine's, auto)",
     )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)

@@ -9,4 +9,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[test]"
-.venv/bin/python -c "import torch, megatron.core, pytriton; print('aligner set up: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
+# Triton for its interpreter: the tests run the engine's Triton kernels on the CPU (TRITON_INTERPRET=1). The CPU
+# torch wheel does not bring it; a CUDA torch brings its own (never pin it there).
+.venv/bin/python -m pip install -q "triton==${TRITON_VERSION:-3.6.0}"
+.venv/bin/python -c "import torch, megatron.core, pytriton, triton; print('aligner set up: torch', torch.__version__, '| megatron-core', megatron.core.__version__)"

@@ -3,7 +3,7 @@
 # format check and the test suite. Extra arguments go to pytest (e.g. `bash scripts/test.sh tests/unit -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import aligner, megatron.core, pytriton, ruff" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import aligner, megatron.core, pytriton, ruff, triton" 2>/dev/null; then
   echo "[test] setting up .venv first (scripts/setup_cpu.sh)"
   bash scripts/setup_cpu.sh
 fi

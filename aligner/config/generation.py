@@ -25,7 +25,7 @@ class GenerationConfig:
     share_weights: Literal["auto", "on", "off"] = "auto"  # engine reads the policy tensors, no copy (auto: if it can)
     cuda_graphs: bool = True  # capture the decode step on GPU (ignored on CPU)
     compile_elementwise: Literal["auto", "on", "off"] = "auto"  # torch.compile of norms/RoPE/activations (auto: GPU)
-    decode_attention: Literal["matmul", "sdpa", "flash"] = "matmul"  # matmul: batched GEMMs (fastest measured)
+    decode_attention: Literal["auto", "matmul", "sdpa", "flash", "triton"] = "auto"  # auto: triton on GPU, else matmul
     kv_block: int = 64  # decode attends over the cache rounded up to a multiple of this (one graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
     check_done_every: int = 16  # decode steps between host checks of "every sample ended" (each check syncs)

@@ -111,10 +111,25 @@ def _responses(out):
         (LLAMA3, "matmul"),
         (QWEN3, "matmul"),
         (QWEN3, "sdpa"),
+        (LLAMA, "triton"),
+        (GPT2, "triton"),
+        (QWEN3, "triton"),
     ],
-    ids=["llama-matmul", "llama-sdpa", "gpt2", "llama3-matmul", "qwen3-matmul", "qwen3-sdpa"],
+    ids=[
+        "llama-matmul",
+        "llama-sdpa",
+        "gpt2",
+        "llama3-matmul",
+        "qwen3-matmul",
+        "qwen3-sdpa",
+        "llama-triton",
+        "gpt2-triton",
+        "qwen3-triton",
+    ],
 )
 def test_greedy_equals_no_cache_reference(cfg, attention):
+    if attention == "triton":  # the Triton kernel itself, run by Triton's interpreter (tests/conftest.py)
+        pytest.importorskip("triton")
     model = _model(cfg)
     engine = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": attention}), cfg, model)
     if family(cfg.arch).rope:  # the engine rotates with the model's own (possibly scaled) frequencies
@@ -410,12 +425,16 @@ def test_trtllm_backend_is_lazy_and_explains_its_absence():
         build_engine(GenerationConfig(backend="trtllm"), LLAMA, _model(LLAMA))
 
 
-def test_flash_decode_attention_is_refused_off_cuda():
-    """`flash` names why it cannot run (here: no CUDA) instead of failing inside a decode step. The kernel itself is
-    checked on a GPU (scripts/bench_generation.py --decode-attention flash: its log-prob gap to megatron's forward);
-    measured slower than the default there (docs/PERF.md)."""
+def test_flash_and_triton_decode_attention_are_refused_off_cuda(monkeypatch):
+    """`flash` and `triton` name why they cannot run (here: no CUDA) instead of failing inside a decode step; `auto`
+    takes matmul on the CPU. The flash kernel is checked on a GPU (scripts/bench_generation.py --decode-attention
+    flash: its log-prob gap to megatron's forward); measured slower than matmul there (docs/PERF.md). The Triton
+    kernel runs here under Triton's interpreter (the greedy test above); without it, it is refused."""
     model = _model(LLAMA)
     with pytest.raises(ValueError, match=r"generation.decode_attention=flash is not possible here: it needs a CUDA"):
         build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": "flash"}), LLAMA, model)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"generation.decode_attention=triton is not possible here: (it needs|Tri)"):
+        build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": "triton"}), LLAMA, model)
     engine = build_engine(GEN, LLAMA, model)
     assert engine.decode_attention == "matmul" and not engine.decoder.seq_major

@@ -8,7 +8,7 @@ from generation_reference import candidate_mask
 
 from aligner.config.errors import ConfigError
 from aligner.generation import GenerationConfig, SamplingParams, validate_generation
-from aligner.generation.native.sampling import sample_tokens, token_logprobs, uniforms_for_seeds
+from aligner.generation.native.sampling import sample_tokens, select_tokens, token_logprobs, uniforms_for_seeds
 
 
 def _logits_of(probs):
@@ -127,3 +127,58 @@ def test_generation_config_errors_name_the_key():
 def test_uniform_log_prob():
     lp = token_logprobs(torch.zeros(1, 4), torch.tensor([2]), 0.5)
     assert lp.item() == pytest.approx(-math.log(4), abs=1e-6)
+
+
+def _step_state(B=6, V_pad=64, V=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    end = torch.zeros(V, dtype=torch.bool)
+    end[[3, 7]] = True
+    logits = torch.randn(B, V_pad, generator=g) * 2
+    logits[0, 3] = 30.0  # sample 0 wants an end token; sample 1 already ended
+    return dict(
+        logits_BV=logits.bfloat16(),
+        vocab_size=V,
+        temperature=torch.tensor(0.8),
+        u_BR=torch.rand(B, 5, generator=g),
+        step_t=torch.tensor([2]),
+        min_new_t=torch.tensor([0]),
+        top_p=torch.tensor(0.9),
+        end_mask_V=end,
+        ended_B=torch.tensor([False, True] + [False] * (B - 2)),
+        pad_t=torch.tensor(V - 1),
+    )
+
+
+def test_select_tokens_records_a_step():
+    """The engine's step choice: padding columns never drawn, end tokens banned before min_new, ended samples get
+    the pad token and log-prob 0, a drawn end token ends its sample."""
+    state = _step_state()
+    tok, logp, active, ended = select_tokens(**state, greedy=True, top_k=0, use_top_p=False)
+    assert tok[0] == 3 and tok[1] == 59 and logp[1] == 0 and active.tolist() == [True, False] + [True] * 4
+    assert ended.tolist() == [True, True] + [False] * 4
+    scaled = state["logits_BV"][:, :60].float() / 0.8
+    assert torch.equal(tok[2:], scaled[2:].argmax(-1))
+    torch.testing.assert_close(logp[0], torch.log_softmax(scaled[0], -1)[3])
+    state["min_new_t"] = torch.tensor([3])  # step 2 < 3: end tokens banned
+    tok, _, _, ended = select_tokens(**state, greedy=True, top_k=0, use_top_p=False)
+    assert tok[0] not in (3, 7) and ended.tolist() == [False, True] + [False] * 4
+
+
+@pytest.mark.parametrize(
+    "mode", [(True, 0, False), (False, 0, False), (False, 8, False), (False, 0, True), (False, 8, True)]
+)
+def test_compiled_select_tokens_equals_eager(mode):
+    """What the engine runs with compiled kernels (torch.compile of select_tokens; on CPU inductor needs a C++
+    compiler): the same tokens and log-probs to float32 rounding, for each sampling mode."""
+    import shutil
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    greedy, top_k, use_top_p = mode
+    compiled = torch.compile(select_tokens, dynamic=False, fullgraph=True)
+    for seed in range(3):
+        state = _step_state(seed=seed)
+        want = select_tokens(**state, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+        got = compiled(**state, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)

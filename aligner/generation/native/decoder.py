@@ -11,7 +11,7 @@ GPT-2: everywhere).
 - Tensor parallelism as in training: vocab-parallel embedding (masked lookup, all-reduce), column-parallel qkv/fc1,
   row-parallel proj/fc2 followed by an all-reduce over megatron's TP group, then the row bias; vocab-parallel
   output layer. `gather_vocab` all-gathers the last position's logits ([B, V/TP] per step, small) so every rank
-  samples from identical full-vocabulary logits; megatron's padding columns are dropped there.
+  samples from identical full-vocabulary logits; megatron's padding columns are dropped by the token choice.
 
 Sequences are right-padded and keep their natural positions: sample b's prompt occupies cache slots
 [0, len_b), its k-th generated token slot len_b + k. Prefill runs the padded prompts causally (padding sits after
@@ -27,6 +27,8 @@ its first `kv_len` slots (a multiple of kv_block) through strided views. Its lay
   `seqused_k` (b's first pos_b + 1 keys): it reads only the filled slots and handles GQA itself (CUDA only, probed
   at build); on the H200 it ran slower than `matmul` (PyTorch's build picks its prefill kernel, not a split-KV
   decode kernel: docs/PERF.md).
+- `triton` (group-major, as `matmul`): one Triton kernel per layer (triton_decode.py) reads each sample's filled
+  slots [0, pos_b] only, whatever `kv_len` says: no mask, no padding read, one CUDA graph for every step of a call.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from aligner.families import FamilySpec
+from aligner.generation.native import triton_decode
 from aligner.generation.native.fused import make_kernels
 
 
@@ -89,12 +92,13 @@ class Decoder:
         self.decode_attention = decode_attention
         self.seq_major = decode_attention in ("sdpa", "flash")  # the cache layout (module docstring)
         self.scale = layout.head_dim**-0.5
-        # Decode (one token per sample, fixed shapes per batch size) may use compiled kernels; prefill, whose shapes
-        # change with every prompt width and whose time goes to GEMMs, always runs the plain ones.
+        # Compiled kernels (compile_elementwise): decode's for its fixed shapes per batch size (captured in the CUDA
+        # graphs), prefill's for any batch and prompt width (compiled once with symbolic shapes).
         self.k_eager = make_kernels(layout.family, layout.norm_eps, False, layout.qk_norm)
-        self.k = (
-            make_kernels(layout.family, layout.norm_eps, True, layout.qk_norm) if compile_elementwise else self.k_eager
-        )
+        self.k, self.k_prefill = self.k_eager, self.k_eager
+        if compile_elementwise:
+            self.k = make_kernels(layout.family, layout.norm_eps, True, layout.qk_norm)
+            self.k_prefill = make_kernels(layout.family, layout.norm_eps, True, layout.qk_norm, dynamic=True)
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)
@@ -197,21 +201,20 @@ class Decoder:
         sin = None if self.cos is None else self.sin_signed[:T].view(T, 1, 1, lo.head_dim)
 
         def attend(i, qkv, lw):
-            q, kv_new = self.k_eager.rope_split(
-                self._qkv5(qkv), cos, sin, *_qk_norms(lw)
-            )  # q [B,T,G,r,D], kv_new [2,B,T,G,D]
+            # q [B,T,G,r,D] and kv_new [2,B,T,G,D], both contiguous: the [B,H,T,D] operands below are views
+            q, kv_new = self.k_prefill.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))
             kv_2BGTD = kv_new.transpose(2, 3)
             if self.seq_major:
                 kv[i, :, row0 : row0 + B, :T] = kv_new
             else:
                 kv[i, :, row0 : row0 + B, :, :T] = kv_2BGTD
-            q_BHTD = q.reshape(B, T, lo.heads, lo.head_dim).transpose(1, 2)
+            q_BHTD = q.view(B, T, lo.heads, lo.head_dim).transpose(1, 2)
             out = F.scaled_dot_product_attention(
                 q_BHTD, kv_2BGTD[0], kv_2BGTD[1], is_causal=True, scale=self.scale, enable_gqa=lo.heads != lo.groups
             )
             return out.transpose(1, 2).reshape(B, T, lo.heads * lo.head_dim)
 
-        h = self._stack(x, attend, self.k_eager)
+        h = self._stack(x, attend, self.k_prefill)
         last = h[self.rows[:B], lengths_B - 1]  # [B, H]
         return self._linear(last, self.w.output_weight)
 
@@ -236,6 +239,8 @@ class Decoder:
                 .expand(B, G, 1, kv_len)
                 .reshape(B * G, 1, kv_len)
             )
+        elif self.decode_attention == "triton":
+            splits = triton_decode.choose_splits(B * G, self.max_seq, kv.device)
         elif self.decode_attention == "flash":
             T = self.max_seq
             cu_q = self.cu_rows[: B + 1]  # one query row per sample
@@ -246,6 +251,9 @@ class Decoder:
             q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
             cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim).to(kv.dtype))
+            if self.decode_attention == "triton":
+                out = triton_decode.decode_attention(q, cache[0], cache[1], pos_B, self.scale, splits)
+                return out.view(B, lo.heads * D).to(qkv.dtype)
             if self.decode_attention == "flash":
                 out = flash_varlen(
                     q.reshape(B, lo.heads, D).to(kv.dtype),
@@ -288,14 +296,15 @@ class Decoder:
 
     # -- vocabulary ----------------------------------------------------------------------------------------
     def gather_vocab(self, logits_local_BV: torch.Tensor) -> torch.Tensor:
-        """Full, unpadded float32 logits [B, V] on every TP rank."""
+        """The full logits [B, V_pad] on every TP rank, in the engine's dtype, megatron's padding columns included
+        (the token choice drops them: sampling.select_tokens)."""
         lo = self.lo
         if lo.tp > 1:
             B = logits_local_BV.shape[0]
             gathered = logits_local_BV.new_empty((lo.tp * B, lo.vocab_local))
             dist.all_gather_into_tensor(gathered, logits_local_BV.contiguous(), group=self.group)
             logits_local_BV = gathered.view(lo.tp, B, lo.vocab_local).transpose(0, 1).reshape(B, -1)
-        return logits_local_BV[:, : lo.vocab_size].float()
+        return logits_local_BV
 
 
 def flash_varlen(q_BHD, k_packed, v_packed, cu_q, cu_k, max_k: int, used_k, scale: float) -> torch.Tensor:

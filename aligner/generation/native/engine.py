@@ -30,12 +30,9 @@ import torch
 from aligner.config.generation import GenerationConfig
 from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
+from aligner.generation.native import triton_decode
 from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unavailable
-from aligner.generation.native.sampling import (
-    sample_tokens,
-    token_logprobs,
-    uniforms_for_seeds,
-)
+from aligner.generation.native.sampling import select_tokens, uniforms_for_seeds
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
 from aligner.models.dtypes import torch_dtype
 from aligner.parallel.device import triton_available
@@ -106,11 +103,17 @@ class NativeEngine:
         self.max_batch = gen_cfg.max_batch_size
         self.max_seq = gen_cfg.max_prompt_length + gen_cfg.max_response_length
         self.max_new = gen_cfg.max_response_length
-        attention = self.decode_attention = gen_cfg.decode_attention
+        attention = gen_cfg.decode_attention
+        if attention == "auto":
+            attention = "triton" if self.on_gpu and triton_available() else "matmul"
+        self.decode_attention = attention
+        why_not = None
         if attention == "flash":
             why_not = flash_decode_unavailable(kv_dtype, layout.head_dim, self.device)
-            if why_not is not None:
-                raise ValueError(f"generation.decode_attention=flash is not possible here: {why_not}; use matmul")
+        elif attention == "triton":
+            why_not = triton_decode.unavailable(self.device)
+        if why_not is not None:
+            raise ValueError(f"generation.decode_attention={attention} is not possible here: {why_not}; use matmul")
         compile_ = gen_cfg.compile_elementwise == "on" or (
             gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available()
         )
@@ -126,6 +129,8 @@ class NativeEngine:
             compile_elementwise=compile_,
             inv_freq=module.rotary_pos_emb.inv_freq if layout.family.rope else None,
         )
+        # The token choice of a step: its passes over [B, V] fused into a few kernels where the layers' are
+        self._select = torch.compile(select_tokens, dynamic=False, fullgraph=True) if compile_ else select_tokens
         self.tp_group, self.tp = group, tp
         # Ranks that must draw identical tokens: the TP group, and with PP > 1 the whole model-parallel group.
         self.seed_group = mp_group if mp_group is not None else (group if tp > 1 else None)
@@ -158,27 +163,26 @@ class NativeEngine:
     def _sample_and_record(self, logits_local_BV: torch.Tensor, B: int, mode: tuple) -> None:
         """Draw token `step_t` for every sample and update the state; device-only (graph-safe)."""
         greedy, top_k, use_top_p = mode
-        scaled_BV = self.decoder.gather_vocab(logits_local_BV) / self.temperature_t  # scaled once, used twice
-        banned_V = self.end_mask_V & (self.step_t < self.min_new_t)  # ending tokens before min_new_tokens
-        step_B1 = self.step_t.expand(B).unsqueeze(1)
-        u_B = None if greedy else self.u_BR[:B].gather(1, step_B1).squeeze(1)
-        tok_B = sample_tokens(
-            scaled_BV,
-            u_B,
+        tok_B, logp_B, active_B, ended_B = self._select(
+            self.decoder.gather_vocab(logits_local_BV),
+            self.layout.vocab_size,
+            self.temperature_t,
+            self.u_BR[:B],
+            self.step_t,
+            self.min_new_t,
+            self.top_p_t,
+            self.end_mask_V,
+            self.ended_B[:B],
+            self.pad_t,
             greedy=greedy,
-            temperature=1.0,
             top_k=top_k,
-            top_p=self.top_p_t if use_top_p else None,
-            banned_BV=banned_V,
+            use_top_p=use_top_p,
         )
-        logp_B = token_logprobs(scaled_BV, tok_B, 1.0)
-        active_B = ~self.ended_B[:B]
-        tok_B = torch.where(active_B, tok_B, self.pad_t)
-        logp_B = torch.where(active_B, logp_B, 0.0)
+        step_B1 = self.step_t.expand(B).unsqueeze(1)
         self.out_tokens_BR[:B].scatter_(1, step_B1, tok_B.unsqueeze(1))
         self.out_logp_BR[:B].scatter_(1, step_B1, logp_B.unsqueeze(1))
         self.lengths_B[:B] += active_B
-        self.ended_B[:B] |= active_B & self.end_mask_V[tok_B]
+        self.ended_B[:B] = ended_B
         self.cur_tok_B[:B] = tok_B
         self.pos_B[:B] += 1
         self.step_t += 1
@@ -188,6 +192,8 @@ class NativeEngine:
         self._sample_and_record(logits, B, mode)
 
     def _kv_len(self, needed: int) -> int:
+        if self.decode_attention == "triton":  # reads each sample's own filled slots: one length (and graph) for all
+            return self.max_seq
         block = self.cfg.kv_block
         return min(self.max_seq, -(-needed // block) * block)
 

@@ -3,7 +3,9 @@
 In a captured decode step the GEMMs read the weights and the KV cache at memory speed, but every small elementwise
 kernel (residual add, norm, RoPE, activation) still costs a few microseconds of GPU time, hundreds per step. These
 functions group each run of elementwise work between two GEMMs; `make_kernels(compile_=True)` wraps them in
-`torch.compile(dynamic=False)` (Triton kernels, captured inside our own CUDA graph like any other kernel), and with
+`torch.compile(dynamic=False)` (Triton kernels, captured inside our own CUDA graph like any other kernel; prefill's
+with `dynamic=True`, one compilation for every batch and prompt width, where the eager ops would be a dozen passes
+over activations of hundreds of MB per layer), and with
 `compile_=False` they run as plain PyTorch ops (CPU, tests, or where Triton is absent). Both compute the same maths;
 compiled kernels keep intermediates in float32 and round once, so bf16 results may differ in the last bit.
 """
@@ -29,7 +31,11 @@ class Kernels:
     rope_split: Callable
 
 
-def make_kernels(family: FamilySpec, eps: float, compile_: bool, qk_norm: bool = False) -> Kernels:
+def make_kernels(
+    family: FamilySpec, eps: float, compile_: bool, qk_norm: bool = False, dynamic: bool = False
+) -> Kernels:
+    """The kernels of one family; `compile_` wraps each in torch.compile, for one set of shapes (`dynamic=False`: the
+    decode step's) or for any (`dynamic=True`: prefill, whose batch and prompt width change between calls)."""
     # The family's traits as plain Python values, read here once: the kernels branch on constants only.
     rms, gated, rope = family.normalization == "RMSNorm", family.gated_mlp, family.rope
     act_fn = family.activation_func()
@@ -60,9 +66,10 @@ def make_kernels(family: FamilySpec, eps: float, compile_: bool, qk_norm: bool =
             # megatron: t*cos + rotate_half(t)*sin, rotate_half(t) = [-t2, t1]; with sin_signed = [-sin, sin]
             # that is t*cos + [t2, t1]*sin_signed, and [t2, t1] is a roll by half the head dimension.
             qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * sin_signed
-        return qk[..., :r, :], torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
+        # q contiguous ([..., G, r, D] reshapes to heads for free) and K, V stacked: what the cache write reads
+        return qk[..., :r, :].contiguous(), torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
 
     if compile_:
-        wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True)  # noqa: E731
+        wrap = lambda fn: torch.compile(fn, dynamic=dynamic, fullgraph=True)  # noqa: E731
         return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
     return Kernels(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)

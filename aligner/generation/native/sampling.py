@@ -62,6 +62,48 @@ def sample_tokens(
     return pick if index_BK is None else index_BK.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
 
 
+def select_tokens(
+    logits_BV: torch.Tensor,
+    vocab_size: int,
+    temperature: torch.Tensor,
+    u_BR: torch.Tensor,
+    step_t: torch.Tensor,
+    min_new_t: torch.Tensor,
+    top_p: torch.Tensor,
+    end_mask_V: torch.Tensor,
+    ended_B: torch.Tensor,
+    pad_t: torch.Tensor,
+    *,
+    greedy: bool,
+    top_k: int,
+    use_top_p: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step's choice for every sample, as the engine records it: a pure function of the step state, so
+    that `torch.compile` can fuse its passes over [B, V] into a few kernels (the engine does, with compiled kernels).
+
+    logits_BV: the full (gathered) logits, megatron's vocabulary padding included (dropped here); u_BR: each sample's
+    uniforms, column `step_t` is this step's; end tokens are banned while step_t < min_new_t. Returns (tokens,
+    log-probs, active, ended): samples that had already ended get `pad_t` and log-prob 0 (active False), and ended
+    is updated with the end tokens drawn now."""
+    scaled_BV = logits_BV[:, :vocab_size].float() / temperature  # scaled once, used twice
+    banned_V = end_mask_V & (step_t < min_new_t)
+    u_B = None if greedy else u_BR.gather(1, step_t.expand(u_BR.shape[0]).unsqueeze(1)).squeeze(1)
+    tok_B = sample_tokens(
+        scaled_BV,
+        u_B,
+        greedy=greedy,
+        temperature=1.0,
+        top_k=top_k,
+        top_p=top_p if use_top_p else None,
+        banned_BV=banned_V,
+    )
+    logp_B = token_logprobs(scaled_BV, tok_B, 1.0)
+    active_B = ~ended_B
+    tok_B = torch.where(active_B, tok_B, pad_t)
+    logp_B = torch.where(active_B, logp_B, 0.0)
+    return tok_B, logp_B, active_B, ended_B | (active_B & end_mask_V[tok_B])
+
+
 def uniforms_for_seeds(seeds: list[int], steps: int) -> torch.Tensor:
     """[B, steps] float32 uniforms in [0, 1); row b depends only on seeds[b] (its own CPU generator)."""
     rows = []

@@ -1,0 +1,168 @@
+"""Decode attention in one Triton kernel: one query token per sample against its own filled cache slots.
+
+`decode_attention(q, keys, values, pos, scale)` computes, for sample b and KV group g, softmax(q_bg k^T * scale) v
+over the slots [0, pos_b] of the group-major cache (the engine's `matmul` layout: each (b, g) is one [T, D] matrix
+of keys and one of values). Against the `matmul` path (mask, baddbmm, softmax, bmm: five kernels per layer and every
+slot up to the attention-length bucket) it
+- reads each sample's filled slots only, K and V once each (an online softmax over blocks of BLOCK_N slots), so
+  prompts of different lengths cost what they hold, and one CUDA graph serves every step of a call (no buckets);
+- takes the r query heads of a group together as the rows of one small matrix (GQA without repeating K/V), q read
+  in place from the RoPE kernel's output (strided, no copy);
+- computes scores and the softmax in float32 (q rounded to the cache's dtype first, as the matmul path feeds it);
+  operands are widened to float32 before each tl.dot, which on the GPU runs as TF32 tensor-core maths: exact for
+  16-bit keys and values, and the probabilities keep 10 mantissa bits where the matmul path keeps bf16's 7.
+With few (sample, group) pairs and long caches the slots are cut into `splits` ranges handled by separate programs
+and merged by a second small kernel (each range's max, sum and weighted values), so every SM has work.
+
+Runs on CUDA with Triton; on the CPU only under Triton's interpreter (TRITON_INTERPRET=1, used by the tests). The
+kernels are defined on first use, so the interpreter setting in force then is the one that counts.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+BLOCK_N = 32  # cache slots per inner step
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why the Triton decode attention cannot run here (None if it can)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+
+
+@lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attend(
+        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr,
+        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r,
+        scale,
+        R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_keys = tl.load(pos_ptr + b) + 1
+        rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
+        qmask = (rows < R)[:, None] & (dims < D)[None, :]
+        q = tl.load(q_ptr + b * sq_b + g * sq_g + rows[:, None] * sq_r + dims[None, :], mask=qmask, other=0.0)
+        q = q.to(k_ptr.dtype.element_ty).to(tl.float32)
+        m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([R_PAD], tl.float32)
+        acc = tl.zeros([R_PAD, D_PAD], tl.float32)
+        start = s * SPLIT_LEN
+        stop = tl.minimum(start + SPLIT_LEN, n_keys)
+        k_base, v_base = k_ptr + b * sk_b + g * sk_g, v_ptr + b * sv_b + g * sv_g
+        for lo in range(start, stop, BLOCK):
+            slots = lo + tl.arange(0, BLOCK)
+            kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
+            k = tl.load(k_base + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            m_i = m_new
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            dst = out_ptr + b * so_b + g * so_g + rows[:, None] * so_r + dims[None, :]
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qmask)
+        else:  # this range's partial result: float32 [B, G, SPLITS, R, D] and its max and sum [B, G, SPLITS, R]
+            part = (b * tl.num_programs(1) + g) * SPLITS + s
+            tl.store(out_ptr + part * R * D + rows[:, None] * D + dims[None, :], acc, mask=qmask)
+            tl.store(m_ptr + part * R + rows, m_i, mask=rows < R)
+            tl.store(l_ptr + part * R + rows, l_i, mask=rows < R)
+
+    @triton.jit
+    def merge(
+        acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_g, so_r,
+        R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        b, g = tl.program_id(0), tl.program_id(1)
+        rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
+        qmask = (rows < R)[:, None] & (dims < D)[None, :]
+        first = (b * tl.num_programs(1) + g) * SPLITS
+        m = tl.full([R_PAD], float("-inf"), tl.float32)
+        for s in range(SPLITS):  # the overall max first: ranges past a sample's last slot hold -inf and sum 0
+            m = tl.maximum(m, tl.load(m_ptr + (first + s) * R + rows, mask=rows < R, other=float("-inf")))
+        total = tl.zeros([R_PAD], tl.float32)
+        acc = tl.zeros([R_PAD, D_PAD], tl.float32)
+        for s in range(SPLITS):
+            m_s = tl.load(m_ptr + (first + s) * R + rows, mask=rows < R, other=float("-inf"))
+            w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))
+            total += w * tl.load(l_ptr + (first + s) * R + rows, mask=rows < R, other=0.0)
+            part = tl.load(acc_ptr + (first + s) * R * D + rows[:, None] * D + dims[None, :], mask=qmask, other=0.0)
+            acc += w[:, None] * part
+        out = acc / total[:, None]
+        dst = out_ptr + b * so_b + g * so_g + rows[:, None] * so_r + dims[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+    return attend, merge, triton.next_power_of_2
+
+
+def choose_splits(pairs: int, max_keys: int, device: torch.device) -> int:
+    """Slot ranges per (sample, group): enough programs for about two per SM, none shorter than 4 blocks."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(pairs, 1))
+    return max(1, min(want, max_keys // (4 * BLOCK_N), 16))
+
+
+def decode_attention(
+    q_BGrD: torch.Tensor,
+    keys_BGTD: torch.Tensor,
+    values_BGTD: torch.Tensor,
+    pos_B: torch.Tensor,
+    scale: float,
+    splits: int = 1,
+    block: int = BLOCK_N,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
+    dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
+
+    q [B, G, r, D] (any strides, last dimension contiguous); keys and values [B, G, T, D] views of the cache (last
+    dimension contiguous); pos_B int [B], each < T."""
+    attend, merge, pow2 = _kernels()
+    B, G, r, D = q_BGrD.shape
+    T = keys_BGTD.shape[2]
+    for name, x in (("q", q_BGrD), ("keys", keys_BGTD), ("values", values_BGTD)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"decode_attention: {name} needs a contiguous last dimension (strides {x.stride()})")
+    out = torch.empty((B, G, r, D), dtype=keys_BGTD.dtype, device=keys_BGTD.device)
+    R_PAD, D_PAD = max(16, pow2(r)), max(16, pow2(D))
+    split_len = -(-T // splits)
+    split_len = -(-split_len // block) * block
+    splits = -(-T // split_len)
+    args = (*q_BGrD.stride()[:3], *keys_BGTD.stride()[:3], *values_BGTD.stride()[:3])
+    common = dict(R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD)
+    if splits == 1:
+        attend[(B, G, 1)](
+            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, *args, *out.stride()[:3], scale,
+            BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, num_warps=num_warps, **common,
+        )  # fmt: skip
+        return out
+    acc = torch.empty((B, G, splits, r, D), dtype=torch.float32, device=out.device)
+    m = torch.empty((B, G, splits, r), dtype=torch.float32, device=out.device)
+    l_ = torch.empty_like(m)
+    attend[(B, G, splits)](
+        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, *args, 0, 0, 0, scale,
+        BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, num_warps=num_warps, **common,
+    )  # fmt: skip
+    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, **common)
+    return out

@@ -1,0 +1,49 @@
+"""The Triton decode attention kernel (aligner.generation.native.triton_decode) under Triton's interpreter on the CPU
+(tests/conftest.py turns it on): against plain attention over each sample's first pos_b + 1 slots, for GQA group
+sizes 1-3, power-of-two and other head widths, one and several slot ranges (the split path and its merge), float32
+and bfloat16. The engine's greedy decoding with it is checked in test_generation_engine.py; its speed on a GPU in
+docs/PERF.md."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from aligner.generation.native.triton_decode import decode_attention  # noqa: E402
+
+
+def _reference(q, keys, values, pos, scale):
+    T = keys.shape[2]
+    scores = torch.einsum("bgrd,bgtd->bgrt", q.float(), keys.float()) * scale
+    beyond = torch.arange(T)[None, None, None, :] > pos[:, None, None, None]
+    probs = scores.masked_fill(beyond, float("-inf")).softmax(-1)
+    return torch.einsum("bgrt,bgtd->bgrd", probs, values.float())
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,G,r,D,T", [(3, 2, 2, 64, 50), (2, 1, 3, 24, 70), (2, 3, 1, 16, 33)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_matches_plain_attention_over_the_filled_slots(dtype, atol, B, G, r, D, T, splits):
+    g = torch.Generator().manual_seed(B * 100 + T)
+    # q as the engine passes it: a strided view (the group's rows of the RoPE output, key and value rows after them)
+    q = torch.randn(B, G, r + 2, D, generator=g).to(dtype)[:, :, :r]
+    # keys and values as views into a larger cache (more rows and slots than this call's)
+    cache = torch.randn(2, B + 1, G, T + 7, D, generator=g).to(dtype)
+    keys, values = cache[0, :B, :, :T], cache[1, :B, :, :T]
+    pos = torch.tensor([0, T - 1, T // 2][:B])
+    scale = D**-0.5
+    out = decode_attention(q, keys, values, pos, scale, splits=splits)
+    assert out.shape == (B, G, r, D) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), _reference(q, keys, values, pos, scale), rtol=0, atol=atol)
+    # slots past a sample's position are never read: garbage there changes nothing
+    cache[:, :B, :, T // 2 + 1 :] = float("nan")
+    cache[:, 1, :, :] = torch.randn(2, G, T + 7, D, generator=g).to(dtype)  # sample 1 reads all of its slots
+    again = decode_attention(q, keys, values, pos, scale, splits=splits)
+    assert torch.equal(again[0], out[0]) and torch.equal(again[2:], out[2:]) and not again.isnan().any()
+
+
+def test_non_contiguous_head_dimension_is_refused():
+    q = torch.randn(1, 1, 2, 16)
+    kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D
+    with pytest.raises(ValueError, match="keys needs a contiguous last dimension"):
+        decode_attention(q, kv[0], kv[1], torch.tensor([3]), 0.25)
