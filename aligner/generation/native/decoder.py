@@ -94,11 +94,9 @@ class Decoder:
         self.scale = layout.head_dim**-0.5
         # Compiled kernels (compile_elementwise): decode's for its fixed shapes per batch size (captured in the CUDA
         # graphs), prefill's for any batch and prompt width (compiled once with symbolic shapes).
-        self.k_eager = make_kernels(layout.family, layout.norm_eps, False, layout.qk_norm)
-        self.k, self.k_prefill = self.k_eager, self.k_eager
-        if compile_elementwise:
-            self.k = make_kernels(layout.family, layout.norm_eps, True, layout.qk_norm)
-            self.k_prefill = make_kernels(layout.family, layout.norm_eps, True, layout.qk_norm, dynamic=True)
+        fam, eps, qk_norm = layout.family, layout.norm_eps, layout.qk_norm
+        self.k = make_kernels(fam, eps, compile_elementwise, qk_norm)
+        self.k_prefill = make_kernels(fam, eps, compile_elementwise, qk_norm, prefill=True)
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)

@@ -32,10 +32,12 @@ class Kernels:
 
 
 def make_kernels(
-    family: FamilySpec, eps: float, compile_: bool, qk_norm: bool = False, dynamic: bool = False
+    family: FamilySpec, eps: float, compile_: bool, qk_norm: bool = False, prefill: bool = False
 ) -> Kernels:
-    """The kernels of one family; `compile_` wraps each in torch.compile, for one set of shapes (`dynamic=False`: the
-    decode step's) or for any (`dynamic=True`: prefill, whose batch and prompt width change between calls)."""
+    """The kernels of one family; `compile_` wraps each in torch.compile, for the decode step's fixed shapes, or with
+    `prefill` for any batch and prompt width (symbolic shapes) and with q returned contiguous: prefill's attention
+    reads it as [B, H, T, D] without a copy, where a decode step's attention reads the strided view (a separate
+    contiguous q costs the step a second RoPE kernel: measured slower on the H200)."""
     # The family's traits as plain Python values, read here once: the kernels branch on constants only.
     rms, gated, rope = family.normalization == "RMSNorm", family.gated_mlp, family.rope
     act_fn = family.activation_func()
@@ -66,10 +68,10 @@ def make_kernels(
             # megatron: t*cos + rotate_half(t)*sin, rotate_half(t) = [-t2, t1]; with sin_signed = [-sin, sin]
             # that is t*cos + [t2, t1]*sin_signed, and [t2, t1] is a roll by half the head dimension.
             qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * sin_signed
-        # q contiguous ([..., G, r, D] reshapes to heads for free) and K, V stacked: what the cache write reads
-        return qk[..., :r, :].contiguous(), torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
+        q = qk[..., :r, :]
+        return q.contiguous() if prefill else q, torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
 
     if compile_:
-        wrap = lambda fn: torch.compile(fn, dynamic=dynamic, fullgraph=True)  # noqa: E731
+        wrap = lambda fn: torch.compile(fn, dynamic=prefill, fullgraph=True)  # noqa: E731
         return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
     return Kernels(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)

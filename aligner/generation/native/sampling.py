@@ -16,6 +16,18 @@ from __future__ import annotations
 import torch
 
 
+@torch.library.custom_op("aligner::cumsum_rows", mutates_args=())
+def cumsum_rows(x: torch.Tensor) -> torch.Tensor:
+    """Cumulative sum along the last dimension, as an opaque op: torch.compile calls PyTorch's own kernel here instead
+    of generating one (inductor's split scan fails to compile some [B, V] shapes, e.g. [64, 32000] on an H200)."""
+    return x.cumsum(-1)
+
+
+@cumsum_rows.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 def _scaled(logits_BV, temperature):
     """float32 logits / temperature; the Python float 1.0 skips a pass over [B, V] (callers that scaled once)."""
     logits = logits_BV.float()
@@ -54,8 +66,8 @@ def sample_tokens(
     probs = torch.softmax(scaled, dim=-1)
     if top_p is not None:
         # Keep a token while the mass of the tokens before it is below top_p: the most likely always stays.
-        probs = probs * ((probs.cumsum(-1) - probs) < top_p)
-    cdf = probs.cumsum(-1)
+        probs = probs * ((cumsum_rows(probs) - probs) < top_p)
+    cdf = cumsum_rows(probs)
     # u * total mass, strictly below the last cdf value, so the pick is a token with nonzero probability.
     target = u_B.unsqueeze(-1).to(cdf.dtype) * cdf[:, -1:]
     pick = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
