@@ -94,6 +94,11 @@ def _tp2_body(rank, world_size):
         torch.testing.assert_close(sampled.logprobs_BR, ref, rtol=0, atol=2e-5)
         unseeded = engine.generate(PROMPTS, LENGTHS, SamplingParams())  # base seed drawn, then shared by TP rank 0
         seen[name] = [_responses(out), _responses(sampled), _responses(unseeded)]
+        if name == "llama3_qwen3":  # the Triton decode attention on each rank's KV group (Triton's interpreter)
+            triton = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": "triton"}), cfg, model)
+            again = triton.generate(PROMPTS, LENGTHS, SamplingParams(temperature=0.8, top_p=0.95, seeds=[1, 2, 3]))
+            assert _responses(again) == _responses(sampled)
+            torch.testing.assert_close(again.logprobs_BR, sampled.logprobs_BR, rtol=0, atol=2e-5)
 
     # refit after an optimizer step, at TP=2
     trainable = TrainableModel(LLAMA, OptimConfig(lr=3e-2, clip_grad=0.0))

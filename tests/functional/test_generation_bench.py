@@ -59,3 +59,21 @@ def test_profile_kinds_from_kernel_names():
     assert kind_of("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>") == (
         "other elementwise"
     )
+
+
+def test_bench_decode_kernels_says_it_needs_a_gpu():
+    """The kernel benchmark times CUDA graphs: on a CPU it exits 2 with one line saying so (and what to run here)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_decode_kernels.py")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "bench_decode_kernels: needs a CUDA GPU: the kernels are timed inside CUDA graphs "
+        "(bench_generation.py --tiny is the CPU smoke run)"
+    ]

@@ -1,0 +1,164 @@
+"""Decode-step kernels of the 1B benchmark model, one at a time, on a GPU (scripts/bench_decode_kernels.py).
+
+- attention: per layer, the `matmul` path's kernels (additive mask, baddbmm, softmax, bmm over the slots up to the
+  attention-length bucket) against the Triton kernel (aligner.generation.native.triton_decode) for several slot
+  blocks, warp counts and slot ranges (splits); each against float32 attention (max |error|) and the floor (K and V
+  of the filled slots read once at the copy bandwidth, 4.2 TB/s on the H200);
+- weight GEMMs: each of a layer's four projections and the output layer at decode batch sizes, x @ W^T as the
+  engine computes it and other layouts (F.linear, a pre-transposed W, W @ x^T), against max(weight read, FLOPs at
+  790 TFLOP/s); and their sum over one decode step (16 layers and the output layer).
+Each number is the mean over replays of a CUDA graph of 10-16 calls, in microseconds per call.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from aligner.generation.native.triton_decode import choose_splits, decode_attention
+
+GROUPS, GROUP_SIZE, HEAD_DIM = 8, 2, 128  # the 1B model: 16 query heads in 8 KV groups of width 128
+HIDDEN, FFN, VOCAB, LAYERS = 2048, 8192, 32000, 16
+BANDWIDTH, PEAK_FLOPS = 4.2e12, 790e12  # measured on the H200 (docs/PERF.md)
+ATTENTION_CASES = ((64, 256), (256, 256), (512, 256), (512, 384), (8, 384), (64, 2048))  # (batch, filled slots)
+
+
+def graph_time_us(fn, calls: int = 16, replays: int = 20) -> float:
+    """Mean microseconds per call of `fn`, `calls` of them captured in one CUDA graph, over `replays` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2 * calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays / calls * 1e3
+
+
+def _matmul_attention(q, keys, values, pos, kv_len: int, scale: float):
+    """The engine's `matmul` decode attention for one layer, its per-step mask included."""
+    B, G, r, D = q.shape
+    beyond = torch.arange(kv_len, device=q.device)[None] > pos[:, None]
+    mask = torch.zeros(B, 1, 1, kv_len, dtype=keys.dtype, device=q.device)
+    mask = mask.masked_fill_(beyond.view(B, 1, 1, kv_len), float("-inf")).expand(B, G, 1, kv_len)
+    scores = torch.baddbmm(
+        mask.reshape(B * G, 1, kv_len),
+        q.reshape(B * G, r, D),
+        keys[:, :, :kv_len].reshape(B * G, kv_len, D).transpose(1, 2),
+        alpha=scale,
+    )
+    return torch.bmm(torch.softmax(scores, -1), values[:, :, :kv_len].reshape(B * G, kv_len, D)).view(B, G, r, D)
+
+
+def attention_rows(device) -> list[dict]:
+    rows, scale = [], HEAD_DIM**-0.5
+    for B, filled in ATTENTION_CASES:
+        T = max(384, filled)
+        kv = torch.randn(2, B, GROUPS, T, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        q = torch.randn(B, GROUPS, GROUP_SIZE + 2, HEAD_DIM, device=device, dtype=torch.bfloat16)[:, :, :GROUP_SIZE]
+        pos = torch.full((B,), filled - 1, device=device)
+        probs = torch.einsum("bgrd,bgtd->bgrt", q.float(), kv[0, :, :, :filled].float()) * scale
+        exact = torch.einsum("bgrt,bgtd->bgrd", probs.softmax(-1), kv[1, :, :, :filled].float())
+        kv_len = -(-filled // 64) * 64  # the engine's default bucket (generation.kv_block: 64)
+
+        def matmul(q=q, kv=kv, pos=pos, kv_len=kv_len):
+            return _matmul_attention(q, kv[0], kv[1], pos, kv_len, scale)
+
+        row = {
+            "batch": B,
+            "filled_slots": filled,
+            "floor_us": 2 * B * GROUPS * filled * HEAD_DIM * 2 / BANDWIDTH * 1e6,
+            "matmul_us": graph_time_us(matmul),
+            "matmul_err": float((matmul().float() - exact).abs().max()),
+        }
+        auto = choose_splits(B * GROUPS, T, device)
+        for block, warps, splits in itertools.product((32, 64, 128), (4, 8), sorted({1, auto})):
+
+            def triton(q=q, kv=kv, pos=pos, splits=splits, block=block, warps=warps):
+                return decode_attention(q, kv[0], kv[1], pos, scale, splits, block, warps)
+
+            name = f"triton_b{block}_w{warps}_s{splits}"
+            row[f"{name}_us"] = graph_time_us(triton)
+            row[f"{name}_err"] = float((triton().float() - exact).abs().max())
+        rows.append(row)
+    return rows
+
+
+def gemm_rows(device, batches=(64, 256, 512)) -> list[dict]:
+    shapes = {
+        "qkv": (HIDDEN + 2 * GROUPS * HEAD_DIM, HIDDEN),
+        "proj": (HIDDEN, HIDDEN),
+        "fc1": (2 * FFN, HIDDEN),
+        "fc2": (HIDDEN, FFN),
+        "output": (VOCAB, HIDDEN),
+    }
+    rows = []
+    for M in batches:
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            w_t = w.t().contiguous()
+            x = torch.randn(M, k, device=device, dtype=torch.bfloat16)
+            variants = {
+                "x@W^T": lambda x=x, w=w: torch.matmul(x, w.t()),
+                "F.linear": lambda x=x, w=w: torch.nn.functional.linear(x, w),
+                "x@(W^T contiguous)": lambda x=x, w_t=w_t: torch.matmul(x, w_t),
+                "W@x^T": lambda x=x, w=w: torch.matmul(w, x.t()),
+            }
+            row = {"batch": M, "gemm": name, "floor_us": max(2 * n * k / BANDWIDTH, 2 * M * n * k / PEAK_FLOPS) * 1e6}
+            row.update({f"{v}_us": graph_time_us(fn, calls=10, replays=50) for v, fn in variants.items()})
+            rows.append(row)
+    return rows
+
+
+def per_step_ms(rows: list[dict], batch: int) -> dict:
+    """Sum over one decode step: every layer's four projections and the output layer once."""
+    mine = [r for r in rows if r["batch"] == batch]
+    keys = [k for k in mine[0] if k.endswith("_us")]
+    return {k[:-3]: sum(r[k] * (1 if r["gemm"] == "output" else LAYERS) for r in mine) / 1e3 for k in keys}
+
+
+class NeedsGPU(RuntimeError):
+    pass
+
+
+def run() -> dict:
+    if not torch.cuda.is_available():
+        raise NeedsGPU(
+            "needs a CUDA GPU: the kernels are timed inside CUDA graphs "
+            "(bench_generation.py --tiny is the CPU smoke run)"
+        )
+    device = torch.device("cuda")
+    gemms = gemm_rows(device)
+    return {
+        "device": torch.cuda.get_device_name(device),
+        "attention": attention_rows(device),
+        "gemm": gemms,
+        "gemm_per_step_ms": {str(b): per_step_ms(gemms, b) for b in (64, 256, 512)},
+    }
+
+
+def format_report(report: dict) -> str:
+    lines = [f"device {report['device']}", "", "attention per layer (us): floor, matmul path, best Triton setting"]
+    for row in report["attention"]:
+        best = min((v, k[:-3]) for k, v in row.items() if k.startswith("triton") and k.endswith("_us"))
+        lines.append(
+            f"  B={row['batch']:4d} slots={row['filled_slots']:5d}  floor {row['floor_us']:7.1f}  matmul "
+            f"{row['matmul_us']:7.1f} (err {row['matmul_err']:.2g})  triton {best[0]:7.1f} {best[1]} "
+            f"(err {row[best[1] + '_err']:.2g})"
+        )
+    lines += ["", "weight GEMMs per decode step (ms; floor = max(weight read, FLOPs))"]
+    for b, sums in report["gemm_per_step_ms"].items():
+        lines.append(f"  B={int(b):4d}  " + "  ".join(f"{k} {v:.3f}" for k, v in sums.items()))
+    return "\n".join(lines)
