@@ -9,8 +9,9 @@ slot up to the attention-length bucket) it
 - takes the r query heads of a group together as the rows of one small matrix (GQA without repeating K/V), q read
   in place from the RoPE kernel's output (strided, no copy);
 - computes scores and the softmax in float32 (q rounded to the cache's dtype first, as the matmul path feeds it);
-  operands are widened to float32 before each tl.dot, which on the GPU runs as TF32 tensor-core maths: exact for
-  16-bit keys and values, and the probabilities keep 10 mantissa bits where the matmul path keeps bf16's 7.
+  operands are widened to float32 before each tl.dot, which on the GPU runs as TF32 tensor-core maths for a 16-bit
+  cache (exact for its keys and values; the probabilities keep 10 mantissa bits where the matmul path keeps bf16's
+  7) and as full float32 products for a float32 cache.
 With few (sample, group) pairs and long caches the slots are cut into `splits` ranges handled by separate programs
 and merged by a second small kernel (each range's max, sum and weighted values), so every SM has work.
 
@@ -50,7 +51,7 @@ def _kernels():
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r,
         scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr,
+        BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_keys = tl.load(pos_ptr + b) + 1
@@ -68,14 +69,14 @@ def _kernels():
             slots = lo + tl.arange(0, BLOCK)
             kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
             k = tl.load(k_base + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
         if SPLITS == 1:
             out = acc / l_i[:, None]
@@ -151,10 +152,12 @@ def decode_attention(
     splits = -(-T // split_len)
     args = (*q_BGrD.stride()[:3], *keys_BGTD.stride()[:3], *values_BGTD.stride()[:3])
     common = dict(R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD)
+    # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
+    precision = "ieee" if keys_BGTD.dtype == torch.float32 else "tf32"
     if splits == 1:
         attend[(B, G, 1)](
             q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, *args, *out.stride()[:3], scale,
-            BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, num_warps=num_warps, **common,
+            BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common,
         )  # fmt: skip
         return out
     acc = torch.empty((B, G, splits, r, D), dtype=torch.float32, device=out.device)
@@ -162,7 +165,7 @@ def decode_attention(
     l_ = torch.empty_like(m)
     attend[(B, G, splits)](
         q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, *args, 0, 0, 0, scale,
-        BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, num_warps=num_warps, **common,
+        BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
     )  # fmt: skip
     merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, **common)
     return out
