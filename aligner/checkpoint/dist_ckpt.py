@@ -67,8 +67,11 @@ def _rank() -> int:
 
 
 def _barrier() -> None:
+    """Ranks wait for one another's files (host-side work): over the host group where there is one."""
     if dist.is_initialized():
-        dist.barrier()
+        from aligner.parallel import host_barrier
+
+        host_barrier()
 
 
 _writer_manager = None  # the helper started by start_writer (kept alive for the whole process)

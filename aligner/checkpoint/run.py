@@ -71,19 +71,21 @@ def commit(root: str, record: Commit) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         write(root, record)
     if dist.is_initialized():
-        dist.barrier()
+        from aligner.parallel import host_barrier
+
+        host_barrier()
 
 
 def agreed_run_id() -> str:
     """A new run id, the same on every rank (global rank 0's). Collective."""
     import torch.distributed as dist
 
-    box = [new_run_id()]
+    run_id = new_run_id()
     if dist.is_initialized():
-        from aligner.parallel.device import current_device
+        from aligner.parallel import host_broadcast
 
-        dist.broadcast_object_list(box, src=0, device=current_device())
-    return box[0]
+        run_id = host_broadcast(run_id)
+    return run_id
 
 
 def resume_points(root: str, commit: Commit) -> list[tuple[int, str, str | None]]:

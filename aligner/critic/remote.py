@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from aligner.critic.protocol import CriticCheckpointError
-from aligner.parallel import host_group
+from aligner.parallel import host_broadcast
 from aligner.parallel.device import current_device
 
 T = TypeVar("T")
@@ -166,14 +166,12 @@ class RemoteCritic:
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
                 failure = (isinstance(exc, CriticCheckpointError), f"{type(exc).__name__}: {exc}")
                 original = exc
-        box = [failure]  # over the host group: the other ranks wait for rank 0's HTTP answer on the CPU
-        group = host_group()
-        dist.broadcast_object_list(box, src=0, group=group, device=torch.device("cpu") if group else self.device)
-        if box[0] is None:
+        failure = host_broadcast(failure)  # the other ranks wait for rank 0's HTTP answer on the CPU
+        if failure is None:
             return result
         if original is not None:
             raise original
-        is_checkpoint, message = box[0]
+        is_checkpoint, message = failure
         raise (CriticCheckpointError if is_checkpoint else CriticCallError)(f"on global rank 0: {message}")
 
     def close(self) -> None:

@@ -54,7 +54,7 @@ from aligner.critic.protocol import (
     check_train,
 )
 from aligner.critic.reward_fn import RewardFunction, RewardFunctionError
-from aligner.parallel import host_group
+from aligner.parallel import host_barrier, host_group
 from aligner.parallel.device import current_device
 from aligner.rl import explained_variance, global_token_count, reduce_stats, value_loss
 from aligner.rl._dist import all_reduce_
@@ -318,7 +318,7 @@ class CriticService:
                 LOG.warning("removing %s: saved, but the actor never committed that step", stale)
                 shutil.rmtree(stale, ignore_errors=True)
         if dist.is_initialized():
-            dist.barrier()
+            host_barrier()  # rank 0 removed the stale checkpoints
         self.run_id, self.base_step, self.trains_since_base, self.resumed_from = run_id, step, 0, path
         LOG.warning("run %s: resumed from %s at step %d", run_id, path, step)
         return path

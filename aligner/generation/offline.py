@@ -164,7 +164,7 @@ def generate_file(opts: OfflineOptions) -> int:
     from aligner.config.schema import ParallelConfig, validate_layout
     from aligner.data.prompts import PromptDataset, pad_prompts
     from aligner.generation import SamplingParams
-    from aligner.parallel import current_device
+    from aligner.parallel import current_device, host_barrier
 
     opts.validate(dist.get_world_size())
     cfg = _model_config(opts.checkpoint)
@@ -229,7 +229,7 @@ def generate_file(opts: OfflineOptions) -> int:
             ),
         )
         log.info("%s: %d responses (%d prompts truncated)", opts.output, len(items), data.truncated)
-    dist.barrier()
+    host_barrier()  # every rank returns once rank 0's output file is in place
     return len(items)
 
 

@@ -5,6 +5,8 @@ from aligner.parallel.device import current_device, on_gpu, synchronize
 from aligner.parallel.launch import (
     RankInfo,
     discover,
+    host_barrier,
+    host_broadcast,
     host_group,
     initialize,
     initialize_job,
@@ -18,6 +20,8 @@ __all__ = [
     "RankInfo",
     "current_device",
     "discover",
+    "host_barrier",
+    "host_broadcast",
     "host_group",
     "initialize",
     "initialize_job",

@@ -14,7 +14,8 @@ for another rank's host-side work (the critic job's workers for rank 0's next co
 0's HTTP answer) waits in it, on the CPU. A pending NCCL collective is a kernel that spins on its GPU until the
 data comes; on a GPU that another job shares (the critic beside an actor rank), that kernel takes the other job's
 time slices: measured on 2x H200, a critic job at DP=2 beside the 8B actor's TP pair made its generation 2.2x
-slower (docs/PERF.md, eighth session). None before `initialize` (then the default group serves).
+slower (docs/PERF.md, eighth session). None before `initialize` (then the default group serves). `host_barrier()`
+and `host_broadcast(obj)` use it for the waits around checkpoints, run ids and output files.
 
 `shutdown(exit_code_if_stuck)` destroys them at the end of a job. Whatever captured collectives into CUDA graphs
 (the generation engine at TP > 1) must be closed before: NCCL's communicator teardown waits for those graphs, and
@@ -209,6 +210,28 @@ def host_group():
     if _HOST is not None and dist.is_initialized() and _HOST[0] is dist.group.WORLD:
         return _HOST[1]
     return None
+
+
+def host_barrier() -> None:
+    """A barrier for ranks that wait on another rank's host-side work (a file written, a lock taken): over
+    `host_group()` where there is one (the waiting ranks block on the CPU), else the default group."""
+    import torch.distributed as dist
+
+    dist.barrier(group=host_group())
+
+
+def host_broadcast(obj, src: int = 0):
+    """Global rank `src`'s picklable `obj` on every rank, over `host_group()` where there is one, else the default
+    group (on this process's device). Collective."""
+    import torch
+    import torch.distributed as dist
+
+    from aligner.parallel.device import current_device
+
+    group = host_group()
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group, device=torch.device("cpu") if group else current_device())
+    return box[0]
 
 
 def initialize_job(parallel, seed: int) -> RankInfo:

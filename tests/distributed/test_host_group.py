@@ -32,3 +32,45 @@ def _channel(rank, world_size):
 def test_command_header_over_the_host_group_and_tensors_over_the_default_group():
     results = run_ranks(_channel, 2)
     assert results[0] == results[1] == ([(7, 2, 3, 0, 70, 7), (9, 2, 3, 0, 90, 9)], True)
+
+
+def _host_waits(rank, world_size):
+    import time
+
+    import torch.distributed as dist
+
+    from aligner.parallel import host_barrier, host_broadcast, host_group, initialize, shutdown
+
+    initialize()
+    group = host_group()
+    # A gloo barrier on the host group alone: rank 0 enters late, so the others wait in it, and nothing of the
+    # default group's sequence is used (the default group's next collective still pairs up below).
+    if rank == 0:
+        time.sleep(0.5)
+    entered = time.monotonic()
+    host_barrier()
+    waited = time.monotonic() - entered
+    answer = host_broadcast({"run": "abc", "from": rank} if rank == 0 else None)
+    total = _sum_over_default_group(rank)
+    calls = dist.get_world_size(group)
+    shutdown()
+    return waited, answer, total, calls
+
+
+def _sum_over_default_group(rank):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return float(t)
+
+
+def test_host_barrier_and_broadcast_for_waits_on_another_ranks_files():
+    """Checkpoint commits, locks, run ids and output files: ranks wait in the host group (host_barrier,
+    host_broadcast) and get rank 0's object; the default group's collectives are unaffected."""
+    results = run_ranks(_host_waits, 2)
+    (w0, a0, s0, n0), (w1, a1, s1, n1) = results
+    assert a0 == a1 == {"run": "abc", "from": 0}
+    assert s0 == s1 == 3.0 and n0 == n1 == 2
+    assert w1 > 0.3, "rank 1 must have waited in the barrier for rank 0"
