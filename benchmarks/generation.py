@@ -60,6 +60,7 @@ class BenchArgs:
     seed: int = 0
     profile: bool = False  # a torch-profiler table of the kernels of one greedy call at the largest batch
     decode_attention: str = "auto"  # generation.decode_attention
+    ragged: bool = False  # prompt lengths drawn from [prompt_len / 4, prompt_len] (native engine only)
 
 
 def _sync(device):
@@ -125,18 +126,32 @@ def _hf_generate(model, prompts, new_tokens, static: bool, compile_static: bool)
     return out
 
 
-def _logprob_gap(module, cfg, prompts, out, rows: int) -> dict[str, float]:
-    """Engine log-probs vs megatron's forward (training path) on the same tokens, first `rows` samples."""
+def _logprob_gap(module, cfg, prompts, lengths, out, rows: int) -> dict[str, float]:
+    """Engine log-probs vs megatron's forward (training path) on the same tokens, first `rows` samples (each its own
+    prompt length and its response)."""
     from aligner.models.gpt import forward
     from aligner.models.logprobs import shift_for_next_token, vocab_parallel_logprobs
 
-    n = min(rows, prompts.shape[0])
-    seq = torch.cat([prompts[:n], out.response_tokens_BR[:n]], 1)
-    with torch.no_grad():
-        logits, targets = shift_for_next_token(forward(module, seq), seq)
-        ref = vocab_parallel_logprobs(logits, targets, vocab_size=cfg.vocab_size)[:, prompts.shape[1] - 1 :]
-    gap = (ref - out.logprobs_BR[:n]).abs()
+    gaps = []
+    for b in range(min(rows, prompts.shape[0])):
+        n = int(lengths[b])
+        seq = torch.cat([prompts[b, :n], out.response_tokens_BR[b]]).unsqueeze(0)
+        with torch.no_grad():
+            logits, targets = shift_for_next_token(forward(module, seq), seq)
+            ref = vocab_parallel_logprobs(logits, targets, vocab_size=cfg.vocab_size)[0, n - 1 :]
+        gaps.append((ref - out.logprobs_BR[b]).abs())
+    gap = torch.stack(gaps)
     return {"logp_abs_diff_mean": float(gap.mean()), "logp_abs_diff_max": float(gap.max())}
+
+
+def _prompts(args, B: int, vocab: int, rng: torch.Generator, device):
+    """B prompts of args.prompt_len tokens, or with `ragged` lengths drawn uniformly from [prompt_len / 4,
+    prompt_len] (right-padded): what real prompt data looks like to the engine."""
+    prompts = torch.randint(0, vocab, (B, args.prompt_len), generator=rng)
+    lengths = torch.full((B,), args.prompt_len, dtype=torch.long)
+    if args.ragged:
+        lengths = torch.randint(max(1, args.prompt_len // 4), args.prompt_len + 1, (B,), generator=rng)
+    return prompts.to(device), lengths.to(device)
 
 
 def run(args: BenchArgs) -> dict:
@@ -182,6 +197,7 @@ def run(args: BenchArgs) -> dict:
         "decode_attention": engine.decode_attention,
         "cuda_graphs": engine.use_graphs,
         "prompt_len": args.prompt_len,
+        "ragged": args.ragged,
         "new_tokens": args.new_tokens,
         "copy_bandwidth_GBps": bw / 1e9,
         "weight_bytes": weight_bytes,
@@ -195,9 +211,8 @@ def run(args: BenchArgs) -> dict:
         hf = build_hf_llama(policy, cfg, device, engine.weights.dtype)
     gen_rng = torch.Generator().manual_seed(args.seed + 1)
     for B in args.batch_sizes:
-        prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=gen_rng).to(device)
-        lengths = torch.full((B,), args.prompt_len, dtype=torch.long, device=device)
-        row = {"batch": B}
+        prompts, lengths = _prompts(args, B, cfg.vocab_size, gen_rng, device)
+        row = {"batch": B, "prompt_tokens_mean": float(lengths.float().mean())}
         for name, sp in (
             ("native_greedy", SamplingParams(greedy=True, ignore_eos=True)),
             ("native_sample", SamplingParams(temperature=1.0, ignore_eos=True, seed=1)),
@@ -211,11 +226,11 @@ def run(args: BenchArgs) -> dict:
             row[f"{name}_prefill_ms"] = t["prefill_ms"]
             row[f"{name}_decode_ms_per_step"] = t["decode_ms"] / max(1, t["decode_steps"])
             if name == "native_greedy":
-                row.update(_logprob_gap(policy, cfg, prompts, out, rows=8))
+                row.update(_logprob_gap(policy, cfg, prompts, lengths, out, rows=8))
                 greedy_tokens = out.response_tokens_BR
         steps = range(1, args.new_tokens)
         row["decode_floor_ms_per_step"] = (
-            sum((weight_bytes + B * kv_token_bytes * (args.prompt_len + s)) / bw for s in steps) / len(steps) * 1e3
+            sum((weight_bytes + kv_token_bytes * int((lengths + s).sum())) / bw for s in steps) / len(steps) * 1e3
         )
         row["decode_vs_floor"] = row["native_greedy_decode_ms_per_step"] / row["decode_floor_ms_per_step"]
         if hf is not None:
@@ -241,8 +256,7 @@ def run(args: BenchArgs) -> dict:
         report["rows"].append(row)
     if args.profile:
         B = max(args.batch_sizes)
-        prompts = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=gen_rng).to(device)
-        lengths = torch.full((B,), args.prompt_len, dtype=torch.long, device=device)
+        prompts, lengths = _prompts(args, B, cfg.vocab_size, gen_rng, device)
         report["profile"] = profile_generate(engine, prompts, lengths, device)
     report["goals"] = {
         "3x_hf_static": None if hf is None else all(r["speedup_vs_hf_static"] >= 3 for r in report["rows"]),
@@ -270,7 +284,8 @@ def format_table(report: dict) -> str:
         (
             f"device {report['device']}, engine {report['engine_dtype']}, cuda_graphs={report['cuda_graphs']}, "
             f"decode attention {report.get('decode_attention', 'matmul')}, "
-            f"prompt {report['prompt_len']} + {report['new_tokens']} new tokens"
+            f"prompt {'up to ' if report.get('ragged') else ''}{report['prompt_len']} + {report['new_tokens']} new "
+            f"tokens{' (ragged prompt lengths)' if report.get('ragged') else ''}"
         ),
         (
             f"copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s (read+write); weights "

@@ -2,6 +2,7 @@
 
 GPU (the issue's setting): python scripts/bench_generation.py --out bench_generation.json
 CPU smoke run:             python scripts/bench_generation.py --tiny --out /tmp/bench_tiny.json
+Prompts of mixed lengths:  python scripts/bench_generation.py --skip-hf --ragged
 """
 
 from __future__ import annotations
@@ -31,8 +32,15 @@ def main(argv=None) -> int:
         choices=["auto", "matmul", "sdpa", "flash", "triton"],
         help="generation.decode_attention (default: the engine's, auto)",
     )
+    parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help="prompt lengths drawn from [prompt_len / 4, prompt_len], as real data has them (with --skip-hf)",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)
+    if a.ragged and not a.skip_hf:
+        parser.exit(2, "bench_generation: --ragged compares the native engine only: add --skip-hf\n")
     args = BenchArgs(
         batch_sizes=tuple(a.batch_sizes or ((2, 4) if a.tiny else (64, 256))),
         prompt_len=a.prompt_len or (16 if a.tiny else 128),
@@ -42,6 +50,7 @@ def main(argv=None) -> int:
         hf_compile=not (a.hf_no_compile or a.tiny),
         profile=a.profile,
         decode_attention=a.decode_attention,
+        ragged=a.ragged,
     )
     try:
         report = run(args)

@@ -47,6 +47,30 @@ def test_bench_generation_tiny(tmp_path):
     assert "by kind:" in proc.stdout
 
 
+def test_bench_generation_ragged_prompts_triton(tmp_path):
+    """Prompts of mixed lengths (--ragged) through the Triton decode attention (Triton's interpreter here): the
+    engine's log-probs still equal megatron's forward on each sample's own prompt and response."""
+    out = tmp_path / "bench.json"
+    from dist import free_port
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(free_port()), "TRITON_INTERPRET": "1"}
+    env.pop("RANK", None)
+    args = ["--tiny", "--skip-hf", "--ragged", "--batch-sizes", "3", "--decode-attention", "triton", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert report["ragged"] and report["decode_attention"] == "triton"
+    assert row["prompt_tokens_mean"] < report["prompt_len"] and row["logp_abs_diff_max"] < 1e-4
+
+
 def test_profile_kinds_from_kernel_names():
     """Names as the H200 profiles printed them (docs/PERF.md) land in the kind a reader expects."""
     from benchmarks.profiling import kind_of
@@ -55,6 +79,7 @@ def test_profile_kinds_from_kernel_names():
     assert kind_of("nvjet_tst_128x64_64x8_2x1_v_bz_badd_TNT") == "attention"  # scores over the KV cache
     assert kind_of("void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
     assert kind_of("triton_red_fused__fused_rms_norm_add_0") == "norm"
+    assert kind_of("decode_attention_fwd") == kind_of("decode_attention_merge") == "attention"  # our Triton kernels
     assert kind_of("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>") == "copy/cast"
     assert kind_of("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>") == (
         "other elementwise"
