@@ -47,3 +47,14 @@ def test_non_contiguous_head_dimension_is_refused():
     kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D
     with pytest.raises(ValueError, match="keys needs a contiguous last dimension"):
         decode_attention(q, kv[0], kv[1], torch.tensor([3]), 0.25)
+
+
+def test_availability_probe(monkeypatch):
+    """`unavailable` answers None where the kernel runs (here: the interpreter, after a tiny call checked against
+    plain attention, bf16 and fp32, head widths 128 and 24) and names the reason where it does not."""
+    from aligner.generation.native.triton_decode import unavailable
+
+    cpu = torch.device("cpu")
+    assert unavailable(cpu, torch.bfloat16, 128) is None and unavailable(cpu, torch.float32, 24) is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "needs a CUDA device" in unavailable(cpu)

@@ -104,14 +104,17 @@ class NativeEngine:
         self.max_seq = gen_cfg.max_prompt_length + gen_cfg.max_response_length
         self.max_new = gen_cfg.max_response_length
         attention = gen_cfg.decode_attention
-        if attention == "auto":
-            attention = "triton" if self.on_gpu and triton_available() else "matmul"
+        if attention == "auto":  # the Triton kernel where it runs (checked by a tiny call), else matmul
+            why_not = triton_decode.unavailable(self.device, kv_dtype, layout.head_dim) if self.on_gpu else "CPU"
+            attention = "triton" if why_not is None else "matmul"
+            if self.on_gpu and why_not is not None:
+                log.warning("generation.decode_attention=auto takes matmul: the Triton kernel cannot run (%s)", why_not)
         self.decode_attention = attention
         why_not = None
         if attention == "flash":
             why_not = flash_decode_unavailable(kv_dtype, layout.head_dim, self.device)
-        elif attention == "triton":
-            why_not = triton_decode.unavailable(self.device)
+        elif attention == "triton" and gen_cfg.decode_attention == "triton":
+            why_not = triton_decode.unavailable(self.device, kv_dtype, layout.head_dim)
         if why_not is not None:
             raise ValueError(f"generation.decode_attention={attention} is not possible here: {why_not}; use matmul")
         compile_ = gen_cfg.compile_elementwise == "on" or (

@@ -29,15 +29,35 @@ import torch
 BLOCK_N = 32  # cache slots per inner step
 
 
-def unavailable(device: torch.device) -> str | None:
-    """Why the Triton decode attention cannot run here (None if it can)."""
+def unavailable(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:
+    """Why the Triton decode attention cannot run here (None if it can): Triton, a CUDA device of compute capability
+    8.0 or newer (or Triton's interpreter), and a tiny call with the engine's cache dtype and head width that must
+    match plain attention (catches a Triton that cannot build the kernel here before a decode step needs it)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "Triton is not installed"
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return "it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"it needs compute capability 8.0 or newer (TF32 products), this GPU has {major}.{minor}"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return "it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        B, G, r, T, D = 2, 2, 2, 40, head_dim
+        q = torch.randn(B, G, r, D, generator=g, device=device).to(dtype)
+        kv = torch.randn(2, B, G, T, D, generator=g, device=device).to(dtype)
+        pos = torch.tensor([5, T - 1], device=device)
+        out = decode_attention(q, kv[0], kv[1], pos, D**-0.5)
+        scores = torch.einsum("bgrd,bgtd->bgrt", q.float(), kv[0].float()) * D**-0.5
+        beyond = torch.arange(T, device=device)[None, None, None, :] > pos[:, None, None, None]
+        ref = torch.einsum("bgrt,bgtd->bgrd", scores.masked_fill(beyond, float("-inf")).softmax(-1), kv[1].float())
+        if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
+            return "the kernel's answer differs from plain attention here"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
+        return f"the kernel failed here ({type(exc).__name__}: {exc})"
+    return None
 
 
 @lru_cache(maxsize=1)
