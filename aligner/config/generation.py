@@ -26,7 +26,7 @@ class GenerationConfig:
     cuda_graphs: bool = True  # capture the decode step on GPU (ignored on CPU)
     compile_elementwise: Literal["auto", "on", "off"] = "auto"  # torch.compile of norms/RoPE/activations (auto: GPU)
     decode_attention: Literal["auto", "matmul", "sdpa", "flash", "triton"] = "auto"  # auto: triton on GPU, else matmul
-    kv_block: int = 64  # decode attends over the cache rounded up to a multiple of this (one graph per multiple)
+    kv_block: int = 64  # matmul/sdpa/flash attend over the cache up to a multiple of this (a graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
     check_done_every: int = 16  # decode steps between host checks of "every sample ended" (each check syncs)
     release_kv_cache: bool = False  # free the KV cache for scoring and training (graphs re-captured if it moves)

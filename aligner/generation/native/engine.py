@@ -13,7 +13,8 @@ One `generate` call: validate (one host sync: the prompt lengths), prefill the p
 token 0, then decode steps 1..max_new-1. A decode step = forward of one token per sample + gather of the
 last logits over TP + sampling + bookkeeping, all on device with static shapes; on GPU with `cuda_graphs` it is
 one CUDA graph replay. Graphs are keyed by (batch size, attention length bucket, sampling mode) and captured on
-first use (the first call pays for capture; later calls replay). The host checks "every sample ended" every
+first use (the first call pays for capture; later calls replay); the Triton decode attention reads each sample's
+own length, so it has a single bucket. The host checks "every sample ended" every
 `check_done_every` steps (one sync each) and stops early. Ended samples keep stepping with the pad token (static
 shapes) and their outputs are masked.
 """
