@@ -2,7 +2,7 @@
 
 `decode_attention(q, keys, values, pos, scale)` computes, for sample b and KV group g, softmax(q_bg k^T * scale) v
 over the slots [0, pos_b] of the group-major cache (the engine's `matmul` layout: each (b, g) is one [T, D] matrix
-of keys and one of values). Against the `matmul` path (mask, baddbmm, softmax, bmm: five kernels per layer and every
+of keys and one of values). Against the `matmul` path (a mask per step; baddbmm, softmax and bmm per layer, over every
 slot up to the attention-length bucket) it
 - reads each sample's filled slots only, K and V once each (an online softmax over blocks of BLOCK_N slots), so
   prompts of different lengths cost what they hold, and one CUDA graph serves every step of a call (no buckets);
@@ -15,8 +15,8 @@ slot up to the attention-length bucket) it
 With few (sample, group) pairs and long caches the slots are cut into `splits` ranges handled by separate programs
 and merged by a second small kernel (each range's max, sum and weighted values), so every SM has work.
 
-Runs on CUDA with Triton; on the CPU only under Triton's interpreter (TRITON_INTERPRET=1, used by the tests). The
-kernels are defined on first use, so the interpreter setting in force then is the one that counts.
+Runs on CUDA with Triton; on the CPU only under Triton's interpreter (TRITON_INTERPRET=1, used by the tests), which
+must be on before triton is first imported (its own library functions are defined then; tests/conftest.py sets it).
 """
 
 from __future__ import annotations
