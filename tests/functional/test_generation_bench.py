@@ -10,23 +10,14 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_bench_generation_tiny(tmp_path):
-    out = tmp_path / "bench.json"
+def _bench_generation(*args: str, **env_extra: str) -> subprocess.CompletedProcess:
+    """scripts/bench_generation.py on the CPU (a free port, no GPU); asserts it exited 0."""
     from dist import free_port
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(free_port()), **env_extra}
     env.pop("RANK", None)
     proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "scripts", "bench_generation.py"),
-            "--tiny",
-            "--batch-sizes",
-            "3",
-            "--profile",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -34,6 +25,12 @@ def test_bench_generation_tiny(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_bench_generation_tiny(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _bench_generation("--tiny", "--batch-sizes", "3", "--profile", "--out", str(out))
     assert "native tok/s" in proc.stdout
     report = json.loads(out.read_text())
     (row,) = report["rows"]
@@ -51,20 +48,8 @@ def test_bench_generation_ragged_prompts_triton(tmp_path):
     """Prompts of mixed lengths (--ragged) through the Triton decode attention (Triton's interpreter here): the
     engine's log-probs still equal megatron's forward on each sample's own prompt and response."""
     out = tmp_path / "bench.json"
-    from dist import free_port
-
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(free_port()), "TRITON_INTERPRET": "1"}
-    env.pop("RANK", None)
     args = ["--tiny", "--skip-hf", "--ragged", "--batch-sizes", "3", "--decode-attention", "triton", "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _bench_generation(*args, TRITON_INTERPRET="1")
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     assert report["ragged"] and report["decode_attention"] == "triton"
