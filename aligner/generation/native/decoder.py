@@ -224,7 +224,10 @@ class Decoder:
         lo, kv = self.lo, self.kv
         G, r, D = lo.groups, lo.heads // lo.groups, lo.head_dim
         x = self._embed(tokens_B, pos_B)
-        beyond_BL = self.key_index[:kv_len].unsqueeze(0) > pos_B.unsqueeze(1)
+        # slots past each sample's position: the mask of the matmul and sdpa paths (triton and flash use pos_B)
+        beyond_BL = None
+        if self.decode_attention in ("matmul", "sdpa"):
+            beyond_BL = self.key_index[:kv_len].unsqueeze(0) > pos_B.unsqueeze(1)
         slot_dim = 2 if self.seq_major else 3  # of the layer's cache [2, B, ...]
         slot = pos_B.view(1, B, 1, 1, 1).expand(*((2, B, 1, G, D) if self.seq_major else (2, B, G, 1, D)))
         cos = None if self.cos is None else self.cos[pos_B].view(B, 1, 1, D)
