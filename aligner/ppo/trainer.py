@@ -173,15 +173,24 @@ class PPOTrainer:
                 if cfg.generation.release_kv_cache and isinstance(self.engine, ReleasableMemory):
                     self.engine.release_memory()  # taken back by the next _generate
             on_policy = self.uses_update_logprobs()
+            overlap = cfg.critic.overlap or self.reward_wait != "critic_wait_infer"
+            if not overlap:  # the critic job's GPU work first, then the actor's (one GPU, no time-slicing)
+                with self.timer(self.reward_wait):
+                    values_BT, scores_B = scoring.result()
             with self.timer("logprobs"):
                 logp_BS, ref_logp_BS = self.compute_logprobs(rollout, policy=not on_policy)
-            with self.timer(self.reward_wait):
-                values_BT, scores_B = scoring.result()
+            if overlap:
+                with self.timer(self.reward_wait):
+                    values_BT, scores_B = scoring.result()
             with self.timer("advantages"):
                 batch, step_metrics = self.compute_advantages(rollout, logp_BS, ref_logp_BS, values_BT, scores_B)
             metrics.update(step_metrics)
             metrics["ppo/update_logprobs_reused"] = float(on_policy)
             critic_training = self.critic.train(rollout, batch["returns"], batch["values"]) if self.critic else None
+            if critic_training is not None and not overlap:
+                with self.timer("critic_wait_train"):
+                    metrics.update(critic_training.result())
+                critic_training = None
             if self.step >= cfg.ppo.critic_warmup_steps:
                 with self.timer("train"):
                     metrics.update(self.update_policy(rollout, batch))

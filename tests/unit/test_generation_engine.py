@@ -438,3 +438,28 @@ def test_flash_and_triton_decode_attention_are_refused_off_cuda(monkeypatch):
         build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": "triton"}), LLAMA, model)
     engine = build_engine(GEN, LLAMA, model)
     assert engine.decode_attention == "matmul" and not engine.decoder.seq_major
+
+
+def test_prefill_kernels_compile_once_for_every_batch_and_width():
+    """Prefill's compiled RoPE: batch and prompt width dynamic, the model's sizes fixed (one graph for all calls;
+    fully symbolic shapes made the GPU kernel several times slower), and equal to the eager maths."""
+    import shutil
+
+    from torch._dynamo.utils import counters
+
+    from aligner.families import family
+    from aligner.generation.native.fused import make_kernels
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("torch.compile on CPU needs a C++ compiler")
+    eager = make_kernels(family("llama"), 1e-5, False, prefill=True)
+    compiled = make_kernels(family("llama"), 1e-5, True, prefill=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for B, T in ((4, 16), (3, 7), (6, 20)):
+        qkv, cos, sin = torch.randn(B, T, 2, 4, 8), torch.randn(T, 1, 1, 8), torch.randn(T, 1, 1, 8)
+        for got, want in zip(compiled.rope_split(qkv, cos, sin), eager.rope_split(qkv, cos, sin)):
+            torch.testing.assert_close(got, want)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    qkv, cos = torch.randn(2, 5, 2, 4, 16), torch.randn(5, 1, 1, 16)  # another head dimension: a size of its own
+    compiled.rope_split(qkv, cos, cos)
+    assert counters["stats"]["unique_graphs"] - graphs == 2

@@ -4,7 +4,7 @@ In a captured decode step the GEMMs read the weights and the KV cache at memory 
 kernel (residual add, norm, RoPE, activation) still costs a few microseconds of GPU time, hundreds per step. These
 functions group each run of elementwise work between two GEMMs; `make_kernels(compile_=True)` wraps them in
 `torch.compile(dynamic=False)` (Triton kernels, captured inside our own CUDA graph like any other kernel; prefill's
-with `dynamic=True`, one compilation for every batch and prompt width, where the eager ops would be a dozen passes
+with batch and prompt width dynamic, one compilation for all of them, where the eager ops would be a dozen passes
 over activations of hundreds of MB per layer), and with
 `compile_=False` they run as plain PyTorch ops (CPU, tests, or where Triton is absent). Both compute the same maths;
 compiled kernels keep intermediates in float32 and round once, so bf16 results may differ in the last bit.
@@ -71,7 +71,28 @@ def make_kernels(
         q = qk[..., :r, :]
         return q.contiguous() if prefill else q, torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
 
+    if compile_ and prefill:
+        wrap = _batch_and_length_dynamic
+        return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
     if compile_:
-        wrap = lambda fn: torch.compile(fn, dynamic=prefill, fullgraph=True)  # noqa: E731
+        wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True)  # noqa: E731
         return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
     return Kernels(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
+
+
+def _batch_and_length_dynamic(fn: Callable) -> Callable:
+    """`fn` compiled once for every batch size and prompt width, with the model's own sizes (hidden, heads, head
+    dimension) fixed. Prefill's activations are [B, T, ...] and its RoPE tables [T, 1, 1, D]: the first two
+    dimensions of a tensor of three or more are marked dynamic before each call. (`dynamic=True` made every size
+    symbolic: the RoPE kernel's roll by D/2 then computed its indices from a symbolic D, 1.8 ms a call on the H200
+    for 32k tokens, several times its memory time.)"""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 3:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+                torch._dynamo.maybe_mark_dynamic(a, 1)
+        return compiled(*args)
+
+    return call
