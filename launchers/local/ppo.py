@@ -11,7 +11,9 @@ holds for the actor job alone.
 
 On a machine with several GPUs, --actor-gpus 0,1 --critic-gpus 2 gives each job its own devices
 (CUDA_VISIBLE_DEVICES per job; each rank takes the GPU of its local rank among them). Without them both jobs see
-every GPU the launcher sees, and the ranks of each job start at GPU 0.
+every GPU the launcher sees, and the ranks of each job start at GPU 0. Where ranks of both jobs land on one GPU,
+the actor is started with critic.overlap=false (it waits for the critic's answers before its own GPU work, so that
+the two jobs take turns instead of time-slicing the GPU); an explicit --actor critic.overlap=... wins.
 
 With no arguments: the CPU demo (conf/ppo_actor_demo.yaml + conf/ppo_critic_demo.yaml). More than one process per job
 uses torchrun (gloo on CPU, NCCL on GPU), or `mpiexec -n N` with --launcher mpiexec (the mpich wheel's, or the
@@ -127,6 +129,31 @@ def sharing_note(actor_env: dict, critic_env: dict) -> str | None:
     return note
 
 
+def visible_gpus(environ=os.environ) -> list[str]:
+    """The GPUs a job started without a list sees: CUDA_VISIBLE_DEVICES's, else `nvidia-smi -L`'s ([] without)."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def shared_gpus(actor_env: dict, actor_procs: int, critic_env: dict, critic_procs: int, visible: list[str]) -> list:
+    """The GPUs that ranks of both jobs run on (each rank takes the GPU of its local rank in its job's list)."""
+
+    def used(env, procs):
+        ids = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g] if env else visible
+        return ids[:procs]
+
+    critic = set(used(critic_env, critic_procs))
+    return [g for g in used(actor_env, actor_procs) if g in critic]
+
+
 def signal_job(proc: subprocess.Popen, sig: int) -> None:
     """Send `sig` to a job's own processes. A job of several ranks runs under torchrun or mpiexec (the process-group
     leader): signalling that parent makes it kill its ranks and exit 1, so the ranks themselves get the signal (they
@@ -234,6 +261,14 @@ def main(argv=None) -> int:
     note = sharing_note(actor_gpus, critic_gpus)
     if note:
         print(f"[ppo] note: {note}", flush=True)
+    # Two jobs on one GPU time-slice it: the actor waits for the critic's answers before its own GPU work, so that
+    # their kernels take turns (critic.overlap=false: one H200, PPO step 10.06 -> 9.51 s; docs/PERF.md).
+    take_turns = []
+    if not args.actor_only and not any(o.startswith("critic.overlap=") for o in args.actor):
+        both = shared_gpus(actor_gpus, args.actor_procs, critic_gpus, args.critic_procs, visible_gpus())
+        if both:
+            take_turns = ["critic.overlap=false"]
+            print(f"[ppo] the jobs share GPU(s) {','.join(both)}: they take turns (critic.overlap=false)", flush=True)
 
     exp = os.path.abspath(args.exp_dir)
     try:
@@ -259,7 +294,7 @@ def main(argv=None) -> int:
             "train_ppo_actor.py",
             args.actor_procs,
             args.actor_config,
-            [*overrides, f"exp_dir={exp}/actor", *args.actor],
+            [*overrides, *take_turns, f"exp_dir={exp}/actor", *args.actor],
             args.launcher,
         )
         print(f"[ppo] {what}: {' '.join(actor_cmd)}", flush=True)

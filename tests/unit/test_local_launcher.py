@@ -77,3 +77,16 @@ def test_a_critic_that_lost_a_port_race_is_told_apart(tmp_path):
             ppo.wait_ready("http://127.0.0.1:9", proc, 10, str(log), offset)
         assert info.value.port_taken is taken
         offset = log.stat().st_size
+
+
+def test_jobs_on_one_gpu_are_told_to_take_turns():
+    launcher = _launcher()
+    shared, env = launcher.shared_gpus, launcher.gpu_env
+    assert shared(env("0", 1, "a"), 1, env("1", 1, "c"), 1, ["0", "1"]) == []
+    assert shared(env("0", 1, "a"), 1, env("0", 1, "c"), 1, []) == ["0"]
+    assert shared({}, 1, {}, 1, ["0"]) == ["0"]  # no lists on a one-GPU machine: both jobs start at GPU 0
+    assert shared({}, 2, env("1", 1, "c"), 1, ["0", "1"]) == ["1"]  # the actor's rank 1 is on GPU 1
+    assert shared({}, 1, env("1", 1, "c"), 1, ["0", "1"]) == []
+    assert shared({}, 1, {}, 1, []) == []  # no GPU: nothing shared
+    assert launcher.visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert launcher.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
