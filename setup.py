@@ -31,7 +31,7 @@ EXTRAS = {
 }
 # `datasets` only writes the saved-dataset fixtures of tests/unit/test_data.py (aligner reads them with pyarrow).
 EXTRAS["test"] = (
-    ["pytest>=8", "pytest-timeout>=2.3", "datasets>=2.16"]
+    ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "datasets>=2.16"]
     + EXTRAS["mpi"]
     + EXTRAS["plot"]
     + EXTRAS["data"]
