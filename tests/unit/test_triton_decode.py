@@ -42,6 +42,27 @@ def test_matches_plain_attention_over_the_filled_slots(dtype, atol, B, G, r, D, 
     assert torch.equal(again[0], out[0]) and torch.equal(again[2:], out[2:]) and not again.isnan().any()
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,G,r,D,T", [(3, 2, 2, 64, 50), (3, 3, 1, 24, 33)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_steps_own_key_and_value_are_written_and_attended(dtype, atol, B, G, r, D, T, splits):
+    """new_kv: the kernel writes the step's key and value into slot pos and attends to them, never reading that
+    slot's old contents."""
+    g = torch.Generator().manual_seed(B * 10 + T)
+    q = torch.randn(B, G, r, D, generator=g).to(dtype)
+    cache = torch.randn(2, B, G, T, D, generator=g).to(dtype)
+    pos = torch.tensor([0, T - 1, T // 2][:B])
+    kv_new = torch.randn(2, B, G, D, generator=g).to(dtype)
+    rows = torch.arange(B)
+    cache[:, rows, :, pos] = float("nan")  # what the slots held before: never read
+    out = decode_attention(q, cache[0], cache[1], pos, D**-0.5, splits=splits, new_kv=(kv_new[0], kv_new[1]))
+    assert torch.equal(cache[:, rows, :, pos], kv_new.transpose(0, 1))  # [B, 2, G, D]
+    assert not cache.isnan().any()
+    torch.testing.assert_close(out.float(), _reference(q, cache[0], cache[1], pos, D**-0.5), rtol=0, atol=atol)
+    with pytest.raises(ValueError, match="new_kv needs the cache's dtype"):
+        decode_attention(q, cache[0], cache[1], pos, 1.0, new_kv=(kv_new[0].double(), kv_new[1].double()))
+
+
 def test_non_contiguous_head_dimension_is_refused():
     q = torch.randn(1, 1, 2, 16)
     kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D

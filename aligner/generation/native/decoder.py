@@ -251,10 +251,13 @@ class Decoder:
         def attend(i, qkv, lw):
             q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
-            cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim).to(kv.dtype))
-            if self.decode_attention == "triton":
-                out = triton_decode.decode_attention(q, cache[0], cache[1], pos_B, self.scale, splits)
+            kv_new = kv_new.to(kv.dtype)
+            if self.decode_attention == "triton":  # the kernel writes the step's key and value into the cache itself
+                out = triton_decode.decode_attention(
+                    q, cache[0], cache[1], pos_B, self.scale, splits, new_kv=(kv_new[0], kv_new[1])
+                )
                 return out.view(B, lo.heads * D).to(qkv.dtype)
+            cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim))
             if self.decode_attention == "flash":
                 out = flash_varlen(
                     q.reshape(B, lo.heads, D).to(kv.dtype),

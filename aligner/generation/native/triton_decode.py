@@ -67,14 +67,18 @@ def _kernels():
 
     @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
-        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr,
-        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r,
+        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr,
+        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g, svn_b, svn_g,
         scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        WRITE_NEW: tl.constexpr,
     ):  # fmt: skip
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n_keys = tl.load(pos_ptr + b) + 1
+        pos = tl.load(pos_ptr + b)
+        # WRITE_NEW: slot pos is not read from the cache; the step's own key and value come from kn/vn, and the
+        # program whose range holds pos stores them there (no other program reads that slot: no race).
+        n_keys = pos if WRITE_NEW else pos + 1
         rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
         qmask = (rows < R)[:, None] & (dims < D)[None, :]
         q = tl.load(q_ptr + b * sq_b + g * sq_g + rows[:, None] * sq_r + dims[None, :], mask=qmask, other=0.0)
@@ -98,6 +102,20 @@ def _kernels():
             v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
+        if WRITE_NEW:
+            if pos // SPLIT_LEN == s:
+                dmask = dims < D
+                k_new = tl.load(kn_ptr + b * skn_b + g * skn_g + dims, mask=dmask, other=0.0)
+                v_new = tl.load(vn_ptr + b * svn_b + g * svn_g + dims, mask=dmask, other=0.0)
+                tl.store(k_base + pos * sk_t + dims, k_new, mask=dmask)
+                tl.store(v_base + pos * sv_t + dims, v_new, mask=dmask)
+                score = tl.sum(q * k_new.to(tl.float32)[None, :], 1) * scale
+                m_new = tl.maximum(m_i, score)
+                alpha = tl.exp(m_i - m_new)
+                p_new = tl.exp(score - m_new)
+                l_i = l_i * alpha + p_new
+                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
         if SPLITS == 1:
             out = acc / l_i[:, None]
             dst = out_ptr + b * so_b + g * so_g + rows[:, None] * so_r + dims[None, :]
@@ -153,12 +171,15 @@ def decode_attention(
     splits: int = 1,
     block: int = BLOCK_N,
     num_warps: int = 4,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
 
     q [B, G, r, D] (any strides, last dimension contiguous); keys and values [B, G, T, D] views of the cache (last
-    dimension contiguous); pos_B int [B], each < T."""
+    dimension contiguous); pos_B int [B], each < T. With `new_kv` = (k, v), each [B, G, D] (last dimension
+    contiguous, the cache's dtype), the step's own key and value: the kernel writes them into slot pos_B[b] and
+    attends to them there, so the decode step needs no separate cache write."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
@@ -171,12 +192,21 @@ def decode_attention(
     split_len = -(-split_len // block) * block
     splits = -(-T // split_len)
     args = (*q_BGrD.stride()[:3], *keys_BGTD.stride()[:3], *values_BGTD.stride()[:3])
-    common = dict(R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD)
+    if new_kv is None:
+        k_new = v_new = q_BGrD  # not read
+        new_strides = (0, 0, 0, 0)
+    else:
+        k_new, v_new = new_kv
+        if k_new.stride(-1) != 1 or v_new.stride(-1) != 1 or {k_new.dtype, v_new.dtype} != {keys_BGTD.dtype}:
+            raise ValueError("decode_attention: new_kv needs the cache's dtype and a contiguous last dimension")
+        new_strides = (*k_new.stride()[:2], *v_new.stride()[:2])
+    common = dict(R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None)
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
     precision = "ieee" if keys_BGTD.dtype == torch.float32 else "tf32"
     if splits == 1:
         attend[(B, G, 1)](
-            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, *args, *out.stride()[:3], scale,
+            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, *args, *out.stride()[:3],
+            *new_strides, scale,
             BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common,
         )  # fmt: skip
         return out
@@ -184,8 +214,8 @@ def decode_attention(
     m = torch.empty((B, G, splits, r), dtype=torch.float32, device=out.device)
     l_ = torch.empty_like(m)
     attend[(B, G, splits)](
-        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, *args, 0, 0, 0, scale,
+        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, *args, 0, 0, 0, *new_strides, scale,
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
     )  # fmt: skip
-    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, **common)
+    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD)
     return out
