@@ -242,6 +242,9 @@ class Decoder:
             )
         elif self.decode_attention == "triton":
             splits = triton_decode.choose_splits(B * G, self.max_seq, kv.device)
+            # The kernel's own cache write against one scatter per layer, same-run on one H200 (1B, docs/PERF.md):
+            # decode step -4 % at B=64, even at 256, +2.5 % at 512.
+            fused_write = B <= triton_decode.FUSED_WRITE_MAX_BATCH
         elif self.decode_attention == "flash":
             T = self.max_seq
             cu_q = self.cu_rows[: B + 1]  # one query row per sample
@@ -252,10 +255,11 @@ class Decoder:
             q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
             kv_new = kv_new.to(kv.dtype)
-            if self.decode_attention == "triton":  # the kernel writes the step's key and value into the cache itself
-                out = triton_decode.decode_attention(
-                    q, cache[0], cache[1], pos_B, self.scale, splits, new_kv=(kv_new[0], kv_new[1])
-                )
+            if self.decode_attention == "triton":  # small batches: the kernel writes the step's key and value
+                new_kv = (kv_new[0], kv_new[1]) if fused_write else None
+                if not fused_write:
+                    cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim))
+                out = triton_decode.decode_attention(q, cache[0], cache[1], pos_B, self.scale, splits, new_kv=new_kv)
                 return out.view(B, lo.heads * D).to(qkv.dtype)
             cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim))
             if self.decode_attention == "flash":

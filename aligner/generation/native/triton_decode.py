@@ -27,6 +27,7 @@ from functools import lru_cache
 import torch
 
 BLOCK_N = 32  # cache slots per inner step
+FUSED_WRITE_MAX_BATCH = 128  # the engine passes new_kv up to this batch size (measured: docs/PERF.md)
 
 
 def unavailable(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:
