@@ -265,9 +265,9 @@ class CriticClientConfig:
     infer_timeout: float = 600.0  # seconds for one critic_infer request
     train_timeout: float = 3600.0  # seconds for one critic_train (or critic_save) request
     token_file: Optional[str] = None  # the run's secret (else env ALIGNER_CRITIC_TOKEN; the launchers set it)
-    # true: the actor scores and trains while the critic job works on its request; false: it waits for the critic's
-    # answer first. Both jobs on one GPU: false, so that their kernels take turns instead of time-slicing the GPU.
-    overlap: bool = True
+    # Both jobs on one GPU: false, so that their kernels take turns instead of time-slicing the GPU
+    # (launchers/local/ppo.py sets it there).
+    overlap: bool = True  # score and train while the critic job works on its request; false: wait for its answer first
 
     @property
     def url(self) -> str:
