@@ -11,9 +11,10 @@ holds for the actor job alone.
 
 On a machine with several GPUs, --actor-gpus 0,1 --critic-gpus 2 gives each job its own devices
 (CUDA_VISIBLE_DEVICES per job; each rank takes the GPU of its local rank among them). Without them both jobs see
-every GPU the launcher sees, and the ranks of each job start at GPU 0. Where ranks of both jobs land on one GPU,
-the actor is started with critic.overlap=false (it waits for the critic's answers before its own GPU work, so that
-the two jobs take turns instead of time-slicing the GPU); an explicit --actor critic.overlap=... wins.
+every GPU the launcher sees, and the ranks of each job start at GPU 0. Where ranks of both jobs land on one GPU, or
+no GPU is visible (both jobs on the CPU), the actor is started with critic.overlap=false (it waits for the critic's
+answers before its own work, so that the two jobs take turns instead of time-slicing the GPU or competing for the
+cores); an explicit --actor critic.overlap=... wins.
 
 With no arguments: the CPU demo (conf/ppo_actor_demo.yaml + conf/ppo_critic_demo.yaml). More than one process per job
 uses torchrun (gloo on CPU, NCCL on GPU), or `mpiexec -n N` with --launcher mpiexec (the mpich wheel's, or the
@@ -261,14 +262,17 @@ def main(argv=None) -> int:
     note = sharing_note(actor_gpus, critic_gpus)
     if note:
         print(f"[ppo] note: {note}", flush=True)
-    # Two jobs on one GPU time-slice it: the actor waits for the critic's answers before its own GPU work, so that
-    # their kernels take turns (critic.overlap=false: one H200, PPO step 10.06 -> 9.51 s; docs/PERF.md).
+    # Two jobs on one GPU time-slice it, two jobs on the CPU compete for its cores: the actor waits for the critic's
+    # answers before its own work, so that they take turns (critic.overlap=false; one H200: PPO step 10.06 -> 9.51 s,
+    # the CPU demo on 2 cores: 0.35 -> 0.27 s; docs/PERF.md).
     take_turns = []
     if not args.actor_only and not any(o.startswith("critic.overlap=") for o in args.actor):
-        both = shared_gpus(actor_gpus, args.actor_procs, critic_gpus, args.critic_procs, visible_gpus())
-        if both:
+        visible = visible_gpus()
+        both = shared_gpus(actor_gpus, args.actor_procs, critic_gpus, args.critic_procs, visible)
+        if both or not visible:
             take_turns = ["critic.overlap=false"]
-            print(f"[ppo] the jobs share GPU(s) {','.join(both)}: they take turns (critic.overlap=false)", flush=True)
+            where = f"GPU(s) {','.join(both)}" if both else "the CPU"
+            print(f"[ppo] the jobs share {where}: they take turns (critic.overlap=false)", flush=True)
 
     exp = os.path.abspath(args.exp_dir)
     try:

@@ -74,6 +74,7 @@ def test_demo_learns(tmp_path):
     proc = launch(tmp_path, "ppo.num_steps=30", "validation.every=10")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == f"metrics: {tmp_path}/actor/metrics.jsonl"
+    assert "the jobs share the CPU: they take turns (critic.overlap=false)" in proc.stdout
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(30))
     for key in REQUIRED:
@@ -103,11 +104,13 @@ def test_resume_continues_exactly_and_never_pairs_an_uncommitted_critic_step(tmp
     """Resume is exact; and when the actor dies after the critic saved a step but before the step was committed
     (here: the actor cannot write its own checkpoint), the next run resumes both jobs from the last committed step:
     the critic's orphan step is removed, never paired with an older actor state (issue 14). The uninterrupted run
-    waits for the critic's answers before its own work (critic.overlap=false): the order changes no number."""
+    waits for the critic's answers before its own work (critic.overlap=false, what the launcher picks on the CPU),
+    the resumed one does not (true): the order changes no number."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     common = ("checkpoint.save_every=0", "validation.every=0")
     straight_run = launch_in_background(straight, "ppo.num_steps=4", "critic.overlap=false", *common)
-    first = launch(split, "ppo.num_steps=2", *common)
+    common_split = (*common, "critic.overlap=true")
+    first = launch(split, "ppo.num_steps=2", *common_split)
     assert first.returncode == 0, first.stderr[-3000:]
     assert step_dirs(split / "actor" / "checkpoints") == ["step_000002"]
     blocker = split / "actor" / "checkpoints" / ".tmp-step_000003"
@@ -117,7 +120,7 @@ def test_resume_continues_exactly_and_never_pairs_an_uncommitted_critic_step(tmp
     assert step_dirs(split / "critic" / "checkpoints") == ["step_000002", "step_000003"]  # the critic saved 3
     assert json.loads((split / "actor" / "checkpoints" / "committed.json").read_text())["steps"] == [2]
     blocker.unlink()
-    second = launch(split, "ppo.num_steps=4", *common)
+    second = launch(split, "ppo.num_steps=4", *common_split)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "removing" in (split / "critic.log").read_text()  # the orphan step 3 of the critic
     done = finish(straight_run)
