@@ -8,9 +8,9 @@ import sys
 import time
 
 import pytest
+from ppo_jobs import LAUNCHER, ROOT, finish, launch, launch_in_background, read_metrics
+from ppo_jobs import comparable as _comparable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LAUNCHER = os.path.join(ROOT, "launchers", "local", "ppo.py")
 ACTOR = os.path.join(ROOT, "scripts", "train_ppo_actor.py")
 REQUIRED = [
     "step",
@@ -33,36 +33,6 @@ REQUIRED = [
     "timing/refit",
     "timing/step",
 ]
-
-
-def _launch_cmd(exp_dir, *actor_overrides, critic=(), launcher_args=()):
-    cmd = [sys.executable, LAUNCHER, "--exp-dir", str(exp_dir), *launcher_args]
-    cmd += ["--actor", "logging.progress_bar=false", *actor_overrides]
-    if critic:
-        cmd += ["--critic", *critic]
-    return cmd
-
-
-def launch(exp_dir, *actor_overrides, timeout=900, critic=(), launcher_args=()):
-    cmd = _launch_cmd(exp_dir, *actor_overrides, critic=critic, launcher_args=launcher_args)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def launch_in_background(exp_dir, *actor_overrides, launcher_args=()):
-    """A launch that runs while the test goes on (most of a tiny run is start-up and shut-down waiting, which two
-    runs overlap well on two cores); `finish(proc)` waits for it."""
-    cmd = _launch_cmd(exp_dir, *actor_overrides, launcher_args=launcher_args)
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc, timeout=900):
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def read_metrics(exp_dir):
-    with open(os.path.join(exp_dir, "actor", "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def _no_stray_processes(marker):
@@ -90,10 +60,6 @@ def test_demo_learns(tmp_path):
     assert {"step", "prompt", "response", "reward", "ended"} <= set(sample)
     assert os.path.isdir(tmp_path / "actor" / "tensorboard")
     assert not _no_stray_processes(str(tmp_path))
-
-
-def _comparable(row):
-    return {k: v for k, v in row.items() if not k.startswith("timing/")}
 
 
 def step_dirs(path):
@@ -232,51 +198,6 @@ def test_reference_swap_mode_kl_zero_at_start(tmp_path, mode):
     assert rows[0]["ppo/kl"] == 0.0 and rows[1]["ppo/kl"] != 0.0
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory):
-    exp = tmp_path_factory.mktemp("one")
-    proc = launch(exp, *PARITY_ARGS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_metrics(exp)
-
-
-PARITY_ARGS = ("ppo.num_steps=2", "checkpoint.save_at_end=false", "validation.every=0")
-
-
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
-def test_two_actor_ranks_match_one_process(tmp_path, one_process_run, layout):
-    """DP=2: the same prompts per global mini-batch and per-sample seeds, global-token loss normalisation and
-    whitening over the DP group reproduce the one-process run to float precision, step after step.
-    TP=2: the demo's padded vocabulary is the same at TP=1 and TP=2, so the random initial weights are too; the
-    first step matches up to the float rounding of TP reductions (later steps may part where a sample's draw sits on
-    a CDF boundary)."""
-    extra = ["parallel.tensor_model_parallel_size=2"] if layout == "tp2" else []
-    cmd = [
-        sys.executable,
-        LAUNCHER,
-        "--exp-dir",
-        str(tmp_path),
-        "--actor-procs",
-        "2",
-        "--actor",
-        "logging.progress_bar=false",
-        *PARITY_ARGS,
-        *extra,
-    ]
-    two = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert two.returncode == 0, two.stderr[-3000:]
-    a, b = one_process_run, read_metrics(tmp_path)
-    assert len(a) == len(b) == 2
-    steps = 2 if layout == "dp2" else 1
-    noise = ("ppo/logprob_mismatch", "ppo/logprob_mismatch_max", "ppo/ratio_error")  # ~1e-7 either way
-    for ra, rb in zip(a[:steps], b[:steps]):
-        for key, value in _comparable(ra).items():
-            if key in noise:
-                assert rb[key] < 1e-5, key
-            else:
-                assert rb[key] == pytest.approx(value, rel=1e-4 if layout == "dp2" else 1e-3, abs=1e-6), key
-
-
 def test_critic_warmup_then_max_time(tmp_path):
     """During critic warm-up only the critic trains (the policy stays the reference: KL stays exactly 0);
     max_time stops the run cleanly with a checkpoint."""
@@ -292,45 +213,6 @@ def test_critic_warmup_then_max_time(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[1]["ppo/kl"] == 0.0 and "ppo/policy_loss" not in rows[1], "still warming up the critic"
     assert rows[2]["ppo/kl"] == 0.0 and "ppo/policy_loss" in rows[2], "first policy update on the last step"
-
-
-def _demo_policy_checkpoint(rank, world, root):
-    """The demo policy's shape with seeded random weights, as a dist checkpoint (one process)."""
-    from aligner.checkpoint import dist_ckpt
-    from aligner.config.actor import ActorJobConfig
-    from aligner.config.loader import load_config
-    from aligner.models.gpt import build_gpt
-    from aligner.parallel import initialize
-
-    cfg = load_config(ActorJobConfig, "ppo_actor_demo")
-    initialize(1, 1, seed=5)
-    return dist_ckpt.save(root, 0, [build_gpt(cfg.model)], model_cfg=cfg.model)
-
-
-def test_pipeline_parallel_actor_matches_one_process(tmp_path):
-    """PP=2 (the engine gathers both stages' layers on each rank; log-probs and loss statistics come from the last
-    stage) against one process from the same checkpoint: random initialisation differs between layouts (each stage
-    draws its layers from the same seed), a checkpoint does not. Float32 arithmetic is the same on both sides, so
-    two steps agree to float precision."""
-    from dist import run_ranks
-
-    (ckpt,) = run_ranks(_demo_policy_checkpoint, 1, str(tmp_path / "init"))
-    args = (*PARITY_ARGS, f"model.checkpoint={ckpt}")
-    pp1 = launch_in_background(tmp_path / "pp1", *args)
-    pp2 = launch(
-        tmp_path / "pp2", *args, "parallel.pipeline_model_parallel_size=2", launcher_args=("--actor-procs", "2")
-    )
-    assert pp2.returncode == 0, pp2.stderr[-3000:]
-    done = finish(pp1)
-    assert done.returncode == 0, done.stderr[-3000:]
-    a, b = read_metrics(tmp_path / "pp1"), read_metrics(tmp_path / "pp2")
-    assert len(a) == len(b) == 2
-    for ra, rb in zip(a, b):
-        for key, value in _comparable(ra).items():
-            if key in ("ppo/logprob_mismatch", "ppo/logprob_mismatch_max", "ppo/ratio_error"):
-                assert rb[key] < 1e-5, key
-            else:
-                assert rb[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
 def test_one_launcher_per_experiment_directory(tmp_path):
