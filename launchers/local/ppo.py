@@ -11,10 +11,10 @@ holds for the actor job alone.
 
 On a machine with several GPUs, --actor-gpus 0,1 --critic-gpus 2 gives each job its own devices
 (CUDA_VISIBLE_DEVICES per job; each rank takes the GPU of its local rank among them). Without them both jobs see
-every GPU the launcher sees, and the ranks of each job start at GPU 0. Where ranks of both jobs land on one GPU, or
-no GPU is visible (both jobs on the CPU), the actor is started with critic.overlap=false (it waits for the critic's
-answers before its own work, so that the two jobs take turns instead of time-slicing the GPU or competing for the
-cores); an explicit --actor critic.overlap=... wins.
+every GPU the launcher sees, and the ranks of each job start at GPU 0. Where every GPU of the actor's ranks also runs
+a critic rank, or no GPU is visible (both jobs on the CPU), the actor is started with critic.overlap=false (it waits
+for the critic's answers before its own work, so that the two jobs take turns instead of time-slicing the GPU or
+competing for the cores); an explicit --actor critic.overlap=... wins.
 
 With no arguments: the CPU demo (conf/ppo_actor_demo.yaml + conf/ppo_critic_demo.yaml). More than one process per job
 uses torchrun (gloo on CPU, NCCL on GPU), or `mpiexec -n N` with --launcher mpiexec (the mpich wheel's, or the
@@ -144,15 +144,20 @@ def visible_gpus(environ=os.environ) -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def shared_gpus(actor_env: dict, actor_procs: int, critic_env: dict, critic_procs: int, visible: list[str]) -> list:
-    """The GPUs that ranks of both jobs run on (each rank takes the GPU of its local rank in its job's list)."""
+def turn_taking(actor_env: dict, actor_procs: int, critic_env: dict, critic_procs: int, visible: list[str]) -> str:
+    """Where the two jobs should take turns (critic.overlap=false), or "" where they should overlap: every GPU of
+    the actor's ranks also runs a critic rank (each rank takes the GPU of its local rank in its job's list), or
+    there is no GPU (both jobs on the CPU). Where only some of the actor's GPUs are shared, the others would idle
+    while the critic works: the jobs overlap there (not measured either way; sharing_note says what to do)."""
+    if not visible and not actor_env and not critic_env:
+        return "the CPU"
 
     def used(env, procs):
         ids = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g] if env else visible
         return ids[:procs]
 
-    critic = set(used(critic_env, critic_procs))
-    return [g for g in used(actor_env, actor_procs) if g in critic]
+    actor, critic = used(actor_env, actor_procs), set(used(critic_env, critic_procs))
+    return f"GPU(s) {','.join(actor)}" if actor and critic.issuperset(actor) else ""
 
 
 def signal_job(proc: subprocess.Popen, sig: int) -> None:
@@ -267,11 +272,9 @@ def main(argv=None) -> int:
     # the CPU demo on 2 cores: 0.35 -> 0.27 s; docs/PERF.md).
     take_turns = []
     if not args.actor_only and not any(o.startswith("critic.overlap=") for o in args.actor):
-        visible = visible_gpus()
-        both = shared_gpus(actor_gpus, args.actor_procs, critic_gpus, args.critic_procs, visible)
-        if both or not visible:
+        where = turn_taking(actor_gpus, args.actor_procs, critic_gpus, args.critic_procs, visible_gpus())
+        if where:
             take_turns = ["critic.overlap=false"]
-            where = f"GPU(s) {','.join(both)}" if both else "the CPU"
             print(f"[ppo] the jobs share {where}: they take turns (critic.overlap=false)", flush=True)
 
     exp = os.path.abspath(args.exp_dir)

@@ -81,12 +81,13 @@ def test_a_critic_that_lost_a_port_race_is_told_apart(tmp_path):
 
 def test_jobs_on_one_gpu_are_told_to_take_turns():
     launcher = _launcher()
-    shared, env = launcher.shared_gpus, launcher.gpu_env
-    assert shared(env("0", 1, "a"), 1, env("1", 1, "c"), 1, ["0", "1"]) == []
-    assert shared(env("0", 1, "a"), 1, env("0", 1, "c"), 1, []) == ["0"]
-    assert shared({}, 1, {}, 1, ["0"]) == ["0"]  # no lists on a one-GPU machine: both jobs start at GPU 0
-    assert shared({}, 2, env("1", 1, "c"), 1, ["0", "1"]) == ["1"]  # the actor's rank 1 is on GPU 1
-    assert shared({}, 1, env("1", 1, "c"), 1, ["0", "1"]) == []
-    assert shared({}, 1, {}, 1, []) == []  # no GPU: nothing shared
+    turns, env = launcher.turn_taking, launcher.gpu_env
+    assert turns(env("0", 1, "a"), 1, env("1", 1, "c"), 1, ["0", "1"]) == ""  # GPUs of their own
+    assert turns(env("0", 1, "a"), 1, env("0", 1, "c"), 1, ["0"]) == "GPU(s) 0"
+    assert turns({}, 1, {}, 1, ["0"]) == "GPU(s) 0"  # no lists on a one-GPU machine: both jobs start at GPU 0
+    assert turns({}, 2, {}, 2, ["0", "1"]) == "GPU(s) 0,1"  # both spread over the same two GPUs
+    assert turns({}, 2, env("1", 1, "c"), 1, ["0", "1"]) == ""  # only the actor's GPU 1 shared: they overlap
+    assert turns(env("0,1", 2, "a"), 2, env("1", 1, "c"), 1, ["0", "1"]) == ""
+    assert turns({}, 1, {}, 1, []) == "the CPU"
     assert launcher.visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
     assert launcher.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
