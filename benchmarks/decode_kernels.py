@@ -8,6 +8,11 @@
   engine computes it and other layouts (F.linear, a pre-transposed W, W @ x^T), against max(weight read, FLOPs at
   790 TFLOP/s); and their sum over one decode step (16 layers and the output layer).
 Each number is the mean over replays of a CUDA graph of 10-16 calls, in microseconds per call.
+With `prefill=True` (`--prefill`): prefill's compiled RoPE + split and RMSNorm with batch and prompt width dynamic
+(what the engine runs, aligner.generation.native.fused) against the same functions compiled with every size
+symbolic (`dynamic=True`, before afcbc3f), plain calls timed with CUDA events. With `autotune=True`
+(`--gemm-autotune`, minutes of compiling): each weight GEMM at B=64 and 256 under
+`torch.compile(mode="max-autotune-no-cudagraphs")` (Triton templates and cuBLAS) against cuBLAS's x @ W^T.
 """
 
 from __future__ import annotations
@@ -96,17 +101,19 @@ def attention_rows(device) -> list[dict]:
     return rows
 
 
+GEMM_SHAPES = {  # the decode step's weight GEMMs: name -> (N, K) of W
+    "qkv": (HIDDEN + 2 * GROUPS * HEAD_DIM, HIDDEN),
+    "proj": (HIDDEN, HIDDEN),
+    "fc1": (2 * FFN, HIDDEN),
+    "fc2": (HIDDEN, FFN),
+    "output": (VOCAB, HIDDEN),
+}
+
+
 def gemm_rows(device, batches=(64, 256, 512)) -> list[dict]:
-    shapes = {
-        "qkv": (HIDDEN + 2 * GROUPS * HEAD_DIM, HIDDEN),
-        "proj": (HIDDEN, HIDDEN),
-        "fc1": (2 * FFN, HIDDEN),
-        "fc2": (HIDDEN, FFN),
-        "output": (VOCAB, HIDDEN),
-    }
     rows = []
     for M in batches:
-        for name, (n, k) in shapes.items():
+        for name, (n, k) in GEMM_SHAPES.items():
             w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
             w_t = w.t().contiguous()
             x = torch.randn(M, k, device=device, dtype=torch.bfloat16)
@@ -129,11 +136,68 @@ def per_step_ms(rows: list[dict], batch: int) -> dict:
     return {k[:-3]: sum(r[k] * (1 if r["gemm"] == "output" else LAYERS) for r in mine) / 1e3 for k in keys}
 
 
+def events_time_us(fn, calls: int = 20) -> float:
+    """Mean microseconds per call of `fn` over `calls` plain calls after three warm-up calls (CUDA events)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
+def prefill_rows(device) -> list[dict]:
+    from aligner.families import family
+    from aligner.generation.native import fused
+
+    eager = fused.make_kernels(family("llama"), 1e-5, False, prefill=True)
+    engine = fused.make_kernels(family("llama"), 1e-5, True, prefill=True)
+    symbolic = {n: torch.compile(getattr(eager, n), dynamic=True, fullgraph=True) for n in ("rope_split", "norm")}
+
+    def row(B, T):
+        qkv = torch.randn(B, T, GROUPS, GROUP_SIZE + 2, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        cos, sin = (torch.randn(T, 1, 1, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(2))
+        x = torch.randn(B, T, HIDDEN, device=device, dtype=torch.bfloat16)
+        w = torch.randn(HIDDEN, device=device, dtype=torch.bfloat16)
+        return {
+            "batch": B,
+            "prompt_len": T,
+            "rope_all_symbolic_us": events_time_us(lambda: symbolic["rope_split"](qkv, cos, sin)),
+            "rope_engine_us": events_time_us(lambda: engine.rope_split(qkv, cos, sin)),
+            "norm_all_symbolic_us": events_time_us(lambda: symbolic["norm"](x, w, None)),
+            "norm_engine_us": events_time_us(lambda: engine.norm(x, w, None)),
+        }
+
+    return [row(B, T) for B, T in ((512, 128), (64, 200), (8, 37))]
+
+
+def autotune_rows(device, batches=(64, 256)) -> list[dict]:
+    rows = []
+    for M in batches:
+        for name, (n, k) in GEMM_SHAPES.items():
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            x = torch.randn(M, k, device=device, dtype=torch.bfloat16)
+            tuned = torch.compile(lambda x, w: x @ w.t(), mode="max-autotune-no-cudagraphs", dynamic=False)
+            tuned(x, w)
+            rows.append(
+                {
+                    "batch": M,
+                    "gemm": name,
+                    "cublas_us": graph_time_us(lambda x=x, w=w: x @ w.t(), calls=10, replays=50),
+                    "autotuned_us": graph_time_us(lambda x=x, w=w, f=tuned: f(x, w), calls=10, replays=50),
+                }
+            )
+    return rows
+
+
 class NeedsGPU(RuntimeError):
     pass
 
 
-def run() -> dict:
+def run(prefill: bool = False, autotune: bool = False) -> dict:
     if not torch.cuda.is_available():
         raise NeedsGPU(
             "needs a CUDA GPU: the kernels are timed inside CUDA graphs "
@@ -141,12 +205,17 @@ def run() -> dict:
         )
     device = torch.device("cuda")
     gemms = gemm_rows(device)
-    return {
+    report = {
         "device": torch.cuda.get_device_name(device),
         "attention": attention_rows(device),
         "gemm": gemms,
         "gemm_per_step_ms": {str(b): per_step_ms(gemms, b) for b in (64, 256, 512)},
     }
+    if prefill:
+        report["prefill"] = prefill_rows(device)
+    if autotune:
+        report["gemm_autotune"] = autotune_rows(device)
+    return report
 
 
 def format_report(report: dict) -> str:
@@ -161,4 +230,15 @@ def format_report(report: dict) -> str:
     lines += ["", "weight GEMMs per decode step (ms; floor = max(weight read, FLOPs))"]
     for b, sums in report["gemm_per_step_ms"].items():
         lines.append(f"  B={int(b):4d}  " + "  ".join(f"{k} {v:.3f}" for k, v in sums.items()))
+    if "prefill" in report:
+        lines += ["", "prefill per call (us): RoPE + split, RMSNorm; every size symbolic -> batch and width dynamic"]
+        for r in report["prefill"]:
+            lines.append(
+                f"  {r['batch']:4d} x {r['prompt_len']:4d}  rope {r['rope_all_symbolic_us']:8.1f} -> "
+                f"{r['rope_engine_us']:8.1f}  norm {r['norm_all_symbolic_us']:8.1f} -> {r['norm_engine_us']:8.1f}"
+            )
+    if "gemm_autotune" in report:
+        lines += ["", "weight GEMMs (us): cuBLAS x @ W^T vs inductor max-autotune"]
+        for r in report["gemm_autotune"]:
+            lines.append(f"  B={r['batch']:4d} {r['gemm']:6s}  {r['cublas_us']:7.1f}  {r['autotuned_us']:7.1f}")
     return "\n".join(lines)

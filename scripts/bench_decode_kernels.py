@@ -2,6 +2,7 @@
 its settings) and the weight GEMMs in several layouts (see benchmarks/decode_kernels.py).
 
     python scripts/bench_decode_kernels.py --out decode_kernels.json
+    python scripts/bench_decode_kernels.py --prefill --gemm-autotune   # also prefill's kernels, autotuned GEMMs
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from benchmarks.decode_kernels import NeedsGPU, format_report, run
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the report as JSON here")
+    parser.add_argument("--prefill", action="store_true", help="also prefill's compiled RoPE and norm, two ways")
+    parser.add_argument("--gemm-autotune", action="store_true", help="also the GEMMs under max-autotune (minutes)")
     a = parser.parse_args(argv)
     try:
-        report = run()
+        report = run(prefill=a.prefill, autotune=a.gemm_autotune)
     except NeedsGPU as exc:
         print(f"bench_decode_kernels: {exc}", file=sys.stderr)
         return 2
