@@ -110,13 +110,14 @@ def gpu_env(gpus: str | None, procs: int, flag: str) -> dict:
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
 
 
+def _gpu_ids(env: dict) -> list[str]:
+    """The GPU list of a gpu_env() result ([] when none was given)."""
+    return [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+
+
 def sharing_note(actor_env: dict, critic_env: dict) -> str | None:
     """A note when the two jobs' GPU lists (gpu_env's) overlap; None when they do not or are not given."""
-
-    def ids(env):
-        return [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-
-    actor, critic = ids(actor_env), ids(critic_env)
+    actor, critic = _gpu_ids(actor_env), _gpu_ids(critic_env)
     shared = sorted(set(actor) & set(critic), key=actor.index)
     if not shared:
         return None
@@ -153,8 +154,7 @@ def turn_taking(actor_env: dict, actor_procs: int, critic_env: dict, critic_proc
         return "the CPU"
 
     def used(env, procs):
-        ids = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g] if env else visible
-        return ids[:procs]
+        return (_gpu_ids(env) if env else visible)[:procs]
 
     actor, critic = used(actor_env, actor_procs), set(used(critic_env, critic_procs))
     return f"GPU(s) {','.join(actor)}" if actor and critic.issuperset(actor) else ""

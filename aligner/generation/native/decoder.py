@@ -228,6 +228,9 @@ class Decoder:
         beyond_BL = None
         if self.decode_attention in ("matmul", "sdpa"):
             beyond_BL = self.key_index[:kv_len].unsqueeze(0) > pos_B.unsqueeze(1)
+        # The Triton kernel writes the step's key and value itself up to a batch size; elsewhere one scatter per
+        # layer does (same-run on one H200, 1B, docs/PERF.md: decode -4 % at B=64, even at 256, +2.5 % at 512).
+        kernel_writes = self.decode_attention == "triton" and B <= triton_decode.FUSED_WRITE_MAX_BATCH
         slot_dim = 2 if self.seq_major else 3  # of the layer's cache [2, B, ...]
         slot = pos_B.view(1, B, 1, 1, 1).expand(*((2, B, 1, G, D) if self.seq_major else (2, B, G, 1, D)))
         cos = None if self.cos is None else self.cos[pos_B].view(B, 1, 1, D)
@@ -242,9 +245,6 @@ class Decoder:
             )
         elif self.decode_attention == "triton":
             splits = triton_decode.choose_splits(B * G, self.max_seq, kv.device)
-            # The kernel's own cache write against one scatter per layer, same-run on one H200 (1B, docs/PERF.md):
-            # decode step -4 % at B=64, even at 256, +2.5 % at 512.
-            fused_write = B <= triton_decode.FUSED_WRITE_MAX_BATCH
         elif self.decode_attention == "flash":
             T = self.max_seq
             cu_q = self.cu_rows[: B + 1]  # one query row per sample
@@ -255,13 +255,12 @@ class Decoder:
             q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
             kv_new = kv_new.to(kv.dtype)
-            if self.decode_attention == "triton":  # small batches: the kernel writes the step's key and value
-                new_kv = (kv_new[0], kv_new[1]) if fused_write else None
-                if not fused_write:
-                    cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim))
+            if not kernel_writes:
+                cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim))
+            if self.decode_attention == "triton":
+                new_kv = (kv_new[0], kv_new[1]) if kernel_writes else None
                 out = triton_decode.decode_attention(q, cache[0], cache[1], pos_B, self.scale, splits, new_kv=new_kv)
                 return out.view(B, lo.heads * D).to(qkv.dtype)
-            cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim))
             if self.decode_attention == "flash":
                 out = flash_varlen(
                     q.reshape(B, lo.heads, D).to(kv.dtype),

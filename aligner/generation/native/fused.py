@@ -71,13 +71,13 @@ def make_kernels(
         q = qk[..., :r, :]
         return q.contiguous() if prefill else q, torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
 
-    if compile_ and prefill:
+    if not compile_:
+        return Kernels(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
+    if prefill:
         wrap = _batch_and_length_dynamic
-        return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
-    if compile_:
+    else:
         wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True)  # noqa: E731
-        return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
-    return Kernels(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
+    return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
 
 
 def _batch_and_length_dynamic(fn: Callable) -> Callable:
