@@ -55,6 +55,8 @@ def parse(argv):
         help="aligner, grpo: GPUs of the actor job, e.g. 0 (default: the jobs see every GPU)",
     )
     p.add_argument("--critic-gpus", default=None, metavar="LIST", help="aligner: GPUs of the critic job, e.g. 1")
+    p.add_argument("--actor-procs", type=int, default=1, help="aligner: actor ranks (the launcher's --actor-procs)")
+    p.add_argument("--critic-procs", type=int, default=1, help="aligner: critic ranks (the launcher's --critic-procs)")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -155,6 +157,8 @@ def main(argv=None) -> int:
                 a.timeout,
                 actor_gpus=a.actor_gpus,
                 critic_gpus=a.critic_gpus,
+                actor_procs=a.actor_procs,
+                critic_procs=a.critic_procs,
                 profile=a.profile,
             )
         except (ConfigError, aligner_jobs.WorkloadMismatch, FileExistsError) as exc:

@@ -241,10 +241,13 @@ def run(
     timeout_s: float = 480.0,
     actor_gpus: str | None = None,
     critic_gpus: str | None = None,
+    actor_procs: int = 1,
+    critic_procs: int = 1,
     profile: bool = False,
 ) -> dict:
     """Run the two jobs for `steps` PPO steps in a fresh `exp_dir`; the result record (see workload.result).
-    `actor_gpus` / `critic_gpus`: the launcher's --actor-gpus / --critic-gpus (None: both jobs see every GPU).
+    `actor_gpus` / `critic_gpus`: the launcher's --actor-gpus / --critic-gpus (None: both jobs see every GPU);
+    `actor_procs` / `critic_procs`: its --actor-procs / --critic-procs (ranks of each job, e.g. DP=2 over two GPUs).
     `profile`: one more step under the profiler, outside the means (split_profiled)."""
     if os.path.exists(exp_dir) and os.listdir(exp_dir):
         raise FileExistsError(f"{exp_dir} is not empty: give a new --exp-dir (a run never resumes an old one)")
@@ -270,6 +273,10 @@ def run(
         critic_config,
         "--exp-dir",
         exp_dir,
+        "--actor-procs",
+        str(actor_procs),
+        "--critic-procs",
+        str(critic_procs),
     ]
     for flag, gpus in (("--actor-gpus", actor_gpus), ("--critic-gpus", critic_gpus)):
         if gpus is not None:
@@ -314,6 +321,8 @@ def run(
             "critic_overrides": list(critic_overrides),
             "actor_gpus": actor_gpus,
             "critic_gpus": critic_gpus,
+            "actor_procs": actor_procs,
+            "critic_procs": critic_procs,
         },
         **profiled,
     )

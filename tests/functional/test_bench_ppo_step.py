@@ -50,9 +50,9 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     hf = bench("--mode", "hf", "--tiny", "--steps", "2", "--out", str(tmp / "hf.json"), block_heavy=True)
     assert hf.returncode == 0, hf.stdout[-2000:] + hf.stderr[-4000:]
-    al = bench(
-        "--mode", "aligner", "--tiny", "--steps", "2", "--exp-dir", str(tmp / "run"), "--out", str(tmp / "aligner.json")
-    )
+    # two ranks per job (DP=2 each, sharing the CPU), the layout that measured fastest on two GPUs (docs/PERF.md)
+    run, out = ["--exp-dir", str(tmp / "run")], ["--out", str(tmp / "aligner.json")]
+    al = bench("--mode", "aligner", "--tiny", "--steps", "2", "--actor-procs", "2", "--critic-procs", "2", *run, *out)
     assert al.returncode == 0, al.stdout[-2000:] + al.stderr[-4000:]
     return tmp
 
@@ -91,6 +91,12 @@ def test_aligner_mode_record(results):
     with open(results / "run" / "prompts.jsonl") as f:
         assert all(len(json.loads(line)["prompt"].split()) == 7 for line in f), "7 words + BOS = 8 prompt tokens"
     assert os.path.exists(results / "run" / "actor" / "metrics.jsonl")
+    assert (r["settings"]["actor_procs"], r["settings"]["critic_procs"]) == (2, 2)
+    with open(results / "run" / "launcher.log") as f:
+        launched = f.read()
+    assert launched.count("--nproc-per-node 2") == 2, "both jobs started with two ranks"
+    with open(results / "run" / "critic.log") as f:
+        assert "DP 2" in f.read()
 
 
 def test_report_compares(results):
