@@ -1,6 +1,7 @@
 """GPU end-to-end check on a two-GPU machine (issue 12; by hand, not collected by pytest):
 
     python tests/gpu/e2e_layouts.py OUT_DIR [--steps 2] [--only NAME ...] [--parallel] [--no-sigterm]
+    (NAME: a layout below, or sigterm for the SIGTERM case alone)
 
 For each layout below, the two jobs through `launchers/local/ppo.py` (the CPU demo's tiny model in bf16 on the
 GPUs: every path of a real run, NCCL included): two PPO steps with a checkpoint, then the same command for one more
@@ -197,18 +198,23 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out_dir")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--only", nargs="*", default=None, help="layouts to run (and sigterm); default: all")
     p.add_argument("--no-sigterm", action="store_true")
     p.add_argument("--parallel", action="store_true", help="run the layouts at the same time (the GPUs are shared)")
     a = p.parse_args()
+    names = a.only or [*LAYOUTS, "sigterm"]
+    unknown = [n for n in names if n not in LAYOUTS and n != "sigterm"]
+    if unknown:
+        p.error(f"unknown --only {' '.join(unknown)}: choose from {' '.join(LAYOUTS)} sigterm")
+    sigterm = "sigterm" in names and not a.no_sigterm
+    names = [n for n in names if n != "sigterm"]
     os.makedirs(a.out_dir, exist_ok=True)
-    names = a.only or list(LAYOUTS)
     if a.parallel:
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         with ThreadPoolExecutor(len(names) + 1) as pool:
             jobs = [pool.submit(run_layout, name, a.out_dir, a.steps) for name in names]
-            if not a.no_sigterm:
+            if sigterm:
                 jobs.append(pool.submit(run_sigterm, a.out_dir))
             results = []
             for job in as_completed(jobs):  # each result as soon as it is there (a cut-short run keeps them)
@@ -219,9 +225,9 @@ def main() -> int:
         for name in names:
             results.append(run_layout(name, a.out_dir, a.steps))
             print(json.dumps(results[-1]), flush=True)
-    if not a.no_sigterm and not a.parallel:
-        results.append(run_sigterm(a.out_dir))
-        print(json.dumps(results[-1]), flush=True)
+        if sigterm:
+            results.append(run_sigterm(a.out_dir))
+            print(json.dumps(results[-1]), flush=True)
     judge(results)
     with open(os.path.join(a.out_dir, "e2e_layouts.json"), "w") as f:
         json.dump(results, f, indent=1)
