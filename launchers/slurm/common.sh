@@ -5,7 +5,8 @@
 # aligner_setup               python, step root, container flags, env.sh; call after the variables are final
 # node_addr NODELIST          address of the list's first node (Slurm's NodeAddr, normally its host name)
 # component_srun GROUP NAME NODES TASKS_PER_NODE GPUS_PER_NODE MASTER_ADDR MASTER_PORT OUTPUT -- CMD...
-#                             start one component as its own step in the background (GROUP "" = not a het job)
+#                             start one component as its own step in the background (GROUP "" = not a het job;
+#                             ALIGNER_COLOCATED=1: the step shares the job's CPUs and GPUs with the other, --overlap)
 # reap PID                    wait for a background process even across trapped signals; returns its status
 # stop_step JOBID NAME PID S  SIGTERM a step's tasks (clean stop), then kill it after S seconds
 # aligner_token ROLE           the run's critic secret in ALIGNER_CRITIC_TOKEN (exported; srun passes it on, no
@@ -97,6 +98,7 @@ component_srun() {
               --kill-on-bad-exit=1 --export="ALL,MASTER_ADDR=$maddr,MASTER_PORT=$mport")
   [ -z "${CONTAINER_IMAGE:-}" ] && args+=(--chdir="$STEP_ROOT")  # in a container: --container-workdir
   [ -n "$group" ] && args+=(--het-group="$group")
+  [ "${ALIGNER_COLOCATED:-0}" = 1 ] && args+=(--overlap)  # both jobs' steps on the same CPUs and GPUs
   [ "${gpn:-0}" -gt 0 ] && args+=(--gpus-per-node="$gpn")
   [ -n "$out" ] && args+=(--output="$out")
   srun "${args[@]}" "${CONTAINER_FLAGS[@]}" "$@" &

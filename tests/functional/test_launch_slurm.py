@@ -17,6 +17,7 @@ from slurm.slurm_cluster import SlurmCluster, SlurmUnavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPO = os.path.join(ROOT, "launchers", "slurm", "ppo.sbatch")
+COLOCATED = os.path.join(ROOT, "launchers", "slurm", "ppo_colocated.sbatch")
 TWO_JOBS = os.path.join(ROOT, "launchers", "slurm", "two_jobs.sh")
 DEMO = ["--actor-config", "ppo_actor_demo", "--critic-config", "ppo_critic_demo"]
 QUICK = ["validation.every=0", "checkpoint.save_every=0"]
@@ -176,8 +177,9 @@ def test_failing_actor_fails_the_job_and_stops_the_critic(cluster, tmp_path):
 LONG_RUN = 100_000  # steps no run reaches: only the signal ends it, however fast the machine
 
 
-def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
-    """After a SIGTERM-stopped first job: matching checkpoints; a second job resumes both and completes."""
+def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id, job=(PPO,)):
+    """After a SIGTERM-stopped first job: matching checkpoints; a second job (sbatch options and script `job`)
+    resumes both and completes."""
     wait_gone(cluster, first_id)
     log = first_job_out.read_text()
     assert exit_code(cluster, first_id) == "0:0", log[-4000:]
@@ -199,7 +201,7 @@ def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id):
         cluster,
         "-o",
         str(tmp_path / "job2.out"),
-        PPO,
+        *job,
         *DEMO,
         "--exp-dir",
         str(exp),
@@ -236,6 +238,31 @@ def test_scancel_sigterm_checkpoints_and_resumes(cluster, tmp_path):
         _stopped_run_resumes(cluster, tmp_path, exp, out, job)
     finally:
         cluster.run("scancel", job)
+
+
+def test_colocated_jobs_take_turns_stop_and_resume(cluster, tmp_path):
+    """ppo_colocated.sbatch: both jobs with two ranks each on the one node of a plain job, sharing its CPUs (as two
+    GPUs would be shared); the actor takes turns with the critic; SIGTERM and the resume as for the het job."""
+    exp, out = tmp_path / "exp", tmp_path / "job.out"
+    job = ("-N1", "-n2", "--export=ALL,ACTOR_TASKS_PER_NODE=2,CRITIC_TASKS_PER_NODE=2", COLOCATED)
+    first = submit(
+        cluster, "-o", str(out), *job, *DEMO, "--exp-dir", str(exp), "--actor", f"ppo.num_steps={LONG_RUN}", *QUICK
+    )
+    try:
+        deadline = time.monotonic() + 180
+        mfile = exp / "actor" / "metrics.jsonl"
+        while not (mfile.exists() and mfile.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and first in cluster.jobs(), out.read_text()[-4000:] + critic_logs(exp)
+            time.sleep(0.5)
+        log = out.read_text()
+        assert "critic on n1 (2/node), actor on n1 (2/node)" in log
+        assert "the jobs share the nodes: they take turns (critic.overlap=false)" in log
+        (critic_log,) = (exp / "logs").iterdir()
+        assert "2 rank(s): TP 1, PP 1, DP 2" in critic_log.read_text()
+        assert cluster.run("scancel", "--batch", "--signal=TERM", first).returncode == 0
+        _stopped_run_resumes(cluster, tmp_path, exp, out, first, job)
+    finally:
+        cluster.run("scancel", first)
 
 
 def test_time_limit_signal_checkpoints_and_resumes(cluster, tmp_path):
