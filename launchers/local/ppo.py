@@ -145,19 +145,37 @@ def visible_gpus(environ=os.environ) -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def _ranks_gpus(env: dict, procs: int, visible: list[str]) -> list[str]:
+    """The GPUs of a job's ranks: each takes the GPU of its local rank in its list (gpu_env's), or among `visible`."""
+    return (_gpu_ids(env) if env else visible)[:procs]
+
+
 def turn_taking(actor_env: dict, actor_procs: int, critic_env: dict, critic_procs: int, visible: list[str]) -> str:
     """Where the two jobs should take turns (critic.overlap=false), or "" where they should overlap: every GPU of
-    the actor's ranks also runs a critic rank (each rank takes the GPU of its local rank in its job's list), or
-    there is no GPU (both jobs on the CPU). Where only some of the actor's GPUs are shared, the others would idle
-    while the critic works: the jobs overlap there (not measured either way; sharing_note says what to do)."""
+    the actor's ranks also runs a critic rank, or there is no GPU (both jobs on the CPU). Where only some of the
+    actor's GPUs are shared the jobs overlap (8B on 2x H200 with the critic on one of the actor's two GPUs: 13.14 s
+    overlapping, 13.24 s taking turns; docs/PERF.md; sharing_note says what to do)."""
     if not visible and not actor_env and not critic_env:
         return "the CPU"
-
-    def used(env, procs):
-        return (_gpu_ids(env) if env else visible)[:procs]
-
-    actor, critic = used(actor_env, actor_procs), set(used(critic_env, critic_procs))
+    actor = _ranks_gpus(actor_env, actor_procs, visible)
+    critic = set(_ranks_gpus(critic_env, critic_procs, visible))
     return f"GPU(s) {','.join(actor)}" if actor and critic.issuperset(actor) else ""
+
+
+def idle_gpus_note(actor_env: dict, actor_procs: int, critic_env: dict, critic_procs: int, visible: list[str]):
+    """A note naming the visible GPUs that no rank of either job uses (None when every one is used); critic_procs 0:
+    no critic job (--actor-only)."""
+    used = set(_ranks_gpus(actor_env, actor_procs, visible)) | set(_ranks_gpus(critic_env, critic_procs, visible))
+    idle = [g for g in visible if g not in used]
+    if not idle:
+        return None
+    n = len(visible)
+    if critic_procs == 0:
+        spread = f"--actor-procs {n} spreads the actor over the {n} GPUs"
+    else:  # measured on 2x H200 (docs/PERF.md, eleventh session): 1B PPO 5.0 s per step against 5.9 s split
+        spread = f"--actor-procs {n} --critic-procs {n} spreads both jobs over the {n} GPUs (the fastest placement"
+        spread += " measured on two H200s: docs/LAUNCH.md)"
+    return f"no rank of either job runs on GPU(s) {','.join(idle)} of the {n} visible; {spread}"
 
 
 def signal_job(proc: subprocess.Popen, sig: int) -> None:
@@ -264,15 +282,19 @@ def main(argv=None) -> int:
         critic_gpus = gpu_env(args.critic_gpus, args.critic_procs, "--critic-gpus")
     except ValueError as exc:
         p.error(str(exc))
-    note = sharing_note(actor_gpus, critic_gpus)
-    if note:
-        print(f"[ppo] note: {note}", flush=True)
+    visible = visible_gpus()
+    for note in (
+        sharing_note(actor_gpus, critic_gpus),
+        idle_gpus_note(actor_gpus, args.actor_procs, critic_gpus, 0 if args.actor_only else args.critic_procs, visible),
+    ):
+        if note:
+            print(f"[ppo] note: {note}", flush=True)
     # Two jobs on one GPU time-slice it, two jobs on the CPU compete for its cores: the actor waits for the critic's
     # answers before its own work, so that they take turns (critic.overlap=false; one H200: PPO step 10.06 -> 9.51 s,
     # the CPU demo on 2 cores: 0.35 -> 0.27 s; docs/PERF.md).
     take_turns = []
     if not args.actor_only and not any(o.startswith("critic.overlap=") for o in args.actor):
-        where = turn_taking(actor_gpus, args.actor_procs, critic_gpus, args.critic_procs, visible_gpus())
+        where = turn_taking(actor_gpus, args.actor_procs, critic_gpus, args.critic_procs, visible)
         if where:
             take_turns = ["critic.overlap=false"]
             print(f"[ppo] the jobs share {where}: they take turns (critic.overlap=false)", flush=True)

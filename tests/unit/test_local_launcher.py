@@ -91,3 +91,17 @@ def test_jobs_on_one_gpu_are_told_to_take_turns():
     assert turns({}, 1, {}, 1, []) == "the CPU"
     assert launcher.visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
     assert launcher.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_gpus_that_no_rank_uses_are_pointed_out():
+    launcher = _launcher()
+    idle, env = launcher.idle_gpus_note, launcher.gpu_env
+    note = idle({}, 1, {}, 1, ["0", "1"])  # the defaults on a two-GPU machine: both jobs on GPU 0
+    assert note.startswith("no rank of either job runs on GPU(s) 1 of the 2 visible;")
+    assert "--actor-procs 2 --critic-procs 2 spreads both jobs over the 2 GPUs" in note
+    assert idle({}, 2, {}, 2, ["0", "1"]) is None
+    assert idle(env("0", 1, "a"), 1, env("1", 1, "c"), 1, ["0", "1"]) is None  # a GPU per job
+    assert "GPU(s) 2,3 of the 4" in idle(env("0", 1, "a"), 1, env("1", 1, "c"), 1, ["0", "1", "2", "3"])
+    only_actor = idle({}, 1, {}, 0, ["0", "1"])  # --actor-only (GRPO): no critic job
+    assert only_actor.endswith("--actor-procs 2 spreads the actor over the 2 GPUs")
+    assert idle({}, 1, {}, 1, []) is None  # CPU
