@@ -120,6 +120,37 @@ def _python_stubs() -> list:
     return out
 
 
+def _with_descendants(procs: list) -> list:
+    """`procs` and every process below them (a stub's python starts a multiprocessing resource tracker)."""
+    import psutil
+
+    out = list(procs)
+    for p in procs:
+        try:
+            out += p.children(recursive=True)
+        except psutil.Error:
+            pass
+    return out
+
+
+def end_processes(procs: list, timeout: float = 10.0, grace: float = 5.0) -> list:
+    """Wait up to `timeout` s for `procs` (psutil.Process) to exit; SIGTERM those still running, and SIGKILL what is
+    left `grace` s later. Returns the ones this had to end. A process found gone, or not ours to signal, is skipped."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in alive:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+        _, still = psutil.wait_procs(alive, timeout=grace)
+        if not still:
+            break
+    return alive
+
+
 # -- command channel (rank 0 -> all ranks) ----------------------------------------------------------------
 class CommandChannel:
     """Commands from global rank 0 (a no-op in a world of one): the header over the host group, so that a worker
@@ -567,7 +598,14 @@ class CriticServer:
             # PyTriton's stop runs a full gc.collect() for each endpoint (~0.3 s each with torch and megatron
             # loaded); objects that live until exit need not be scanned again: moved out of the collector's view.
             gc.freeze()
+            # Found while tritonserver still runs: once it is gone they would be children of init, not ours.
+            stubs = _with_descendants(_python_stubs())
             self._triton.stop()
+            # Stubs and their helpers may still be exiting (or not exit at all): the job ends after them, never
+            # leaving one behind (a CI run found one alive just after its job had ended).
+            forced = end_processes(stubs)
+            if forced:
+                LOG.log(level, "ended %d python stub process(es) left after Triton stopped", len(forced))
         self.service.close()
         try:
             self.channel.send(OP_STOP, arg=code)

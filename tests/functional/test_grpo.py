@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,19 +69,23 @@ def read_metrics(path):
         return [json.loads(line) for line in f]
 
 
-def left_behind(marker):
-    """Processes still alive whose environment carries this run's marker."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"{MARKER}={marker}".encode() in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
+def left_behind(marker, grace: float = 5.0):
+    """Processes whose environment carries this run's marker still alive `grace` s after the run ended."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"{MARKER}={marker}".encode() in f.read().split(b"\0"):
+                        found.append(int(pid))
+            except OSError:
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def test_grpo_demo_learns(tmp_path):

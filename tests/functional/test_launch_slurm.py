@@ -1,8 +1,10 @@
 """The Slurm launchers against a real Slurm (tests/slurm/slurm_cluster.py: munged, slurmctld, 3 virtual nodes).
 
 Heterogeneous job (launchers/slurm/ppo.sbatch): both components run and the job exits 0 with complete metrics; a
-critic with a bad config fails the job at once with its error in the job's log; SIGTERM (scancel --batch, and the
-time limit's --signal) leaves matching actor and critic checkpoints that the next job resumes. Two separate jobs
+critic with a bad config fails the job at once with its error in the job's log; the time limit's --signal leaves
+matching actor and critic checkpoints that the next job resumes. Both jobs on the same node
+(launchers/slurm/ppo_colocated.sbatch, the same script's placement for a plain job): they take turns, and
+`scancel --batch --signal=TERM` checkpoints both and the next job resumes. Two separate jobs
 (launchers/slurm/two_jobs.sh). No process is left behind by any of them. CPU demo configs, a few steps each.
 """
 
@@ -221,28 +223,10 @@ def _stopped_run_resumes(cluster, tmp_path, exp, first_job_out, first_id, job=(P
     assert not leftovers(str(exp))
 
 
-def test_scancel_sigterm_checkpoints_and_resumes(cluster, tmp_path):
-    exp = tmp_path / "exp"
-    out = tmp_path / "job.out"
-    job = submit(
-        cluster, "-o", str(out), PPO, *DEMO, "--exp-dir", str(exp), "--actor", f"ppo.num_steps={LONG_RUN}", *QUICK
-    )
-    try:
-        deadline = time.monotonic() + 180
-        mfile = exp / "actor" / "metrics.jsonl"
-        while not (mfile.exists() and mfile.read_text().count("\n") >= 2):
-            assert time.monotonic() < deadline and job in cluster.jobs(), out.read_text()[-4000:]
-            time.sleep(0.5)
-        # --batch: the signal goes to the batch script, which stops the actor first and the critic after it.
-        assert cluster.run("scancel", "--batch", "--signal=TERM", job).returncode == 0
-        _stopped_run_resumes(cluster, tmp_path, exp, out, job)
-    finally:
-        cluster.run("scancel", job)
-
-
 def test_colocated_jobs_take_turns_stop_and_resume(cluster, tmp_path):
     """ppo_colocated.sbatch: both jobs with two ranks each on the one node of a plain job, sharing its CPUs (as two
-    GPUs would be shared); the actor takes turns with the critic; SIGTERM and the resume as for the het job."""
+    GPUs would be shared); the actor takes turns with the critic. Then `scancel --batch --signal=TERM` (the batch
+    script's signal handling and shutdown order are ppo.sbatch's, het or not) and the resume."""
     exp, out = tmp_path / "exp", tmp_path / "job.out"
     job = ("-N1", "-n2", "--export=ALL,ACTOR_TASKS_PER_NODE=2,CRITIC_TASKS_PER_NODE=2", COLOCATED)
     first = submit(

@@ -1,0 +1,45 @@
+"""aligner.critic.server.end_processes: the critic job ends only after its Triton python stubs (and their helpers)
+have gone, ending those that do not go by themselves."""
+
+import subprocess
+import sys
+import time
+
+import psutil
+
+from aligner.critic.server import _with_descendants, end_processes
+
+QUICK = "import time; time.sleep(0.5)"
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+PARENT = (
+    "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    "print('ready', flush=True); time.sleep(60)"
+)
+
+
+def _start(code):
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return proc
+
+
+def test_exiting_processes_are_waited_for_and_the_rest_ended():
+    quick, deaf = _start(QUICK), _start(DEAF)
+    assert deaf.stdout.readline().strip() == "ready"  # its SIGTERM handler is in place
+    t0 = time.monotonic()
+    forced = end_processes([psutil.Process(quick.pid), psutil.Process(deaf.pid)], timeout=1.0, grace=0.5)
+    assert [p.pid for p in forced] == [deaf.pid], "the one that exits by itself is only waited for"
+    # psutil reaped both (they are this process's children): their exit codes are on its objects
+    assert forced[0].returncode == -9, "SIGTERM ignored: SIGKILL"
+    assert not psutil.pid_exists(quick.pid) and not psutil.pid_exists(deaf.pid)
+    assert time.monotonic() - t0 < 15
+
+
+def test_a_stubs_children_are_ended_with_it():
+    parent = _start(PARENT)
+    assert parent.stdout.readline().strip() == "ready"
+    tree = _with_descendants([psutil.Process(parent.pid)])
+    assert len(tree) == 2
+    child = tree[1]
+    assert {p.pid for p in end_processes(tree, timeout=0.5)} == {p.pid for p in tree}
+    assert not child.is_running() and not psutil.pid_exists(parent.pid)
+    assert end_processes([], timeout=0.1) == []
