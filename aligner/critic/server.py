@@ -83,6 +83,19 @@ def bind_address(host: str) -> str:
         ) from exc
 
 
+def port_taken_line(triton_log: str | None) -> str | None:
+    """The message of tritonserver's log line saying that a port was in use (None without one, or without a log)."""
+    try:
+        with open(triton_log, errors="replace") as f:
+            lines = [line for line in f if "already in use" in line]
+    except (OSError, TypeError):
+        return None
+    if not lines:
+        return None
+    line = lines[-1].strip()
+    return line.split('] "', 1)[-1].strip('" ') if '] "' in line else line
+
+
 def public_url(server: CriticServerConfig) -> str:
     host = socket.gethostname() if server.host in ("0.0.0.0", "") else server.host
     return f"http://{host}:{server.port}"
@@ -463,6 +476,12 @@ class CriticServer:
                 check_ports_free(s)  # taken since the first check? Triton reports that as a misleading 403
             except PortInUseError as port_exc:
                 raise port_exc from exc
+            taken = port_taken_line(self.cfg.triton_log_file)  # held for a moment only (e.g. an outgoing connection)
+            if taken:
+                raise PortInUseError(
+                    f"Triton could not bind a port that was free a moment before ({taken}): another program took it."
+                    " Start again, or pick other ports with server.port=..."
+                ) from exc
             raise TritonStartError(f"Triton failed to start: {exc!r}; see {self.cfg.triton_log_file}") from exc
         self._check_endpoints()
 
