@@ -60,6 +60,7 @@ class BenchArgs:
     seed: int = 0
     profile: bool = False  # a torch-profiler table of the kernels of one greedy call at the largest batch
     decode_attention: str = "auto"  # generation.decode_attention
+    decode_weights: str = "same"  # generation.decode_weights (fp8: FP8 MLP/output weights in decode steps)
     ragged: bool = False  # prompt lengths drawn from [prompt_len / 4, prompt_len] (native engine only)
 
 
@@ -168,10 +169,11 @@ def run(args: BenchArgs) -> dict:
         max_prompt_length=args.prompt_len,
         max_response_length=args.new_tokens,
         decode_attention=args.decode_attention,
+        decode_weights=args.decode_weights,
     )
     engine = build_engine(gen, cfg, policy)
     bw = copy_bandwidth(device)
-    weight_bytes = engine.weights.nbytes()
+    weight_bytes = engine.decoder.decode_weight_bytes()  # what a decode step reads (FP8 copies where they are used)
     kv_token_bytes = engine.decoder.kv_bytes_per_token()
 
     refit_ms = []
@@ -195,6 +197,7 @@ def run(args: BenchArgs) -> dict:
         },
         "engine_dtype": str(engine.weights.dtype),
         "decode_attention": engine.decode_attention,
+        "decode_weights": args.decode_weights,
         "cuda_graphs": engine.use_graphs,
         "prompt_len": args.prompt_len,
         "ragged": args.ragged,
@@ -203,7 +206,7 @@ def run(args: BenchArgs) -> dict:
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_token_bytes,
         "refit_ms": min(refit_ms),
-        "refit_floor_ms": 2 * weight_bytes / bw * 1e3,
+        "refit_floor_ms": 2 * engine.weights.nbytes() / bw * 1e3,
         "rows": [],
     }
     hf = None
@@ -284,6 +287,7 @@ def format_table(report: dict) -> str:
         (
             f"device {report['device']}, engine {report['engine_dtype']}, cuda_graphs={report['cuda_graphs']}, "
             f"decode attention {report.get('decode_attention', 'matmul')}, "
+            f"decode weights {report.get('decode_weights', 'same')}, "
             f"prompt {'up to ' if report.get('ragged') else ''}{report['prompt_len']} + {report['new_tokens']} new "
             f"tokens{' (ragged prompt lengths)' if report.get('ragged') else ''}"
         ),

@@ -37,6 +37,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="prompt lengths drawn from [prompt_len / 4, prompt_len], as real data has them (with --skip-hf)",
     )
+    parser.add_argument(
+        "--decode-weights",
+        choices=("same", "fp8"),
+        default="same",
+        help="generation.decode_weights: fp8 = the MLP and output layer of decode steps in FP8",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)
     if a.ragged and not a.skip_hf:
@@ -50,6 +56,7 @@ def main(argv=None) -> int:
         hf_compile=not (a.hf_no_compile or a.tiny),
         profile=a.profile,
         decode_attention=a.decode_attention,
+        decode_weights=a.decode_weights,
         ragged=a.ragged,
     )
     try:

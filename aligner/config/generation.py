@@ -26,6 +26,7 @@ class GenerationConfig:
     cuda_graphs: bool = True  # capture the decode step on GPU (ignored on CPU)
     compile_elementwise: Literal["auto", "on", "off"] = "auto"  # torch.compile of norms/RoPE/activations (auto: GPU)
     decode_attention: Literal["auto", "matmul", "sdpa", "flash", "triton"] = "auto"  # auto: triton on GPU, else matmul
+    decode_weights: Literal["same", "fp8"] = "same"  # fp8: decode's MLP/output GEMMs in FP8 (off-policy; GENERATION.md)
     kv_block: int = 64  # matmul/sdpa/flash attend over the cache up to a multiple of this (a graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
     check_done_every: int = 16  # decode steps between host checks of "every sample ended" (each check syncs)
@@ -44,6 +45,11 @@ def validate_generation(gen: GenerationConfig, model=None, prefix: str = "genera
         "check_done_every",
     ):
         check(getattr(gen, key) >= 1, f"{prefix}.{key}", "must be >= 1")
+    check(
+        gen.decode_weights == "same" or gen.backend == "native",
+        f"{prefix}.decode_weights",
+        "fp8 is a setting of the native engine: use backend=native (or decode_weights=same)",
+    )
     if model is not None:
         total = gen.max_prompt_length + gen.max_response_length
         check(

@@ -71,7 +71,7 @@ def _responses(out):
 
 
 def _tp2_body(rank, world_size):
-    from generation_reference import reference_greedy, training_logprobs
+    from generation_reference import fake_fp8, reference_greedy, training_logprobs
 
     from aligner.models.gpt import build_gpt
     from aligner.models.training import TrainableModel
@@ -99,6 +99,14 @@ def _tp2_body(rank, world_size):
             again = triton.generate(PROMPTS, LENGTHS, SamplingParams(temperature=0.8, top_p=0.95, seeds=[1, 2, 3]))
             assert _responses(again) == _responses(sampled)
             torch.testing.assert_close(again.logprobs_BR, sampled.logprobs_BR, rtol=0, atol=2e-5)
+        if name == "gpt2":  # FP8 decode weights: each rank's fc2 partial sum dequantized before the all-reduce
+            fp8 = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_weights": "fp8"}), cfg, model)
+            q = fp8.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+            with fake_fp8(model, LENGTHS, int((LENGTHS + q.response_lengths_B).max())):
+                ref = training_logprobs(model, PROMPTS, LENGTHS, q.response_tokens_BR, q.response_lengths_B, 1.0, V)
+            valid = torch.arange(ref.shape[1])[None] < q.response_lengths_B[:, None]
+            assert (q.logprobs_BR - ref).abs()[valid].max() < 2e-3
+            seen["fp8"] = _responses(q)
 
     # refit after an optimizer step, at TP=2
     trainable = TrainableModel(LLAMA, OptimConfig(lr=3e-2, clip_grad=0.0))

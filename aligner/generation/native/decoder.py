@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from aligner.families import FamilySpec
-from aligner.generation.native import triton_decode
+from aligner.generation.native import fp8, triton_decode
 from aligner.generation.native.fused import make_kernels
 
 
@@ -85,9 +85,12 @@ class Decoder:
         decode_attention: str = "matmul",
         compile_elementwise: bool = False,
         inv_freq: torch.Tensor | None = None,
+        decode_fp8: fp8.DecodeFp8 | None = None,
     ):
-        """`inv_freq` [head_dim / 2] float32: RoPE's frequencies, those of the policy model (rope families)."""
+        """`inv_freq` [head_dim / 2] float32: RoPE's frequencies, those of the policy model (rope families).
+        `decode_fp8`: FP8 copies of the MLP and output weights, read by decode steps (fp8.py)."""
         self.lo, self.w, self.group = layout, weights, tp_group
+        self.fp8 = decode_fp8
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
         self.seq_major = decode_attention in ("sdpa", "flash")  # the cache layout (module docstring)
@@ -160,8 +163,9 @@ class Decoder:
         lo = self.lo
         return qkv.view(*qkv.shape[:-1], lo.groups, lo.heads // lo.groups + 2, lo.head_dim)
 
-    def _stack(self, x, attend, k):
-        """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states.
+    def _stack(self, x, attend, k, q8: fp8.DecodeFp8 | None = None):
+        """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states (with
+        `q8`, FP8 MLP weights: quantized per row, (h8, scales), for the FP8 output layer).
 
         Each residual add is fused with the norm that follows it (the next layer's input norm, or the final norm).
         """
@@ -172,22 +176,41 @@ class Decoder:
             lw = self.w.layer(i)
             qkv = self._linear(h, lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"])
             a = self._all_reduce(self._linear(attend(i, qkv, lw), lw["self_attention.linear_proj.weight"]))
-            x, h = k.add_norm(
-                x,
-                a,
+            pre_mlp = (
                 lw["self_attention.linear_proj.bias"],
                 lw["pre_mlp_layernorm.weight"],
                 lw["pre_mlp_layernorm.bias"],
             )
-            m = k.act(self._linear(h, lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]))
-            m = self._all_reduce(self._linear(m, lw["mlp.linear_fc2.weight"]))
             if i + 1 < lo.num_layers:
                 nxt = self.w.layer(i + 1)
-                w, b = nxt["input_layernorm.weight"], nxt["input_layernorm.bias"]
+                post_mlp = (lw["mlp.linear_fc2.bias"], nxt["input_layernorm.weight"], nxt["input_layernorm.bias"])
             else:
-                w, b = self.w.get("decoder.final_layernorm.weight"), self.w.get("decoder.final_layernorm.bias")
-            x, h = k.add_norm(x, m, lw["mlp.linear_fc2.bias"], w, b)
+                final = (self.w.get("decoder.final_layernorm.weight"), self.w.get("decoder.final_layernorm.bias"))
+                post_mlp = (lw["mlp.linear_fc2.bias"], *final)
+            if q8 is not None:
+                x, h = self._mlp_fp8(x, a, i, lw, k, q8, pre_mlp, post_mlp)
+                continue
+            x, h = k.add_norm(x, a, *pre_mlp)
+            m = k.act(self._linear(h, lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]))
+            m = self._all_reduce(self._linear(m, lw["mlp.linear_fc2.weight"]))
+            x, h = k.add_norm(x, m, *post_mlp)
         return h
+
+    def _mlp_fp8(self, x, a, i, lw, k, q8, pre_mlp, post_mlp):
+        """Layer i's residual add, norm and MLP with FP8 weights (fp8.py); returns (x, h), h quantized (h8, scales)
+        after the last layer."""
+        x, h8, hs = k.add_norm_q(x, a, *pre_mlp)
+        w1, s1 = q8.layer(i, 1)
+        m8, ms = k.act_q(fp8.matmul(h8, w1, q8.one), hs, s1, lw["mlp.linear_fc1.bias"], x.dtype)
+        w2, s2 = q8.layer(i, 2)
+        y = fp8.matmul(m8, w2, q8.one)
+        last = i + 1 == self.lo.num_layers
+        if self.lo.tp > 1:  # row-parallel: each rank's partial sum in its own scales, dequantized before the sum
+            m = self._all_reduce(k.dq(y, ms, s2, x.dtype))
+            out = (k.add_norm_q if last else k.add_norm)(x, m, *post_mlp)
+        else:
+            out = (k.dq_add_norm_q if last else k.dq_add_norm)(x, y, ms, s2, *post_mlp)
+        return (out[0], out[1:]) if last else out
 
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, row0: int = 0) -> torch.Tensor:
@@ -298,8 +321,18 @@ class Decoder:
             probs = torch.softmax(scores, dim=-1)  # accumulates in float32 inside, also for bf16
             return torch.bmm(probs, values.reshape(B * G, kv_len, D)).view(B, lo.heads * D).to(qkv.dtype)
 
-        h = self._stack(x, attend, self.k)
-        return self._linear(h, self.w.output_weight)
+        if self.fp8 is None:
+            return self._linear(self._stack(x, attend, self.k), self.w.output_weight)
+        h8, hs = self._stack(x, attend, self.k, self.fp8)
+        w_out, s_out = self.fp8.output
+        return self.k.dq(fp8.matmul(h8, w_out, self.fp8.one), hs, s_out, x.dtype)
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (the engine's, with the FP8 copies in place of those they replace)."""
+        total = self.w.nbytes()
+        if self.fp8 is not None:
+            total += self.fp8.nbytes() - self.fp8.replaced_nbytes(self.w)
+        return total
 
     # -- vocabulary ----------------------------------------------------------------------------------------
     def gather_vocab(self, logits_local_BV: torch.Tensor) -> torch.Tensor:

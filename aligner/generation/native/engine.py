@@ -31,7 +31,7 @@ import torch
 from aligner.config.generation import GenerationConfig
 from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
-from aligner.generation.native import triton_decode
+from aligner.generation.native import fp8, triton_decode
 from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unavailable
 from aligner.generation.native.sampling import select_tokens, uniforms_for_seeds
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
@@ -118,6 +118,16 @@ class NativeEngine:
             why_not = triton_decode.unavailable(self.device, kv_dtype, layout.head_dim)
         if why_not is not None:
             raise ValueError(f"generation.decode_attention={attention} is not possible here: {why_not}; use matmul")
+        decode_fp8 = None
+        if gen_cfg.decode_weights == "fp8":
+            why_not = fp8.unavailable(self.device)
+            if why_not is not None:
+                raise ValueError(f"generation.decode_weights=fp8 is not possible here: {why_not}; use same")
+            decode_fp8 = fp8.DecodeFp8(self.weights, self.device)
+            log.info(
+                "generation engine: decode steps read FP8 copies of the MLP and output weights (%.2f GiB)",
+                decode_fp8.nbytes() / 2**30,
+            )
         compile_ = gen_cfg.compile_elementwise == "on" or (
             gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available()
         )
@@ -132,6 +142,7 @@ class NativeEngine:
             attention,
             compile_elementwise=compile_,
             inv_freq=module.rotary_pos_emb.inv_freq if layout.family.rope else None,
+            decode_fp8=decode_fp8,
         )
         # The token choice of a step: its passes over [B, V] fused into a few kernels where the layers' are
         self._select = torch.compile(select_tokens, dynamic=False, fullgraph=True) if compile_ else select_tokens
@@ -316,6 +327,8 @@ class NativeEngine:
         weights only a check that the policy's storage is where the captured graphs read it."""
         if self.weights.refit(unwrap_policy(policy)):
             self._drop_graphs()  # they read the old addresses; re-captured on the next generate
+        if self.decoder.fp8 is not None:
+            self.decoder.fp8.requantize(self.weights)  # the same buffers: graphs stay valid
 
     def release_memory(self) -> None:
         """Free the KV cache (the largest buffer) so training can use the memory; weights and graphs stay."""
@@ -351,6 +364,8 @@ class NativeEngine:
     def buffer_data_ptrs(self) -> dict[str, int]:
         """Every buffer a captured graph may address: weights, KV cache, step state."""
         ptrs = {f"weight:{k}": v for k, v in self.weights.data_ptrs().items()}
+        if self.decoder.fp8 is not None:
+            ptrs.update(self.decoder.fp8.data_ptrs())
         if self.decoder.kv is not None:
             ptrs["kv_cache"] = self.decoder.kv.data_ptr()
         for name in ("cur_tok_B", "pos_B", "step_t", "ended_B", "lengths_B", "out_tokens_BR", "out_logp_BR", "u_BR"):

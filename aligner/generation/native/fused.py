@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner.families import FamilySpec
+from aligner.generation.native.fp8 import dequantize, quantize_rows
 
 
 @dataclass
@@ -29,6 +30,13 @@ class Kernels:
     # rope_split(qkv [..., G, r+2, D], cos, sin_signed, q_norm_w, q_norm_b, k_norm_w, k_norm_b)
     #   -> (q [..., G, r, D], kv [2, ..., G, D]): q/k normed per head (with qk_norm), then rotated
     rope_split: Callable
+    # FP8 decode weights (aligner.generation.native.fp8): the same pieces with the GEMM input quantized per row on
+    # the way out (`_q`: (..., x8, row scales)) or an FP8 GEMM's float32 result dequantized on the way in (`dq_`).
+    add_norm_q: Callable | None = None  # (x, a, bias, w, b) -> (x, h8, h scales)
+    act_q: Callable | None = None  # (y, y scales, w scales, fc1 bias, dtype) -> (m8, m scales)
+    dq: Callable | None = None  # (y, y scales, w scales, dtype) -> y in dtype
+    dq_add_norm: Callable | None = None  # (x, y, y scales, w scales, bias, w, b) -> (x, h)
+    dq_add_norm_q: Callable | None = None  # (x, y, y scales, w scales, bias, w, b) -> (x, h8, h scales)
 
 
 def make_kernels(
@@ -71,13 +79,33 @@ def make_kernels(
         q = qk[..., :r, :]
         return q.contiguous() if prefill else q, torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
 
+    def add_norm_q(x, a, bias, w, b):
+        x, h = add_norm(x, a, bias, w, b)
+        return (x, *quantize_rows(h))
+
+    def act_q(y, y_scale, w_scale, bias, dtype):
+        a = dequantize(y, y_scale, w_scale, dtype)
+        return quantize_rows(act(a if bias is None else a + bias))
+
+    def dq_add_norm(x, y, y_scale, w_scale, bias, w, b):
+        return add_norm(x, dequantize(y, y_scale, w_scale, x.dtype), bias, w, b)
+
+    def dq_add_norm_q(x, y, y_scale, w_scale, bias, w, b):
+        x, h = dq_add_norm(x, y, y_scale, w_scale, bias, w, b)
+        return (x, *quantize_rows(h))
+
+    plain = dict(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
+    if not prefill:
+        plain.update(
+            add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm, dq_add_norm_q=dq_add_norm_q
+        )
     if not compile_:
-        return Kernels(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
+        return Kernels(**plain)
     if prefill:
         wrap = _batch_and_length_dynamic
     else:
         wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True)  # noqa: E731
-    return Kernels(norm=wrap(norm), add_norm=wrap(add_norm), act=wrap(act), rope_split=wrap(rope_split))
+    return Kernels(**{name: wrap(fn) for name, fn in plain.items()})
 
 
 def _batch_and_length_dynamic(fn: Callable) -> Callable:

@@ -173,6 +173,7 @@ def decode_attention(
     block: int = BLOCK_N,
     num_warps: int = 4,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -202,6 +203,8 @@ def decode_attention(
             raise ValueError("decode_attention: new_kv needs the cache's dtype and a contiguous last dimension")
         new_strides = (*k_new.stride()[:2], *v_new.stride()[:2])
     common = dict(R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None)
+    if num_stages is not None:
+        common["num_stages"] = num_stages
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
     precision = "ieee" if keys_BGTD.dtype == torch.float32 else "tf32"
     if splits == 1:

@@ -1,0 +1,111 @@
+"""FP8 weights for the decode step's MLP and output layer (`generation.decode_weights: fp8`).
+
+At batch 64 a decode step of the 1B benchmark model spends half its time in weight GEMMs that read each weight once
+(memory-bound); the MLP's two projections and the output layer are most of those bytes. With `fp8` the engine keeps
+an e4m3 copy of these weights, one float32 scale per output row (w ~ w8 * s_w[row]), re-quantized at every refit from
+the engine's own weights (shared with the policy or copied), into the same buffers (captured graphs stay valid).
+A decode step then quantizes the GEMM's input per row (x ~ x8 * s_x[row], in the compiled kernel that produces x),
+multiplies x8 by w8^T in one cuBLAS FP8 GEMM with unit scales and a float32 result, and applies s_x[row] * s_w[col]
+in the compiled kernel that consumes the result. Prefill, attention and the qkv/proj projections stay in the engine's
+dtype (prefill is compute-bound; qkv/proj gain little: docs/PERF.md).
+
+What it changes: the tokens are drawn from a policy whose MLP and output weights and MLP/output inputs are rounded to
+e4m3 (3 mantissa bits): a rollout slightly off the trained policy. The engine's log-probs move further from
+training's (the benchmark reports both); PPO's ratio uses the training forward's own log-probs, as always.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # largest finite e4m3 value
+_TINY = 1e-12  # floor of a scale: an all-zero row quantizes to zeros
+_ROWS_PER_CHUNK = 8192  # weight rows quantized at once (bounds the float32 temporary at refit)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ~ x8 * scale, one scale per row (last dimension): the row's largest |value| maps to e4m3's largest finite
+    value. Returns (x8 e4m3, scale float32 [..., 1])."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=_TINY) / E4M3_MAX
+    return (x.float() / scale).to(E4M3), scale
+
+
+def dequantize(y: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 GEMM's float32 result times its input rows' scales [M, 1] and its weight rows' scales [N]."""
+    return (y * row_scale * col_scale).to(dtype)
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why FP8 decode weights cannot run here (None if they can): a GPU with FP8 tensor cores (compute capability 8.9
+    or newer) or the CPU, and a tiny FP8 GEMM that must match float32 maths on the same rounded values."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper), this GPU has {major}.{minor}"
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        x8, xs = quantize_rows(torch.randn(16, 32, generator=g, device=device))
+        w8, ws = quantize_rows(torch.randn(48, 32, generator=g, device=device))
+        one = torch.ones((), device=device)
+        y = dequantize(matmul(x8, w8, one), xs, ws.view(-1), torch.float32)
+        ref = (x8.float() * xs) @ (w8.float() * ws).t()
+        if not torch.allclose(y, ref, atol=1e-3, rtol=1e-3):
+            return "PyTorch's FP8 GEMM answered differently from float32 maths here"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
+        return f"PyTorch's FP8 GEMM failed here ({type(exc).__name__}: {exc})"
+    return None
+
+
+def matmul(x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+    """x8 [M, K] @ w8 [N, K]^T in float32, unit scales (the scales are applied by the next kernel: dequantize)."""
+    return torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.float32)
+
+
+class DecodeFp8:
+    """The e4m3 copies of every layer's fc1 and fc2 and of the output layer, with their row scales; fixed buffers."""
+
+    def __init__(self, weights, device: torch.device):
+        self.one = torch.ones((), device=device)
+        self.names = [
+            f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for i in range(weights.num_layers) for j in (1, 2)
+        ] + ["output"]
+        self.w8, self.scale = {}, {}
+        for name in self.names:
+            w = self._source(weights, name)
+            self.w8[name] = torch.empty(w.shape, dtype=E4M3, device=device)
+            self.scale[name] = torch.empty(w.shape[0], dtype=torch.float32, device=device)
+        self.requantize(weights)
+
+    @staticmethod
+    def _source(weights, name: str) -> torch.Tensor:
+        return weights.output_weight if name == "output" else weights.get(name)
+
+    @torch.no_grad()
+    def requantize(self, weights) -> None:
+        """Quantize the engine's current weights into the same buffers (after every refit)."""
+        for name in self.names:
+            w, w8, scale = self._source(weights, name), self.w8[name], self.scale[name]
+            for r in range(0, w.shape[0], _ROWS_PER_CHUNK):
+                q, s = quantize_rows(w[r : r + _ROWS_PER_CHUNK])
+                w8[r : r + _ROWS_PER_CHUNK].copy_(q)
+                scale[r : r + _ROWS_PER_CHUNK].copy_(s.view(-1))
+
+    def layer(self, i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w8, row scales) of layer i's fc{j}."""
+        name = f"decoder.layers.{i}.mlp.linear_fc{j}.weight"
+        return self.w8[name], self.scale[name]
+
+    @property
+    def output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w8["output"], self.scale["output"]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.w8, self.scale) for t in d.values())
+
+    def replaced_nbytes(self, weights) -> int:
+        """Bytes of the engine-dtype weights that decode steps no longer read."""
+        return sum(self._source(weights, n).numel() * self._source(weights, n).element_size() for n in self.names)
+
+    def data_ptrs(self) -> dict[str, int]:
+        return {f"fp8:{n}": t.data_ptr() for n, t in self.w8.items()}

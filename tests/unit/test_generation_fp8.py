@@ -1,0 +1,76 @@
+"""FP8 decode weights (`generation.decode_weights: fp8`, aligner/generation/native/fp8.py).
+
+The reference: megatron's own forward with the same rounding put in by hooks (generation_reference.fake_fp8). Equal to
+the engine up to float32 rounding, and far from the plain forward. TP=2: tests/distributed/test_generation_tp.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from generation_reference import fake_fp8, training_logprobs
+from test_generation_engine import GEN, GPT2, LENGTHS, LLAMA, PROMPTS, QWEN3, V, _model, megatron_tp1  # noqa: F401
+
+from aligner.config.rules import ConfigError
+from aligner.generation import GenerationConfig, SamplingParams, build_engine
+from aligner.generation.native.fp8 import E4M3, quantize_rows
+
+
+def test_quantize_rows_by_hand():
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [3.0, 0.3, -0.03]])
+    x8, s = quantize_rows(x)
+    assert x8.dtype == E4M3 and s.shape == (3, 1)
+    # row 0: max |x| = 2 maps to 448; 1 -> 224, 0.5 -> 112: all exact in e4m3
+    assert x8[0].float().tolist() == [224.0, -448.0, 112.0] and s[0, 0] == pytest.approx(2 / 448)
+    assert x8[1].float().tolist() == [0.0, 0.0, 0.0]  # an all-zero row stays zero (scale floored, no NaN)
+    # row 2: 0.3 * 448/3 = 44.8 -> 44 (e4m3 has steps of 4 between 32 and 64); -4.48 -> -4.5 (steps of 0.5)
+    assert x8[2].float().tolist() == [448.0, 44.0, -4.5]
+    deq = x8.float() * s
+    assert (deq - x).abs().max() <= 2 * 3 / 448 * 4  # at most half a step of the largest bucket
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2, QWEN3], ids=["llama", "gpt2", "qwen3"])
+def test_fp8_decode_equals_megatron_with_the_same_rounding(cfg):
+    """Llama (qkv bias, SwiGLU), GPT-2 (LayerNorm, biases everywhere, tied output layer), Qwen3 (q/k norms)."""
+    model = _model(cfg)
+    with torch.no_grad():  # megatron builds biases as zeros: make each count, so a bias dropped or misplaced shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    engine = build_engine(replace(GEN, decode_weights="fp8"), cfg, model)
+    out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    n = out.response_lengths_B
+    plain = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
+    with fake_fp8(model, LENGTHS, int((LENGTHS + n).max())):
+        rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
+    valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
+    gap_rounded = (out.logprobs_BR - rounded).abs()[valid]
+    gap_plain = (out.logprobs_BR - plain).abs()[valid]
+    assert gap_rounded.max() < 2e-3, gap_rounded.max()
+    assert gap_plain.mean() > 10 * gap_rounded.mean(), "FP8 rounding must show against the plain forward"
+    assert (out.logprobs_BR[:, 0] - plain[:, 0]).abs().max() < 2e-5  # token 0 comes from prefill: no FP8
+
+
+def test_refit_requantizes_into_the_same_buffers():
+    model = _model(LLAMA)
+    engine = build_engine(replace(GEN, decode_weights="fp8", share_weights="auto"), LLAMA, model)
+    ptrs = engine.buffer_data_ptrs()
+    assert any(k.startswith("fp8:") for k in ptrs)
+    fc1 = model.decoder.layers[1].mlp.linear_fc1.weight
+    with torch.no_grad():
+        fc1.mul_(3.0).add_(0.01)
+    w8, s = engine.decoder.fp8.layer(1, 1)
+    assert not torch.allclose(w8.float() * s[:, None], fc1, atol=0.05), "stale before refit"
+    engine.refit(model)
+    assert engine.buffer_data_ptrs() == ptrs
+    rel = (w8.float() * s[:, None] - fc1).abs() / fc1.abs().amax(1, keepdim=True)
+    assert rel.max() <= 16 / 448 + 1e-6  # half of e4m3's largest step (32, in [256, 448]) over its largest value
+
+
+def test_fp8_is_a_native_setting():
+    from aligner.config.generation import validate_generation
+
+    with pytest.raises(ConfigError, match="generation.decode_weights"):
+        validate_generation(GenerationConfig(backend="trtllm", decode_weights="fp8"))
