@@ -57,9 +57,9 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
-def matmul(x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
-    """x8 [M, K] @ w8 [N, K]^T in float32, unit scales (the scales are applied by the next kernel: dequantize)."""
-    return torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.float32)
+def matmul(x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
+    """x8 [M, K] @ w8 [N, K]^T, unit scales (the scales are applied by the next kernel: dequantize)."""
+    return torch._scaled_mm(x8, w8.t(), one, one, out_dtype=out_dtype)
 
 
 class DecodeFp8:
