@@ -118,6 +118,8 @@ class PPOConfig:
     clip_eps: float = 0.2  # PPO ratio clip: 1 - clip_eps .. 1 + clip_eps
     clip_eps_high: Optional[float] = None  # asymmetric upper clip (None = clip_eps)
     dual_clip: Optional[float] = None  # c > 1 enables dual-clip PPO
+    # Rollouts drawn off the trained policy (generation.decode_weights=fp8): truncated importance sampling
+    rollout_correction_cap: Optional[float] = None  # PG term per token x min(p_old / p_engine, cap); None = off
     entropy_coef: float = 0.0  # weight of the entropy bonus in the policy loss
     gamma: float = 1.0  # discount of the returns
     lam: float = 0.95  # lambda of GAE (gae only)
@@ -219,6 +221,11 @@ class ActorJobConfig(JobPaths):
             f"must be in (0, 10) (or null), got {p.clip_eps_high}",
         )
         check(p.dual_clip is None or p.dual_clip > 1, "ppo.dual_clip", f"must be > 1 (or null), got {p.dual_clip}")
+        check(
+            p.rollout_correction_cap is None or p.rollout_correction_cap >= 1,
+            "ppo.rollout_correction_cap",
+            f"must be >= 1 (or null: off), got {p.rollout_correction_cap}; 2 is a common choice",
+        )
         check(0 <= p.gamma <= 1, "ppo.gamma", f"must lie in [0, 1], got {p.gamma}")
         check(0 <= p.lam <= 1, "ppo.lam", f"must lie in [0, 1], got {p.lam}")
         check(math.isfinite(k.coef) and k.coef >= 0, "ppo.kl.coef", f"must be a finite number >= 0, got {k.coef}")

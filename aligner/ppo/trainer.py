@@ -438,6 +438,8 @@ class PPOTrainer:
             batch |= {"engine_logp": rollout.engine_logp_BS, "ref_logp": ref_logp_BS.detach()}
         else:
             batch["old_logp"] = logp_BS.detach()
+        if cfg.rollout_correction_cap is not None:  # the engine's log-probs weight the policy gradient
+            batch["engine_logp"] = rollout.engine_logp_BS
         if values_BS is not None:
             batch["values"] = values_BS.detach()
         if cfg.kl.placement == "loss":
@@ -485,6 +487,11 @@ class PPOTrainer:
                 "ppo/logprob_mismatch_max": r["rollout_mismatch_max"],
                 "ppo/ratio_error": r["rollout_ratio_error"],
             }
+        if "is_weight" in reduced:  # ppo.rollout_correction_cap (the stats' "rollout_" names are the rollout's own)
+            metrics |= {
+                "ppo/rollout_weight_mean": reduced["is_weight"],
+                "ppo/rollout_weight_max": reduced["is_weight_max"],
+            }
         return metrics | {
             "ppo/policy_loss": reduced["pg_loss"],
             "ppo/clipfrac": reduced["clipfrac"],
@@ -526,6 +533,8 @@ class PPOTrainer:
             ref_logp_BT=mb["ref_logp"] if cfg.kl.placement == "loss" else None,
             kl_coef=self.kl_ctl.value if cfg.kl.placement == "loss" else 0.0,
             kl_estimator=cfg.kl.estimator,
+            rollout_logp_BT=mb.get("engine_logp"),
+            rollout_weight_cap=cfg.rollout_correction_cap,
         )
         if on_policy:
             mask = mb["mask"]

@@ -93,6 +93,8 @@ def policy_loss(
     ref_logp_BT: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    rollout_logp_BT: torch.Tensor | None = None,
+    rollout_weight_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate (+ optional dual clip, KL term and entropy bonus) for one micro-batch.
 
@@ -107,6 +109,10 @@ def policy_loss(
     stats sums: pg_loss, entropy (if given), kl_loss (the KL estimate, if ref_logp_BT is given), clipfrac (tokens
     whose clipped term was the active one), dual_clipfrac (if dual clip), approx_kl (k3 estimate of
     KL(old || new): ratio - 1 - log ratio), ratio; max: ratio.
+    Rollout correction (truncated importance sampling, Yao et al. 2025), with `rollout_weight_cap` C and the
+    log-probs of the engine that drew the tokens, `rollout_logp_BT`: each token's policy-gradient term is weighted
+    by w = min(exp(logp_old - logp_rollout), C) (detached), for rollouts drawn by a policy other than the one trained
+    (FP8 decode weights, another engine's numerics). Adds stats is_weight (sum and max).
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -126,6 +132,14 @@ def policy_loss(
         dual_BT = (advantages_BT < 0) & (pg_BT > bound_BT)
         pg_BT = torch.where(dual_BT, bound_BT, pg_BT)
         sums["dual_clipfrac"] = dual_BT
+    maxes = {"ratio": ratio_BT}
+    if rollout_weight_cap is not None:
+        if rollout_logp_BT is None:
+            raise ValueError("rollout_weight_cap needs rollout_logp_BT")
+        log_w_BT = (old_logp_BT.detach() - rollout_logp_BT.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        weight_BT = torch.exp(log_w_BT).clamp(max=rollout_weight_cap)
+        pg_BT = pg_BT * weight_BT
+        sums["is_weight"] = maxes["is_weight"] = weight_BT
     loss_BT = pg_BT
     if ref_logp_BT is not None:
         kl_BT = kl_estimate(logp_BT, ref_logp_BT.detach(), kl_estimator)
@@ -148,7 +162,7 @@ def policy_loss(
             approx_kl=ratio_BT - 1.0 - log_ratio_BT,
             ratio=ratio_BT,
         )
-        stats = _stats(keep_BT, sums, {"ratio": ratio_BT})
+        stats = _stats(keep_BT, sums, maxes)
     return loss, stats
 
 

@@ -213,6 +213,18 @@ def test_update_logprobs_replace_the_policy_pass(tmp_path, one_process, digit_re
     assert [r["ppo/update_logprobs_reused"] for r in several] == [0.0] * len(several)
 
 
+def test_fp8_rollouts_with_the_rollout_correction(tmp_path, digit_reward):
+    """generation.decode_weights=fp8 draws tokens off the trained (float32 on CPU) policy: the mismatch shows, and
+    ppo.rollout_correction_cap weights the policy gradient by the capped probability ratio (not 1, within the cap)."""
+    cap = 1.5
+    args = ("ppo.num_mini_batches=1", "generation.decode_weights=fp8", f"reward.fn={digit_reward}")
+    rows, _ = train(tmp_path, "tis", 1, *args, f"ppo.rollout_correction_cap={cap}")
+    for row in rows:
+        assert row["ppo/logprob_mismatch"] > 1e-3, "FP8 rollouts must differ from the trained policy"
+        assert 0 < row["ppo/rollout_weight_max"] <= cap and abs(row["ppo/rollout_weight_mean"] - 1) > 1e-4
+    assert "ppo/rollout_weight_mean" not in train(tmp_path, "plain", 1, *args)[0][0]
+
+
 def test_actor_alone_commits_and_resumes_its_checkpoints(tmp_path, digit_reward):
     """No critic job (the reward function runs in the actor): the run's commit record (aligner.checkpoint.run) covers
     the actor's checkpoints alone, and a restart resumes from the newest committed step without asking any critic."""

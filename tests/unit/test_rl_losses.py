@@ -49,6 +49,23 @@ def test_policy_loss_asymmetric_clip():
     assert loss.item() == pytest.approx(-1.28)
 
 
+def test_policy_loss_rollout_correction_hand_values():
+    """Truncated importance sampling: w = min(p_old / p_engine, cap), detached, on each token's PG term only.
+    Ratios 1 (on-policy update), A = [1, -2, 3]; engine log-probs make w = [0.5, 4 -> cap 2, 1]."""
+    logp, old = _ratios_to_logps([1.0, 1.0, 1.0])
+    logp.requires_grad_(True)
+    engine = old - torch.log(torch.tensor([[0.5, 4.0, 1.0]], dtype=torch.float64))
+    adv = torch.tensor([[1.0, -2.0, 3.0]], dtype=torch.float64)
+    loss, stats = policy_loss(logp, old, adv, torch.ones(1, 3), 3, rollout_logp_BT=engine, rollout_weight_cap=2.0)
+    assert loss.item() == pytest.approx((-1 * 0.5 + 2 * 2.0 - 3 * 1.0) / 3)
+    loss.backward()  # d/dlogp of -A * ratio * w at ratio 1 (unclipped): -A * w / N; w carries no gradient
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, 4.0, -3.0]], dtype=torch.float64) / 3)
+    r = reduce_stats(stats)
+    assert r["is_weight"] == pytest.approx((0.5 + 2.0 + 1.0) / 3) and r["is_weight_max"] == 2.0
+    with pytest.raises(ValueError, match="rollout_logp_BT"):
+        policy_loss(logp, old, adv, torch.ones(1, 3), 3, rollout_weight_cap=2.0)
+
+
 def test_policy_loss_dual_clip():
     # A=-1, r=5: the clipped surrogate is max(5, 1.2) = 5, dual clip bounds it by c * |A| = 3.
     # A=-1, r=2: max(2, 1.2) = 2 < 3, untouched. A=+1, r=5: max(-5, -1.2) = -1.2, dual clip does not apply.
