@@ -12,7 +12,8 @@ With `prefill=True` (`--prefill`): prefill's compiled RoPE + split and RMSNorm w
 (what the engine runs, aligner.generation.native.fused) against the same functions compiled with every size
 symbolic (`dynamic=True`, before afcbc3f), plain calls timed with CUDA events. With `autotune=True`
 (`--gemm-autotune`, minutes of compiling): each weight GEMM at B=64 and 256 under
-`torch.compile(mode="max-autotune-no-cudagraphs")` (Triton templates and cuBLAS) against cuBLAS's x @ W^T.
+`torch.compile(mode="max-autotune-no-cudagraphs")` (Triton templates and cuBLAS) against cuBLAS's x @ W^T. With
+`fp8=True` (`--fp8`): the weight GEMMs in bf16 and in FP8 (generation.decode_weights: fp8) over distinct weights.
 """
 
 from __future__ import annotations
@@ -193,11 +194,45 @@ def autotune_rows(device, batches=(64, 256)) -> list[dict]:
     return rows
 
 
+FP8_WEIGHT_COPIES = 8  # distinct weights cycled per graph: their bytes exceed the L2 cache, as a step's layers do
+
+
+def fp8_rows(device, batches=(64, 256)) -> list[dict]:
+    """Each weight GEMM in bf16 (x @ W^T) and in FP8 (torch._scaled_mm, e4m3 operands, float32 result) with unit
+    (tensor-wise) scales, as FP8 decode weights run it, and with row-wise scales; over FP8_WEIGHT_COPIES distinct
+    weights in turn (a single weight would be read from the L2 cache at these sizes)."""
+    return [_fp8_row(device, M, name, n, k) for M in batches for name, (n, k) in GEMM_SHAPES.items()]
+
+
+def _fp8_row(device, M: int, name: str, n: int, k: int) -> dict:
+    from aligner.generation.native.fp8 import E4M3, matmul
+
+    one = torch.ones((), device=device)
+    ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(FP8_WEIGHT_COPIES)]
+    w8s = [w.to(E4M3) for w in ws]
+    x = torch.randn(M, k, device=device, dtype=torch.bfloat16)
+    x8 = x.to(E4M3)
+    row_scales = (torch.ones(M, 1, device=device), torch.ones(1, n, device=device))
+
+    def cycle(fn):
+        return lambda: [fn(i) for i in range(FP8_WEIGHT_COPIES)]
+
+    variants = {
+        "bf16": cycle(lambda i: x @ ws[i].t()),
+        "fp8_unit_scales": cycle(lambda i: matmul(x8, w8s[i], one)),
+        "fp8_row_scales": cycle(lambda i: torch._scaled_mm(x8, w8s[i].t(), *row_scales, out_dtype=torch.bfloat16)),
+    }
+    row = {"batch": M, "gemm": name, "bf16_floor_us": 2 * n * k / BANDWIDTH * 1e6}
+    for v, fn in variants.items():
+        row[f"{v}_us"] = graph_time_us(fn, calls=2, replays=50) / FP8_WEIGHT_COPIES
+    return row
+
+
 class NeedsGPU(RuntimeError):
     pass
 
 
-def run(prefill: bool = False, autotune: bool = False) -> dict:
+def run(prefill: bool = False, autotune: bool = False, fp8: bool = False) -> dict:
     if not torch.cuda.is_available():
         raise NeedsGPU(
             "needs a CUDA GPU: the kernels are timed inside CUDA graphs "
@@ -215,6 +250,8 @@ def run(prefill: bool = False, autotune: bool = False) -> dict:
         report["prefill"] = prefill_rows(device)
     if autotune:
         report["gemm_autotune"] = autotune_rows(device)
+    if fp8:
+        report["gemm_fp8"] = fp8_rows(device)
     return report
 
 
@@ -241,4 +278,11 @@ def format_report(report: dict) -> str:
         lines += ["", "weight GEMMs (us): cuBLAS x @ W^T vs inductor max-autotune"]
         for r in report["gemm_autotune"]:
             lines.append(f"  B={r['batch']:4d} {r['gemm']:6s}  {r['cublas_us']:7.1f}  {r['autotuned_us']:7.1f}")
+    if "gemm_fp8" in report:
+        lines += ["", "weight GEMMs over distinct weights (us): bf16 floor, bf16, FP8 unit scales, FP8 row scales"]
+        for r in report["gemm_fp8"]:
+            lines.append(
+                f"  B={r['batch']:4d} {r['gemm']:6s}  {r['bf16_floor_us']:6.1f}  {r['bf16_us']:6.1f}  "
+                f"{r['fp8_unit_scales_us']:6.1f}  {r['fp8_row_scales_us']:6.1f}"
+            )
     return "\n".join(lines)

@@ -3,6 +3,7 @@ its settings) and the weight GEMMs in several layouts (see benchmarks/decode_ker
 
     python scripts/bench_decode_kernels.py --out decode_kernels.json
     python scripts/bench_decode_kernels.py --prefill --gemm-autotune   # also prefill's kernels, autotuned GEMMs
+    python scripts/bench_decode_kernels.py --fp8                       # also the GEMMs in FP8
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     parser.add_argument("--prefill", action="store_true", help="also prefill's compiled RoPE and norm, two ways")
     parser.add_argument("--gemm-autotune", action="store_true", help="also the GEMMs under max-autotune (minutes)")
+    parser.add_argument("--fp8", action="store_true", help="also the weight GEMMs in FP8 (generation.decode_weights)")
     a = parser.parse_args(argv)
     try:
-        report = run(prefill=a.prefill, autotune=a.gemm_autotune)
+        report = run(prefill=a.prefill, autotune=a.gemm_autotune, fp8=a.fp8)
     except NeedsGPU as exc:
         print(f"bench_decode_kernels: {exc}", file=sys.stderr)
         return 2
