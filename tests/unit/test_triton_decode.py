@@ -63,6 +63,41 @@ def test_the_steps_own_key_and_value_are_written_and_attended(dtype, atol, B, G,
         decode_attention(q, cache[0], cache[1], pos, 1.0, new_kv=(kv_new[0].double(), kv_new[1].double()))
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,G,r,D,T", [(3, 2, 2, 64, 50), (3, 3, 1, 24, 33)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_rope_applied_by_the_kernel(dtype, atol, B, G, r, D, T, splits):
+    """rope: q and the new key arrive un-rotated (views of the qkv projection's rows); the kernel rotates both as
+    megatron does (t * cos + rotate_half(t) * sin, rounded once to the cache's dtype) and writes the rotated key."""
+    g = torch.Generator().manual_seed(B * 7 + T)
+    qkv = torch.randn(B, G, r + 2, D, generator=g).to(dtype)
+    angles = torch.rand(B, D // 2, generator=g) * 6.0
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin_signed = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+
+    def rotate(t):  # [B, G, n, D] in float32, as megatron's formula: t * cos + [-t2, t1] * sin
+        t1, t2 = t.float().chunk(2, -1)
+        sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype).float()
+        return (t.float() * cos.float()[:, None, None] + torch.cat((-t2, t1), -1) * sin[:, None, None]).to(dtype)
+
+    q_rot, k_rot = rotate(qkv[:, :, :r]), rotate(qkv[:, :, r : r + 1])[:, :, 0]
+    cache = torch.randn(2, B, G, T, D, generator=g).to(dtype)
+    pos = torch.tensor([0, T - 1, T // 2][:B])
+    rows = torch.arange(B)
+    out = decode_attention(
+        qkv[:, :, :r], cache[0], cache[1], pos, D**-0.5, splits=splits,
+        new_kv=(qkv[:, :, r], qkv[:, :, r + 1]), rope=(cos, sin_signed),
+    )  # fmt: skip
+    # the rotated key, stored (bf16: one rounding step apart where the kernel's fused multiply-add rounds otherwise)
+    one_step = 2**-7 if dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(cache[0, rows, :, pos], k_rot, rtol=one_step, atol=1e-5)
+    assert torch.equal(cache[1, rows, :, pos], qkv[:, :, r + 1])  # the value as it came
+    ref = _reference(q_rot, cache[0], cache[1], pos, D**-0.5)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=atol)
+    with pytest.raises(ValueError, match="rope needs new_kv"):
+        decode_attention(qkv[:, :, :r], cache[0], cache[1], pos, 1.0, rope=(cos, sin_signed))
+
+
 def test_non_contiguous_head_dimension_is_refused():
     q = torch.randn(1, 1, 2, 16)
     kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D

@@ -257,6 +257,9 @@ class Decoder:
         # The Triton kernel writes the step's key and value itself up to a batch size; elsewhere one scatter per
         # layer does (same-run on one H200, 1B, docs/PERF.md: decode -4 % at B=64, even at 256, +2.5 % at 512).
         kernel_writes = self.decode_attention == "triton" and B <= triton_decode.FUSED_WRITE_MAX_BATCH
+        # ... and then also applies RoPE to q and the new key itself, reading the qkv projection's rows in place: no
+        # RoPE kernel per layer (not with per-head q/k norms, which run before RoPE, nor with a cache of another dtype)
+        kernel_ropes = kernel_writes and not lo.qk_norm and kv.dtype == self.w.dtype
         slot_dim = 2 if self.seq_major else 3  # of the layer's cache [2, B, ...]
         slot = pos_B.view(1, B, 1, 1, 1).expand(*((2, B, 1, G, D) if self.seq_major else (2, B, G, 1, D)))
         cos = None if self.cos is None else self.cos[pos_B].view(B, 1, 1, D)
@@ -277,7 +280,16 @@ class Decoder:
             cu_k = cu_q * T  # sample b's keys start at row b*T of the packed cache
             used_k = (pos_B + 1).to(torch.int32)
 
+        rope_BD = None if self.cos is None else (cos.view(B, D), sin.view(B, D))
+
         def attend(i, qkv, lw):
+            if kernel_ropes:  # q, key and value: views of the projection's rows, rotated and written by the kernel
+                qkv5 = self._qkv5(qkv)
+                out = triton_decode.decode_attention(
+                    qkv5[:, :, :r], kv[i, 0, :B], kv[i, 1, :B], pos_B, self.scale, splits,
+                    new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD,
+                )  # fmt: skip
+                return out.view(B, lo.heads * D)
             q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
             kv_new = kv_new.to(kv.dtype)

@@ -68,12 +68,12 @@ def _kernels():
 
     @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
-        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr,
-        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g, svn_b, svn_g,
+        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr,
+        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g, svn_b, svn_g, srope_b,
         scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-        WRITE_NEW: tl.constexpr,
+        WRITE_NEW: tl.constexpr, ROPE: tl.constexpr,
     ):  # fmt: skip
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         pos = tl.load(pos_ptr + b)
@@ -82,7 +82,14 @@ def _kernels():
         n_keys = pos if WRITE_NEW else pos + 1
         rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
         qmask = (rows < R)[:, None] & (dims < D)[None, :]
-        q = tl.load(q_ptr + b * sq_b + g * sq_g + rows[:, None] * sq_r + dims[None, :], mask=qmask, other=0.0)
+        q_rows = q_ptr + b * sq_b + g * sq_g + rows[:, None] * sq_r
+        q = tl.load(q_rows + dims[None, :], mask=qmask, other=0.0)
+        if ROPE:  # megatron's t * cos + rotate_half(t) * sin, with [-sin, sin] and t's halves swapped
+            swapped = (dims + D // 2) % D
+            cos = tl.load(cos_ptr + b * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + b * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
+            q_sw = tl.load(q_rows + swapped[None, :], mask=qmask, other=0.0).to(tl.float32)
+            q = q.to(tl.float32) * cos[None, :] + q_sw * sin[None, :]
         q = q.to(k_ptr.dtype.element_ty).to(tl.float32)
         m_i = tl.full([R_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([R_PAD], tl.float32)
@@ -107,6 +114,9 @@ def _kernels():
             if pos // SPLIT_LEN == s:
                 dmask = dims < D
                 k_new = tl.load(kn_ptr + b * skn_b + g * skn_g + dims, mask=dmask, other=0.0)
+                if ROPE:
+                    k_sw = tl.load(kn_ptr + b * skn_b + g * skn_g + swapped, mask=dmask, other=0.0).to(tl.float32)
+                    k_new = (k_new.to(tl.float32) * cos + k_sw * sin).to(k_ptr.dtype.element_ty)
                 v_new = tl.load(vn_ptr + b * svn_b + g * svn_g + dims, mask=dmask, other=0.0)
                 tl.store(k_base + pos * sk_t + dims, k_new, mask=dmask)
                 tl.store(v_base + pos * sv_t + dims, v_new, mask=dmask)
@@ -174,6 +184,7 @@ def decode_attention(
     num_warps: int = 4,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_stages: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -181,7 +192,11 @@ def decode_attention(
     q [B, G, r, D] (any strides, last dimension contiguous); keys and values [B, G, T, D] views of the cache (last
     dimension contiguous); pos_B int [B], each < T. With `new_kv` = (k, v), each [B, G, D] (last dimension
     contiguous, the cache's dtype), the step's own key and value: the kernel writes them into slot pos_B[b] and
-    attends to them there, so the decode step needs no separate cache write."""
+    attends to them there, so the decode step needs no separate cache write. With `rope` = (cos, sin_signed), each
+    [B, D] (the step's rows of the engine's tables, last dimension contiguous; sin_signed = [-sin, sin]), q and the
+    new key are the un-rotated rows of the qkv projection and the kernel applies megatron's RoPE to both (float32,
+    rounded once to the cache's dtype, as the compiled RoPE kernel): the decode step then needs no RoPE kernel
+    either. `rope` needs `new_kv` (the rotated key is only ever written by the kernel)."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
@@ -202,15 +217,25 @@ def decode_attention(
         if k_new.stride(-1) != 1 or v_new.stride(-1) != 1 or {k_new.dtype, v_new.dtype} != {keys_BGTD.dtype}:
             raise ValueError("decode_attention: new_kv needs the cache's dtype and a contiguous last dimension")
         new_strides = (*k_new.stride()[:2], *v_new.stride()[:2])
-    common = dict(R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None)
+    if rope is None:
+        cos = sin = q_BGrD  # not read
+        rope_stride = 0
+    else:
+        cos, sin = rope
+        if new_kv is None:
+            raise ValueError("decode_attention: rope needs new_kv (the kernel writes the rotated key)")
+        if cos.shape != (B, D) or sin.shape != (B, D) or cos.stride(-1) != 1 or cos.stride() != sin.stride():
+            raise ValueError(f"decode_attention: rope needs cos and sin of shape ({B}, {D}), equal strides")
+        rope_stride = cos.stride(0)
+    common = dict(R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None)
     if num_stages is not None:
         common["num_stages"] = num_stages
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
     precision = "ieee" if keys_BGTD.dtype == torch.float32 else "tf32"
     if splits == 1:
         attend[(B, G, 1)](
-            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, *args, *out.stride()[:3],
-            *new_strides, scale,
+            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, *args, *out.stride()[:3],
+            *new_strides, rope_stride, scale,
             BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common,
         )  # fmt: skip
         return out
@@ -218,7 +243,8 @@ def decode_attention(
     m = torch.empty((B, G, splits, r), dtype=torch.float32, device=out.device)
     l_ = torch.empty_like(m)
     attend[(B, G, splits)](
-        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, *args, 0, 0, 0, *new_strides, scale,
+        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, *args, 0, 0, 0, *new_strides,
+        rope_stride, scale,
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
     )  # fmt: skip
     merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD)
