@@ -275,14 +275,15 @@ def format_report(report: dict) -> str:
                 f"{r['rope_engine_us']:8.1f}  norm {r['norm_all_symbolic_us']:8.1f} -> {r['norm_engine_us']:8.1f}"
             )
     if "gemm_autotune" in report:
-        lines += ["", "weight GEMMs (us): cuBLAS x @ W^T vs inductor max-autotune"]
-        for r in report["gemm_autotune"]:
-            lines.append(f"  B={r['batch']:4d} {r['gemm']:6s}  {r['cublas_us']:7.1f}  {r['autotuned_us']:7.1f}")
+        title = "weight GEMMs (us): cuBLAS x @ W^T vs inductor max-autotune"
+        lines += _gemm_table(title, report["gemm_autotune"], ("cublas_us", "autotuned_us"))
     if "gemm_fp8" in report:
-        lines += ["", "weight GEMMs over distinct weights (us): bf16 floor, bf16, FP8 unit scales, FP8 row scales"]
-        for r in report["gemm_fp8"]:
-            lines.append(
-                f"  B={r['batch']:4d} {r['gemm']:6s}  {r['bf16_floor_us']:6.1f}  {r['bf16_us']:6.1f}  "
-                f"{r['fp8_unit_scales_us']:6.1f}  {r['fp8_row_scales_us']:6.1f}"
-            )
+        title = "weight GEMMs over distinct weights (us): bf16 floor, bf16, FP8 unit scales, FP8 row scales"
+        keys = ("bf16_floor_us", "bf16_us", "fp8_unit_scales_us", "fp8_row_scales_us")
+        lines += _gemm_table(title, report["gemm_fp8"], keys)
     return "\n".join(lines)
+
+
+def _gemm_table(title: str, rows: list[dict], keys: tuple[str, ...]) -> list[str]:
+    cells = ("  ".join(f"{r[k]:7.1f}" for k in keys) for r in rows)
+    return ["", title] + [f"  B={r['batch']:4d} {r['gemm']:6s}  {c}" for r, c in zip(rows, cells)]

@@ -191,13 +191,14 @@ def write_json(path: str, obj: dict) -> None:
 class DeviceMemoryPoller:
     """Peak memory used on the GPU as the driver reports it (every process on the device, CUDA contexts and
     allocator caches included), sampled with nvidia-smi in a thread. `peak_gb()` is the rise over the level
-    before `start()`; None where nvidia-smi is absent (CPU runs)."""
+    before `start()`; None where nvidia-smi is absent (CPU runs). `gpu`: nvidia-smi's index of the GPU to watch
+    (default: the first one CUDA_VISIBLE_DEVICES names, else 0)."""
 
-    def __init__(self, interval_s: float = 0.5):
+    def __init__(self, interval_s: float = 0.5, gpu: str | None = None):
         self.interval_s = interval_s
         self.smi = shutil.which("nvidia-smi")
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        self.gpu = visible or "0"
+        self.gpu = gpu or visible or "0"
         self.baseline_mib = self.max_mib = None
         self._stop = threading.Event()
         self._thread = None

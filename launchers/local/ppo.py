@@ -215,9 +215,17 @@ def stop(proc: subprocess.Popen | None, grace: float = 30.0) -> None:
 
 
 class CriticStartError(RuntimeError):
-    def __init__(self, message: str, port_taken: bool):
+    def __init__(self, message: str, port_taken: bool, triton_crashed: bool = False):
         super().__init__(message)
         self.port_taken = port_taken
+        self.triton_crashed = triton_crashed
+
+
+def triton_crashed_at_start(log_text: str) -> bool:
+    """The critic's Triton aborted while it started (a signal, e.g. the python backend's intermittent
+    boost::interprocess::lock_exception, triton-inference-server/server#8882): nothing was served yet, so starting
+    the critic job again is safe; a cause that stays fails again."""
+    return "Triton failed to start" in log_text and "Signal (" in log_text
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log_path: str, log_offset: int) -> None:
@@ -227,7 +235,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log_path: str, 
         new = _read_from(log_path, log_offset)
         if proc.poll() is not None:
             taken = "already in use" in new or "Address in use" in new
-            raise CriticStartError(f"the critic job exited with status {proc.returncode} before it was ready", taken)
+            message = f"the critic job exited with status {proc.returncode} before it was ready"
+            raise CriticStartError(message, taken, triton_crashed_at_start(new))
         if READY_LINE in new:
             try:
                 with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as resp:
@@ -334,6 +343,7 @@ def main(argv=None) -> int:
 
     try:
         if not args.actor_only:
+            crashed_once = False
             for attempt in range(1, PORT_TRIES + 1):
                 port = args.port or free_port_range(3)
                 url = f"http://127.0.0.1:{port}"
@@ -362,11 +372,17 @@ def main(argv=None) -> int:
                     break
                 except CriticStartError as exc:
                     stop(critic, grace=CRITIC_STOP_GRACE)
-                    retry = exc.port_taken and args.port is None and attempt < PORT_TRIES and not interrupted
+                    new_ports = exc.port_taken and args.port is None
+                    crashed = exc.triton_crashed and not crashed_once
+                    retry = (new_ports or crashed) and attempt < PORT_TRIES and not interrupted
                     print(f"[ppo] {exc}\n--- last lines of {critic_log} ---\n{tail(critic_log)}", file=sys.stderr)
                     if not retry:
                         return 1
-                    print("[ppo] a port was taken before the critic bound it: retrying on other ports", flush=True)
+                    if new_ports:
+                        print("[ppo] a port was taken before the critic bound it: retrying on other ports", flush=True)
+                    else:
+                        crashed_once = True
+                        print("[ppo] Triton aborted while the critic started: starting it once more", flush=True)
             print(f"[ppo] critic ready at {url}", flush=True)
         overrides = [f"critic.port={port}", "critic.host=127.0.0.1"] if critic is not None else []
         actor = start_actor(overrides, "actor job" if critic is not None else "actor job (no critic job)")

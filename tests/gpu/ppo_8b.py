@@ -9,7 +9,8 @@ The actor job at TP=2 (or DP=2 with --tp 1) on GPUs 0,1 (32 layers, hidden 4096,
 ~1B critic and reward model of conf/bench/ppo_step_critic.yaml on GPU 1; 256 rollouts of 128 prompt + 256 generated
 tokens (EOS ignored), one PPO epoch of one mini-batch. Prints the mean phase times of the steps after the first,
 the training phases' model TFLOP/s (6·N·tokens for the update, 2·N·tokens per forward pass: policy and reference
-log-probs), KL at step 0 and the log-prob mismatch, and writes OUT_DIR/ppo_8b.json.
+log-probs), KL at step 0, the log-prob mismatch and each GPU's peak memory (nvidia-smi), and writes
+OUT_DIR/ppo_8b.json.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from benchmarks.ppo_step.aligner_jobs import read_metrics, write_prompts, write_tokenizer  # noqa: E402
+from benchmarks.ppo_step.workload import DeviceMemoryPoller  # noqa: E402
 
 SHAPE_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336)
 SHAPE_TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128)
@@ -99,6 +101,7 @@ def main() -> int:
         "--actor", *actor, "--critic", *critic,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    pollers = {gpu: DeviceMemoryPoller(gpu=gpu).start() for gpu in ("0", "1")}  # None where there is no GPU
     start = time.monotonic()
     with open(os.path.join(exp, "launcher.log"), "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -112,9 +115,13 @@ def main() -> int:
                 proc.kill()
                 proc.wait()
     wall = time.monotonic() - start
+    for poller in pollers.values():
+        poller.stop()
     metrics = os.path.join(exp, "actor", "metrics.jsonl")
     rows = read_metrics(metrics) if os.path.exists(metrics) else []
     result = {"rc": proc.returncode, "wall_s": round(wall, 1), "steps": len(rows), "settings": vars(a)}
+    # the rise of each GPU's used memory over its level at start (nvidia-smi: every process, caches included)
+    result["gpu_mem_peak_gb"] = {gpu: poller.peak_gb() for gpu, poller in pollers.items()}
     if a.profile and len(rows) > a.steps:  # the profiled step: its phases and where its summaries are
         result["profiled_step_s"] = {k.removeprefix("timing/"): v for k, v in rows[a.steps].items() if "timing/" in k}
         result["profile_dir"] = os.path.join(exp, "actor", "profile")

@@ -63,19 +63,30 @@ def test_bad_gpu_list_stops_the_launcher_before_any_job(tmp_path):
 
 
 def test_a_critic_that_lost_a_port_race_is_told_apart(tmp_path):
-    """The launcher retries on other ports only when the critic died of a taken port (issue 14)."""
+    """The launcher retries on other ports only when the critic died of a taken port (issue 14), and once more when
+    Triton aborted as it started (a CI run saw the python backend's boost::interprocess::lock_exception)."""
     log = tmp_path / "critic.log"
     ppo = _launcher()
     log.write_text("critic server ready at http://old-run\n")  # an earlier run's line does not count
     offset = log.stat().st_size
-    for text, taken in (("port 5 (metrics) on 127.0.0.1 is already in use (Address in use)", True), ("boom", False)):
+    crash = (
+        "terminate called after throwing an instance of 'boost::interprocess::lock_exception'\nSignal (6) received.\n"
+        "critic server failed: Triton failed to start: HTTPConnectionClosed('connection closed.'); see x.log"
+    )
+    cases = (
+        ("port 5 (metrics) on 127.0.0.1 is already in use (Address in use)", True, False),
+        ("boom", False, False),
+        (crash, False, True),
+        ("critic server failed: Triton failed to start: endpoint critic_infer did not answer", False, False),
+    )
+    for text, taken, crashed in cases:
         with open(log, "a") as f:
             f.write(text + "\n")
         proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
         proc.wait()
         with pytest.raises(ppo.CriticStartError) as info:
             ppo.wait_ready("http://127.0.0.1:9", proc, 10, str(log), offset)
-        assert info.value.port_taken is taken
+        assert info.value.port_taken is taken and info.value.triton_crashed is crashed
         offset = log.stat().st_size
 
 
