@@ -94,7 +94,8 @@ def _tp2_body(rank, world_size):
         torch.testing.assert_close(sampled.logprobs_BR, ref, rtol=0, atol=2e-5)
         unseeded = engine.generate(PROMPTS, LENGTHS, SamplingParams())  # base seed drawn, then shared by TP rank 0
         seen[name] = [_responses(out), _responses(sampled), _responses(unseeded)]
-        if name == "llama3_qwen3":  # the Triton decode attention on each rank's KV group (Triton's interpreter)
+        # the Triton decode attention on each rank's KV groups (Triton's interpreter); Llama: RoPE inside the kernel
+        if name in ("llama", "llama3_qwen3"):
             triton = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": "triton"}), cfg, model)
             again = triton.generate(PROMPTS, LENGTHS, SamplingParams(temperature=0.8, top_p=0.95, seeds=[1, 2, 3]))
             assert _responses(again) == _responses(sampled)

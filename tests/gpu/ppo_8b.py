@@ -78,8 +78,9 @@ def main() -> int:
         f"parallel.tensor_model_parallel_size={a.tp}",
         f"reference.mode={a.reference}",
         f"ppo.rollout_batch_size={rollouts}",
-        f"ppo.micro_batch_size={a.micro}",
-        f"ppo.forward_micro_batch_size={a.forward_micro}",
+        # at most the rollouts of a data-parallel rank (the --tiny smoke has 8 rollouts)
+        f"ppo.micro_batch_size={min(a.micro, rollouts * a.tp // 2)}",
+        f"ppo.forward_micro_batch_size={min(a.forward_micro, rollouts * a.tp // 2)}",
         f"generation.max_batch_size={rollouts * a.tp // 2}",  # this rank's rows: the DP size is 2 / TP
         f"ppo.num_steps={a.steps + a.profile}",
         *([f"logging.profile_step={a.steps}", "logging.profile_ranks=[0,1]"] if a.profile else []),
