@@ -29,6 +29,10 @@ its first `kv_len` slots (a multiple of kv_block) through strided views. Its lay
   decode kernel: docs/PERF.md).
 - `triton` (group-major, as `matmul`): one Triton kernel per layer (triton_decode.py) reads each sample's filled
   slots [0, pos_b] only, whatever `kv_len` says: no mask, no padding read, one CUDA graph for every step of a call.
+  Up to FUSED_WRITE_MAX_BATCH it also writes the step's key and value, and then (no q/k norms) applies RoPE to q and
+  the key itself, from the qkv projection's rows: no RoPE or scatter kernel in the step.
+FP8 decode weights (`decode_fp8`, fp8.py): decode steps run fc1, fc2 and the output layer as FP8 GEMMs, their inputs
+quantized per row by the compiled kernel before and their results scaled by the one after (Kernels.*_q, dq*).
 """
 
 from __future__ import annotations
@@ -210,10 +214,14 @@ class Decoder:
         last = i + 1 == self.lo.num_layers
         if self.lo.tp > 1:  # row-parallel: each rank's partial sum in its own scales, dequantized before the sum
             m = self._all_reduce(k.dq(y, ms, s2, x.dtype))
-            out = (k.add_norm_q if last else k.add_norm)(x, m, *post_mlp)
+            if not last:
+                return k.add_norm(x, m, *post_mlp)
+            x, h8, hs = k.add_norm_q(x, m, *post_mlp)
         else:
-            out = (k.dq_add_norm_q if last else k.dq_add_norm)(x, y, ms, s2, *post_mlp)
-        return (out[0], out[1:]) if last else out
+            if not last:
+                return k.dq_add_norm(x, y, ms, s2, *post_mlp)
+            x, h8, hs = k.dq_add_norm_q(x, y, ms, s2, *post_mlp)
+        return x, (h8, hs)  # the final norm's output, quantized for the FP8 output layer
 
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, row0: int = 0) -> torch.Tensor:
