@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from ppo_jobs import LAUNCHER, ROOT, finish, launch, launch_in_background, read_metrics
+from ppo_jobs import LAUNCHER, ROOT, launch, read_metrics
 from ppo_jobs import comparable as _comparable
 
 ACTOR = os.path.join(ROOT, "scripts", "train_ppo_actor.py")
@@ -74,7 +74,10 @@ def test_resume_continues_exactly_and_never_pairs_an_uncommitted_critic_step(tmp
     the resumed one does not (true): the order changes no number."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     common = ("checkpoint.save_every=0", "validation.every=0")
-    straight_run = launch_in_background(straight, "ppo.num_steps=4", "critic.overlap=false", *common)
+    # one run at a time: two critic and actor pairs at once starved a Triton python stub on CI's two cores (its
+    # health check failed: "Stub process ... is not healthy")
+    done = launch(straight, "ppo.num_steps=4", "critic.overlap=false", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
     common_split = (*common, "critic.overlap=true")
     first = launch(split, "ppo.num_steps=2", *common_split)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -89,8 +92,6 @@ def test_resume_continues_exactly_and_never_pairs_an_uncommitted_critic_step(tmp
     second = launch(split, "ppo.num_steps=4", *common_split)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "removing" in (split / "critic.log").read_text()  # the orphan step 3 of the critic
-    done = finish(straight_run)
-    assert done.returncode == 0, done.stderr[-3000:]
     a, b = read_metrics(straight), read_metrics(split)
     assert [r["step"] for r in b] == [0, 1, 2, 3]
     for ra, rb in zip(a[2:], b[2:]):
