@@ -75,6 +75,9 @@ class DecodeFp8:
             w = self._source(weights, name)
             self.w8[name] = torch.empty(w.shape, dtype=E4M3, device=device)
             self.scale[name] = torch.empty(w.shape[0], dtype=torch.float32, device=device)
+        # (w8, scales) of fc1 and fc2 per layer, looked up once: decode steps ask for them layer by layer
+        fc = [{j: f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for j in (1, 2)} for i in range(weights.num_layers)]
+        self._layers = [{j: (self.w8[n], self.scale[n]) for j, n in names.items()} for names in fc]
         self.requantize(weights)
 
     @staticmethod
@@ -93,8 +96,7 @@ class DecodeFp8:
 
     def layer(self, i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(w8, row scales) of layer i's fc{j}."""
-        name = f"decoder.layers.{i}.mlp.linear_fc{j}.weight"
-        return self.w8[name], self.scale[name]
+        return self._layers[i][j]
 
     @property
     def output(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +107,7 @@ class DecodeFp8:
 
     def replaced_nbytes(self, weights) -> int:
         """Bytes of the engine-dtype weights that decode steps no longer read."""
-        return sum(self._source(weights, n).numel() * self._source(weights, n).element_size() for n in self.names)
+        return sum(t.numel() * t.element_size() for t in (self._source(weights, n) for n in self.names))
 
     def data_ptrs(self) -> dict[str, int]:
         return {f"fp8:{n}": t.data_ptr() for n, t in self.w8.items()}
