@@ -14,6 +14,9 @@ symbolic (`dynamic=True`, before afcbc3f), plain calls timed with CUDA events. W
 (`--gemm-autotune`, minutes of compiling): each weight GEMM at B=64 and 256 under
 `torch.compile(mode="max-autotune-no-cudagraphs")` (Triton templates and cuBLAS) against cuBLAS's x @ W^T. With
 `fp8=True` (`--fp8`): the weight GEMMs in bf16 and in FP8 (generation.decode_weights: fp8) over distinct weights.
+With `splitk=True` (`--splitk`): each bf16 weight GEMM at B=64 and 128 as cuBLAS runs it against the split-K Triton
+kernel (aligner.generation.native.splitk) over a grid of tilings, alone and with its partial sums added up by a
+compiled kernel (as the engine's residual add does it), over distinct weights.
 """
 
 from __future__ import annotations
@@ -228,11 +231,76 @@ def _fp8_row(device, M: int, name: str, n: int, k: int) -> dict:
     return row
 
 
+def splitk_tilings(n: int, k: int) -> list:
+    from aligner.generation.native.splitk import Tiling
+
+    out = []
+    for bn, bk, splits, warps, stages, swap in itertools.product(
+        (32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 5), (False, True)
+    ):
+        t = Tiling(bn, bk, splits, warps, stages, swap)
+        programs = n // bn * splits
+        if t.fits(n, k) and 64 <= programs <= 1024 and not (warps == 8 and bn == 32):
+            out.append(t)
+    return out
+
+
+def splitk_rows(device, batches: tuple[int, ...]) -> list[dict]:
+    """cuBLAS's x @ W^T against the split-K kernel over its tilings, each over FP8_WEIGHT_COPIES distinct weights
+    (L2-cold, as a step's layers); `with_sum` adds the compiled reduction of the partials (partials.sum(0) in bf16,
+    a kernel of its own here: the engine's residual add does it)."""
+    reducers = {}  # one compiled reduction per shape of partials (one code object: raise dynamo's limit for it)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+    def reduce(p):
+        if p.shape not in reducers:
+            reducers[p.shape] = torch.compile(lambda p: p.sum(0).to(torch.bfloat16), dynamic=False, fullgraph=True)
+        return reducers[p.shape](p)
+
+    return [_splitk_row(device, M, name, reduce) for M in batches for name in ("qkv", "proj", "fc1", "fc2")]
+
+
+def _splitk_row(device, M: int, name: str, reduce) -> dict:
+    from aligner.generation.native import splitk
+
+    n, k = GEMM_SHAPES[name]
+    ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(FP8_WEIGHT_COPIES)]
+    x = torch.randn(M, k, device=device, dtype=torch.bfloat16)
+    exact = x.float() @ ws[0].float().t()
+
+    def per_call_us(fn, replays):  # fn(i) on weight i, every weight in turn
+        return graph_time_us(lambda: [fn(i) for i in range(FP8_WEIGHT_COPIES)], 2, replays) / FP8_WEIGHT_COPIES
+
+    row = {"batch": M, "gemm": name, "floor_us": 2 * n * k / BANDWIDTH * 1e6}
+    row["cublas_us"] = per_call_us(lambda i: x @ ws[i].t(), 50)
+    results = []
+    for t in splitk_tilings(n, k):
+        try:
+            out = splitk.matmul(x, ws[0], t)
+        except Exception as exc:  # noqa: BLE001 - a tiling this GPU cannot hold (shared memory): skipped
+            if "out of resource" not in str(exc):
+                raise
+            continue
+        err = float(((out if t.splits == 1 else out.sum(0)).float() - exact).abs().max())
+        alone = per_call_us(lambda i, t=t, out=out: splitk.matmul(x, ws[i], t, out), 30)
+        results.append((alone, t, out, err))
+    results.sort(key=lambda r: r[0])
+    best = []
+    for alone, t, out, err in results[:6]:
+        both = alone
+        if t.splits > 1:
+            both = per_call_us(lambda i, t=t, out=out: reduce(splitk.matmul(x, ws[i], t, out)), 50)
+        best.append({"tiling": vars(t), "alone_us": alone, "with_sum_us": both, "max_err": err})
+    row["splitk_best"] = sorted(best, key=lambda b: b["with_sum_us"])
+    return row
+
+
 class NeedsGPU(RuntimeError):
     pass
 
 
-def run(prefill: bool = False, autotune: bool = False, fp8: bool = False) -> dict:
+def run(prefill: bool = False, autotune: bool = False, fp8: bool = False, splitk: tuple[int, ...] = ()) -> dict:
+    """`splitk`: the batch sizes of the split-K comparison (none: skipped)."""
     if not torch.cuda.is_available():
         raise NeedsGPU(
             "needs a CUDA GPU: the kernels are timed inside CUDA graphs "
@@ -252,6 +320,8 @@ def run(prefill: bool = False, autotune: bool = False, fp8: bool = False) -> dic
         report["gemm_autotune"] = autotune_rows(device)
     if fp8:
         report["gemm_fp8"] = fp8_rows(device)
+    if splitk:
+        report["gemm_splitk"] = splitk_rows(device, splitk)
     return report
 
 
@@ -281,6 +351,16 @@ def format_report(report: dict) -> str:
         title = "weight GEMMs over distinct weights (us): bf16 floor, bf16, FP8 unit scales, FP8 row scales"
         keys = ("bf16_floor_us", "bf16_us", "fp8_unit_scales_us", "fp8_row_scales_us")
         lines += _gemm_table(title, report["gemm_fp8"], keys)
+    if "gemm_splitk" in report:
+        lines += ["", "weight GEMMs over distinct weights (us): floor, cuBLAS, split-K alone / with its sum, tiling"]
+        for r in report["gemm_splitk"]:
+            b = r["splitk_best"][0]
+            t = b["tiling"]
+            lines.append(
+                f"  B={r['batch']:4d} {r['gemm']:6s} {r['floor_us']:7.1f} {r['cublas_us']:7.1f} {b['alone_us']:7.1f}"
+                f" / {b['with_sum_us']:7.1f}  n{t['block_n']} k{t['block_k']} s{t['splits']} w{t['num_warps']}"
+                f" st{t['num_stages']}{' swap' if t['swap'] else ''} (err {b['max_err']:.2g})"
+            )
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ its settings) and the weight GEMMs in several layouts (see benchmarks/decode_ker
     python scripts/bench_decode_kernels.py --out decode_kernels.json
     python scripts/bench_decode_kernels.py --prefill --gemm-autotune   # also prefill's kernels, autotuned GEMMs
     python scripts/bench_decode_kernels.py --fp8                       # also the GEMMs in FP8
+    python scripts/bench_decode_kernels.py --splitk 64 128             # also the split-K Triton GEMM's tilings
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", action="store_true", help="also prefill's compiled RoPE and norm, two ways")
     parser.add_argument("--gemm-autotune", action="store_true", help="also the GEMMs under max-autotune (minutes)")
     parser.add_argument("--fp8", action="store_true", help="also the weight GEMMs in FP8 (generation.decode_weights)")
+    parser.add_argument(
+        "--splitk",
+        nargs="*",
+        type=int,
+        default=None,
+        metavar="B",
+        help="also the split-K Triton GEMM over its tilings at these batch sizes (default 64 128)",
+    )
     a = parser.parse_args(argv)
     try:
-        report = run(prefill=a.prefill, autotune=a.gemm_autotune, fp8=a.fp8)
+        splitk = () if a.splitk is None else tuple(a.splitk or (64, 128))
+        report = run(prefill=a.prefill, autotune=a.gemm_autotune, fp8=a.fp8, splitk=splitk)
     except NeedsGPU as exc:
         print(f"bench_decode_kernels: {exc}", file=sys.stderr)
         return 2

@@ -43,6 +43,12 @@ def main(argv=None) -> int:
         default="same",
         help="generation.decode_weights: fp8 = the MLP and output layer of decode steps in FP8",
     )
+    parser.add_argument(
+        "--decode-gemm",
+        choices=("auto", "cublas", "splitk"),
+        default="auto",
+        help="generation.decode_gemm: splitk = decode's proj and fc2 by the split-K Triton kernel (auto: on GPUs)",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)
     if a.ragged and not a.skip_hf:
@@ -57,6 +63,7 @@ def main(argv=None) -> int:
         profile=a.profile,
         decode_attention=a.decode_attention,
         decode_weights=a.decode_weights,
+        decode_gemm=a.decode_gemm,
         ragged=a.ragged,
     )
     try:

@@ -115,6 +115,8 @@ def _responses(out):
         (GPT2, "triton"),
         (GPT2, "triton-scatter"),
         (QWEN3, "triton"),
+        (LLAMA, "triton-splitk"),
+        (GPT2, "matmul-splitk"),
     ],
     ids=[
         "llama-matmul",
@@ -127,9 +129,15 @@ def _responses(out):
         "gpt2-triton",
         "gpt2-triton-scatter",
         "qwen3-triton",
+        "llama-triton-splitk",  # the split-K kernel for proj (fc2's 96 columns: cuBLAS), by Triton's interpreter
+        "gpt2-matmul-splitk",  # for proj and fc2, with their row biases
     ],
 )
 def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
+    gemm = "cublas"
+    if attention.endswith("-splitk"):  # decode's proj/fc2 by the split-K Triton kernel (generation.decode_gemm)
+        attention, gemm = attention.removesuffix("-splitk"), "splitk"
+        pytest.importorskip("triton")
     if attention.startswith("triton"):  # the Triton kernel itself, run by Triton's interpreter (tests/conftest.py)
         pytest.importorskip("triton")
     if attention == "triton-scatter":  # the cache written by a scatter (large batches), not by the kernel
@@ -138,13 +146,22 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
         monkeypatch.setattr(triton_decode, "FUSED_WRITE_MAX_BATCH", 0)
         attention = "triton"
     model = _model(cfg)
-    engine = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": attention}), cfg, model)
+    gen = GenerationConfig(**{**GEN.__dict__, "decode_attention": attention, "decode_gemm": gemm})
+    engine = build_engine(gen, cfg, model)
+    assert engine.decode_gemm == gemm
+    if gemm == "splitk":  # count the kernel's calls (the real kernel runs): proj, and fc2 where its sizes fit
+        from aligner.generation.native import splitk
+
+        calls, real = [], splitk.matmul
+        monkeypatch.setattr(splitk, "matmul", lambda *a: calls.append(a[1].shape) or real(*a))
     if family(cfg.arch).rope:  # the engine rotates with the model's own (possibly scaled) frequencies
         angles = torch.outer(
             torch.arange(GEN.max_prompt_length + GEN.max_response_length).float(), model.rotary_pos_emb.inv_freq
         )
         assert torch.equal(engine.decoder.cos[:, : cfg.kv_channels // 2], torch.cos(angles))
     out = engine.generate(_padded_prompts(), LENGTHS, SamplingParams(greedy=True))
+    if gemm == "splitk":  # 11 decode steps (the first token comes from prefill) x 2 layers
+        assert len(calls) == 11 * 2 * (2 if cfg.arch == "gpt2" else 1)
     expected = reference_greedy(model, PROMPTS, LENGTHS, 12, V)
     assert _responses(out) == expected
     assert out.response_tokens_BR.shape == (4, 12) and out.response_lengths_B.tolist() == [12] * 4
@@ -436,15 +453,19 @@ def test_flash_and_triton_decode_attention_are_refused_off_cuda(monkeypatch):
     """`flash` and `triton` name why they cannot run (here: no CUDA) instead of failing inside a decode step; `auto`
     takes matmul on the CPU. The flash kernel is checked on a GPU (scripts/bench_generation.py --decode-attention
     flash: its log-prob gap to megatron's forward); measured slower than matmul there (docs/PERF.md). The Triton
-    kernel runs here under Triton's interpreter (the greedy test above); without it, it is refused."""
+    kernels run here under Triton's interpreter (the greedy test above); without it, they are refused (the split-K
+    GEMMs too: decode_gemm=splitk); `auto` takes cuBLAS on the CPU."""
     model = _model(LLAMA)
     with pytest.raises(ValueError, match=r"generation.decode_attention=flash is not possible here: it needs a CUDA"):
         build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": "flash"}), LLAMA, model)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"generation.decode_attention=triton is not possible here: (it needs|Tri)"):
         build_engine(GenerationConfig(**{**GEN.__dict__, "decode_attention": "triton"}), LLAMA, model)
+    with pytest.raises(ValueError, match=r"generation.decode_gemm=splitk is not possible here: (it needs|Tri)"):
+        build_engine(GenerationConfig(**{**GEN.__dict__, "decode_gemm": "splitk"}), LLAMA, model)
     engine = build_engine(GEN, LLAMA, model)
     assert engine.decode_attention == "matmul" and not engine.decoder.seq_major
+    assert engine.decode_gemm == "cublas"
 
 
 def test_prefill_kernels_compile_once_for_every_batch_and_width():

@@ -31,6 +31,9 @@ its first `kv_len` slots (a multiple of kv_block) through strided views. Its lay
   slots [0, pos_b] only, whatever `kv_len` says: no mask, no padding read, one CUDA graph for every step of a call.
   Up to FUSED_WRITE_MAX_BATCH it also writes the step's key and value, and then (no q/k norms) applies RoPE to q and
   the key itself, from the qkv projection's rows: no RoPE or scatter kernel in the step.
+Split-K GEMMs (`decode_gemm="splitk"`, splitk.py, TP=1): decode steps of up to splitk.MAX_BATCH rows run the
+row-parallel projections (proj, fc2) as one Triton kernel each whose float32 partial sums the next compiled kernel
+(residual add and norm) adds up; cuBLAS everywhere else (prefill, the other projections, larger batches).
 FP8 decode weights (`decode_fp8`, fp8.py): decode steps run fc1, fc2 and the output layer as FP8 GEMMs, their inputs
 quantized per row by the compiled kernel before and their results scaled by the one after (Kernels.*_q, dq*).
 """
@@ -44,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from aligner.families import FamilySpec
-from aligner.generation.native import fp8, triton_decode
+from aligner.generation.native import fp8, splitk, triton_decode
 from aligner.generation.native.fused import make_kernels
 
 
@@ -90,11 +93,15 @@ class Decoder:
         compile_elementwise: bool = False,
         inv_freq: torch.Tensor | None = None,
         decode_fp8: fp8.DecodeFp8 | None = None,
+        decode_gemm: str = "cublas",
     ):
         """`inv_freq` [head_dim / 2] float32: RoPE's frequencies, those of the policy model (rope families).
-        `decode_fp8`: FP8 copies of the MLP and output weights, read by decode steps (fp8.py)."""
+        `decode_fp8`: FP8 copies of the MLP and output weights, read by decode steps (fp8.py).
+        `decode_gemm`: "splitk" runs decode's row-parallel projections with the split-K kernel (TP=1 only)."""
+        if decode_gemm == "splitk" and layout.tp > 1:
+            raise ValueError("the split-K decode GEMMs need TP=1 (their partial sums are not reduced over ranks)")
         self.lo, self.w, self.group = layout, weights, tp_group
-        self.fp8 = decode_fp8
+        self.fp8, self.decode_gemm = decode_fp8, decode_gemm
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
         self.seq_major = decode_attention in ("sdpa", "flash")  # the cache layout (module docstring)
@@ -102,7 +109,7 @@ class Decoder:
         # Compiled kernels (compile_elementwise): decode's for its fixed shapes per batch size (captured in the CUDA
         # graphs), prefill's for any batch and prompt width (compiled once with symbolic shapes).
         fam, eps, qk_norm = layout.family, layout.norm_eps, layout.qk_norm
-        self.k = make_kernels(fam, eps, compile_elementwise, qk_norm)
+        self.k = make_kernels(fam, eps, compile_elementwise, qk_norm, max_batch=max_batch)
         self.k_prefill = make_kernels(fam, eps, compile_elementwise, qk_norm, prefill=True)
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
@@ -167,9 +174,18 @@ class Decoder:
         lo = self.lo
         return qkv.view(*qkv.shape[:-1], lo.groups, lo.heads // lo.groups + 2, lo.head_dim)
 
-    def _stack(self, x, attend, k, q8: fp8.DecodeFp8 | None = None):
+    def _row_parallel(self, x, weight, split_k: bool):
+        """A row-parallel projection without its bias: (x @ W^T reduced over TP, False), or with `split_k` where the
+        kernel has a tiling for W, (its float32 partial sums, True) for an add_parts_norm kernel."""
+        tiling = splitk.tiling_for(x.shape[0], *weight.shape) if split_k else None
+        if tiling is None:
+            return self._all_reduce(self._linear(x, weight)), False
+        return splitk.matmul(x, weight, tiling), True
+
+    def _stack(self, x, attend, k, q8: fp8.DecodeFp8 | None = None, split_k: bool = False):
         """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states (with
-        `q8`, FP8 MLP weights: quantized per row, (h8, scales), for the FP8 output layer).
+        `q8`, FP8 MLP weights: quantized per row, (h8, scales), for the FP8 output layer). `split_k`: proj and fc2
+        by the split-K kernel (decode steps of x [B, H], B <= splitk.MAX_BATCH).
 
         Each residual add is fused with the norm that follows it (the next layer's input norm, or the final norm).
         """
@@ -179,7 +195,7 @@ class Decoder:
         for i in range(lo.num_layers):
             lw = self.w.layer(i)
             qkv = self._linear(h, lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"])
-            a = self._all_reduce(self._linear(attend(i, qkv, lw), lw["self_attention.linear_proj.weight"]))
+            a, parts = self._row_parallel(attend(i, qkv, lw), lw["self_attention.linear_proj.weight"], split_k)
             pre_mlp = (
                 lw["self_attention.linear_proj.bias"],
                 lw["pre_mlp_layernorm.weight"],
@@ -192,18 +208,18 @@ class Decoder:
                 final = (self.w.get("decoder.final_layernorm.weight"), self.w.get("decoder.final_layernorm.bias"))
                 post_mlp = (lw["mlp.linear_fc2.bias"], *final)
             if q8 is not None:
-                x, h = self._mlp_fp8(x, a, i, lw, k, q8, pre_mlp, post_mlp)
+                x, h8, hs = (k.add_parts_norm_q if parts else k.add_norm_q)(x, a, *pre_mlp)
+                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp)
                 continue
-            x, h = k.add_norm(x, a, *pre_mlp)
+            x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
             m = k.act(self._linear(h, lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]))
-            m = self._all_reduce(self._linear(m, lw["mlp.linear_fc2.weight"]))
-            x, h = k.add_norm(x, m, *post_mlp)
+            m, parts = self._row_parallel(m, lw["mlp.linear_fc2.weight"], split_k)
+            x, h = (k.add_parts_norm if parts else k.add_norm)(x, m, *post_mlp)
         return h
 
-    def _mlp_fp8(self, x, a, i, lw, k, q8, pre_mlp, post_mlp):
-        """Layer i's residual add, norm and MLP with FP8 weights (fp8.py); returns (x, h), h quantized (h8, scales)
-        after the last layer."""
-        x, h8, hs = k.add_norm_q(x, a, *pre_mlp)
+    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp):
+        """Layer i's MLP with FP8 weights (fp8.py) from its normed input quantized (h8, scales), and the residual add
+        and norm after it; returns (x, h), h quantized (h8, scales) after the last layer."""
         w1, s1 = q8.layer(i, 1)
         # fc1's product in the activation dtype (half the bytes into the activation kernel: measured faster), fc2's
         # in float32 until it joins the residual stream
@@ -344,9 +360,10 @@ class Decoder:
             probs = torch.softmax(scores, dim=-1)  # accumulates in float32 inside, also for bf16
             return torch.bmm(probs, values.reshape(B * G, kv_len, D)).view(B, lo.heads * D).to(qkv.dtype)
 
+        split_k = self.decode_gemm == "splitk" and B <= splitk.MAX_BATCH
         if self.fp8 is None:
-            return self._linear(self._stack(x, attend, self.k), self.w.output_weight)
-        h8, hs = self._stack(x, attend, self.k, self.fp8)
+            return self._linear(self._stack(x, attend, self.k, split_k=split_k), self.w.output_weight)
+        h8, hs = self._stack(x, attend, self.k, self.fp8, split_k)
         w_out, s_out = self.fp8.output
         return self.k.dq(fp8.matmul(h8, w_out, self.fp8.one), hs, s_out, x.dtype)
 

@@ -31,7 +31,7 @@ import torch
 from aligner.config.generation import GenerationConfig
 from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
-from aligner.generation.native import fp8, triton_decode
+from aligner.generation.native import fp8, splitk, triton_decode
 from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unavailable
 from aligner.generation.native.sampling import select_tokens, uniforms_for_seeds
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
@@ -131,6 +131,7 @@ class NativeEngine:
         compile_ = gen_cfg.compile_elementwise == "on" or (
             gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available()
         )
+        self.decode_gemm = decode_gemm = self._choose_decode_gemm(gen_cfg.decode_gemm, tp, dtype)
         self.decoder = Decoder(
             layout,
             self.weights,
@@ -143,6 +144,7 @@ class NativeEngine:
             compile_elementwise=compile_,
             inv_freq=module.rotary_pos_emb.inv_freq if layout.family.rope else None,
             decode_fp8=decode_fp8,
+            decode_gemm=decode_gemm,
         )
         # The token choice of a step: its passes over [B, V] fused into a few kernels where the layers' are
         self._select = torch.compile(select_tokens, dynamic=False, fullgraph=True) if compile_ else select_tokens
@@ -156,6 +158,27 @@ class NativeEngine:
         self._kv_ptr = self.decoder.kv.data_ptr()
         self._released = False
         self.last_timings: dict[str, float] = {}
+
+    def _choose_decode_gemm(self, setting: str, tp: int, dtype: torch.dtype) -> str:
+        """generation.decode_gemm: auto takes the split-K kernel on a GPU at TP=1 with 16-bit weights where its
+        start-up check passes (measured faster there: docs/PERF.md), cuBLAS elsewhere; splitk is checked and
+        refused with the reason where it cannot run."""
+        if setting == "cublas" or (
+            setting == "auto" and (not self.on_gpu or dtype not in (torch.bfloat16, torch.float16))
+        ):
+            return "cublas"
+        if tp > 1:
+            why_not = f"it runs at TP=1 only (tensor_model_parallel_size is {tp})"
+        else:
+            why_not = splitk.unavailable(self.device, dtype)
+        if setting == "splitk":
+            if why_not is not None:
+                raise ValueError(f"generation.decode_gemm=splitk is not possible here: {why_not}; use cublas")
+            return setting
+        if why_not is not None:
+            log.info("generation.decode_gemm=auto takes cuBLAS: the split-K kernel cannot run (%s)", why_not)
+            return "cublas"
+        return "splitk"
 
     # -- static state ----------------------------------------------------------------------------------------
     def _alloc_state(self):

@@ -37,12 +37,17 @@ class Kernels:
     dq: Callable | None = None  # (y, y scales, w scales, dtype) -> y in dtype
     dq_add_norm: Callable | None = None  # (x, y, y scales, w scales, bias, w, b) -> (x, h)
     dq_add_norm_q: Callable | None = None  # (x, y, y scales, w scales, bias, w, b) -> (x, h8, h scales)
+    # A row-parallel projection's float32 partial sums [S, ..., H] from the split-K GEMM (splitk.py), summed and
+    # rounded to x's dtype on the way in (where cuBLAS rounds its product): add_norm's and add_norm_q's results
+    add_parts_norm: Callable | None = None  # (x, parts, bias, w, b) -> (x, h)
+    add_parts_norm_q: Callable | None = None  # (x, parts, bias, w, b) -> (x, h8, h scales)
 
 
 def make_kernels(
-    family: FamilySpec, eps: float, compile_: bool, qk_norm: bool = False, prefill: bool = False
+    family: FamilySpec, eps: float, compile_: bool, qk_norm: bool = False, prefill: bool = False, max_batch: int = 64
 ) -> Kernels:
-    """The kernels of one family; `compile_` wraps each in torch.compile, for the decode step's fixed shapes, or with
+    """The kernels of one family; `compile_` wraps each in torch.compile, for the decode step's fixed shapes (each
+    batch size up to `max_batch` its own compilation: allow_recompiles), or with
     `prefill` for any batch and prompt width (symbolic shapes) and with q returned contiguous: prefill's attention
     reads it as [B, H, T, D] without a copy, where a decode step's attention reads the strided view (a separate
     contiguous q costs the step a second RoPE kernel: measured slower on the H200)."""
@@ -94,18 +99,37 @@ def make_kernels(
         x, h = dq_add_norm(x, y, y_scale, w_scale, bias, w, b)
         return (x, *quantize_rows(h))
 
+    def add_parts_norm(x, parts, bias, w, b):
+        return add_norm(x, parts.sum(0).to(x.dtype), bias, w, b)
+
+    def add_parts_norm_q(x, parts, bias, w, b):
+        return add_norm_q(x, parts.sum(0).to(x.dtype), bias, w, b)
+
     plain = dict(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
     if not prefill:
         plain.update(
-            add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm, dq_add_norm_q=dq_add_norm_q
-        )
+            add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm, dq_add_norm_q=dq_add_norm_q,
+            add_parts_norm=add_parts_norm, add_parts_norm_q=add_parts_norm_q,
+        )  # fmt: skip
     if not compile_:
         return Kernels(**plain)
     if prefill:
         wrap = _batch_and_length_dynamic
     else:
+        allow_recompiles(max_batch)
         wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True)  # noqa: E731
     return Kernels(**{name: wrap(fn) for name, fn in plain.items()})
+
+
+def allow_recompiles(max_batch: int) -> None:
+    """Let every decode batch size compile its own kernels. torch.compile(dynamic=False) specializes a function to
+    its input shapes and compiles again for new ones, but only up to dynamo's recompile limit per function (8 by
+    default); past it a fullgraph function fails outright ("Hard failure due to fullgraph=True"): an engine that met
+    a ninth batch size (the last, smaller chunk of rollouts, dynamic sampling's draws) stopped. The limit is
+    process-wide: raised, never lowered, to cover each batch size with and without the split-K partial sums."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 2 * max_batch + 8)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 16 * max_batch + 256)
 
 
 def _batch_and_length_dynamic(fn: Callable) -> Callable:

@@ -1,0 +1,146 @@
+"""A decode step's small-batch weight GEMM in one Triton kernel, cut along K: y = x @ W^T as float32 partial sums.
+
+At decode batch sizes (M <= 128 rows) a projection reads its whole weight for very few FLOPs: the GEMM should run
+at the memory's speed, but cuBLAS takes 1.5-3x the weight's read time for the narrow ones (proj, fc2: docs/PERF.md,
+twelfth session), partly because its split-K variants finish with a separate reduction kernel. Here every program
+reads a [BLOCK_N, K / splits] slab of W once and multiplies it with the matching columns of all M rows of x
+(tensor cores, float32 accumulation); the `splits` slabs of one output tile land as separate float32 partial sums
+[splits, M, N], and the compiled elementwise kernel that follows the GEMM anyway (the residual add and norm) sums
+them: no reduction kernel, no atomics. With one split the kernel writes y in x's dtype directly.
+
+Summing the partials in float32 and rounding once gives the same rounding point as cuBLAS (float32 accumulation,
+one rounding of the product), the order of the additions aside.
+Runs on CUDA with Triton; on the CPU only under Triton's interpreter (TRITON_INTERPRET=1, as the tests run it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tiling:
+    block_n: int = 64  # output columns (rows of W) per program
+    block_k: int = 128  # reduction step
+    splits: int = 4  # K ranges, each a program of its own
+    num_warps: int = 4
+    num_stages: int = 4
+    swap: bool = False  # compute the tile as W_tile @ x^T (N on the MMA's M side) instead of x @ W_tile^T
+
+    def fits(self, n: int, k: int) -> bool:
+        return n % self.block_n == 0 and k % (self.splits * self.block_k) == 0
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitk_gemm(  # "gemm" in the name: profiles count it with the GEMMs (aligner.utils.profiling.kind_of)
+        x_ptr, w_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+        PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+    ):  # fmt: skip
+        n0, s, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1), tl.program_id(2) * BLOCK_M
+        rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+        k0 = s * K_SPLIT
+        x_tile = x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :]
+        w_tile = w_ptr + cols[:, None] * sw_n + (k0 + ks)[None, :]
+        row_ok = (rows < M)[:, None]
+        if SWAP:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for _ in range(0, K_SPLIT, BLOCK_K):
+            x = tl.load(x_tile, mask=row_ok, other=0.0)
+            w = tl.load(w_tile)
+            if WIDEN:  # Triton's interpreter multiplies 16-bit operands wrongly: widen them (exact) first
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            x_tile += BLOCK_K
+            w_tile += BLOCK_K
+        if SWAP:
+            acc = tl.trans(acc)
+        dst = out_ptr + s * so_s + rows[:, None] * so_m + cols[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    return splitk_gemm
+
+
+def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T: float32 partial sums [splits, M, N] (their sum over the first dimension is the
+    product), or with one split the product [M, N] in x's dtype. Both operands need a contiguous last dimension;
+    N and K must fit the tiling (Tiling.fits). `out`: where to write (the shape and dtype above)."""
+    M, K = x_MK.shape
+    N = w_NK.shape[0]
+    if x_MK.stride(-1) != 1 or w_NK.stride(-1) != 1 or w_NK.shape[1] != K:
+        raise ValueError(f"splitk.matmul: x {tuple(x_MK.shape)} and w {tuple(w_NK.shape)} need [M, K] and [N, K]")
+    if not tiling.fits(N, K):
+        raise ValueError(f"splitk.matmul: N={N}, K={K} do not fit {tiling}")
+    S = tiling.splits
+    if out is None:
+        shape, dtype = ((M, N), x_MK.dtype) if S == 1 else ((S, M, N), torch.float32)
+        out = torch.empty(shape, dtype=dtype, device=x_MK.device)
+    block_m = max(16, min(128, 1 << (M - 1).bit_length()))
+    precision = "ieee" if x_MK.dtype == torch.float32 else "tf32"
+    grid = (N // tiling.block_n, S, -(-M // block_m))
+    _kernel()[grid](
+        x_MK, w_NK, out, M, K // S, x_MK.stride(0), w_NK.stride(0), out.stride(0) if S > 1 else 0, out.stride(-2),
+        BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SWAP=tiling.swap, PRECISION=precision,
+        WIDEN=x_MK.device.type != "cuda", num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )  # fmt: skip
+    return out
+
+
+MAX_BATCH = 128  # decode steps of more rows keep cuBLAS (measured only up to here: docs/PERF.md)
+
+
+def tiling_for(batch: int, n: int, k: int) -> Tiling | None:
+    """The tiling a decode step of `batch` rows uses for W [n, k] (None: keep cuBLAS). Measured on the H200 at the
+    1B model's row-parallel projections (scripts/bench_decode_kernels.py --splitk; docs/PERF.md): four K ranges of
+    128-wide steps over 64 output columns, five pipeline stages at <= 64 rows, three (and the swapped product) up to
+    128. Smaller models (tests) get narrower blocks where these do not divide their sizes."""
+    if batch > MAX_BATCH:
+        return None
+    block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
+    splits, block_k = 4, 128
+    while block_k > 16 and k % (splits * block_k):
+        block_k //= 2
+    if block_n is None or k % (splits * block_k):
+        return None
+    if batch <= 64:
+        return Tiling(block_n, block_k, splits, num_warps=4, num_stages=5)
+    return Tiling(block_n, block_k, splits, num_warps=4, num_stages=3, swap=True)
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the split-K kernel cannot run here (None if it can): Triton, a CUDA device of compute capability 8.0 or
+    newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"it needs compute capability 8.0 or newer, this GPU has {major}.{minor}"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return "it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(5, 256, generator=g, device=device).to(dtype)
+        w = torch.randn(64, 256, generator=g, device=device).to(dtype)
+        got = matmul(x, w, Tiling(block_n=32, block_k=32, splits=4)).sum(0)
+        if not torch.allclose(got, x.float() @ w.float().t(), atol=1e-2, rtol=1e-3):
+            return "the kernel's answer differs from torch's product here"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
+        return f"the kernel failed here ({type(exc).__name__}: {exc})"
+    return None

@@ -1,0 +1,107 @@
+"""The split-K decode GEMM (aligner.generation.native.splitk) under Triton's interpreter (tests/conftest.py): its
+partial sums against torch's product, the tilings the engine picks, and the compiled decode kernels that add the
+partials up (and meet more batch sizes than dynamo's default recompile limit)."""
+
+import shutil
+
+import pytest
+import torch
+
+from aligner.families import family
+
+pytest.importorskip("triton")
+
+from aligner.generation.native import splitk  # noqa: E402
+from aligner.generation.native.fused import make_kernels  # noqa: E402
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 40])
+@pytest.mark.parametrize(
+    "tiling",
+    [splitk.Tiling(32, 32, 1), splitk.Tiling(32, 32, 4), splitk.Tiling(64, 16, 2, swap=True)],
+    ids=["one-split", "four-splits", "two-splits-swapped"],
+)
+def test_partial_sums_add_up_to_the_product(M, tiling):
+    g = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, 256, generator=g), torch.randn(128, 256, generator=g)
+    out = splitk.matmul(x, w, tiling)
+    if tiling.splits == 1:
+        assert out.shape == (M, 128) and out.dtype == torch.float32
+        total = out
+    else:
+        assert out.shape == (tiling.splits, M, 128) and out.dtype == torch.float32
+        # each partial is the product over its own K range
+        k = 256 // tiling.splits
+        for s in range(tiling.splits):
+            ref = x[:, s * k : (s + 1) * k] @ w[:, s * k : (s + 1) * k].t()
+            torch.testing.assert_close(out[s], ref, rtol=1e-5, atol=1e-4)
+        total = out.sum(0)
+    torch.testing.assert_close(total, x @ w.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_operands_accumulate_in_float32():
+    """16-bit x and W: the partials are float32 sums of exact products (as cuBLAS accumulates); one split writes the
+    product rounded once to bf16 (within one bf16 step: Triton's interpreter rounds toward zero, GPUs to nearest)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
+    w = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+    exact = x.double() @ w.double().t()
+    parts = splitk.matmul(x, w, splitk.Tiling(32, 64, 4))
+    assert (parts.sum(0).double() - exact).abs().max() < 1e-3  # float32 sums of magnitude ~20
+    one = splitk.matmul(x, w, splitk.Tiling(32, 64, 1))
+    assert one.dtype == torch.bfloat16
+    assert ((one.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
+
+
+def test_strided_rows_and_a_preallocated_output():
+    x_wide = torch.randn(6, 300)
+    x = x_wide[:, 22:278]  # rows 300 apart, last dimension contiguous
+    w = torch.randn(96, 256)
+    t = splitk.Tiling(32, 32, 2)
+    out = torch.full((2, 6, 96), float("nan"))
+    assert splitk.matmul(x, w, t, out) is out
+    torch.testing.assert_close(out.sum(0), x @ w.t(), rtol=1e-5, atol=1e-4)
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    t = splitk.Tiling(64, 128, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        splitk.matmul(torch.randn(4, 256), torch.randn(64, 256), t)  # K=256 < 4 x 128
+    with pytest.raises(ValueError, match=r"need \[M, K\] and \[N, K\]"):
+        splitk.matmul(torch.randn(4, 512), torch.randn(64, 256), t)
+    with pytest.raises(ValueError, match=r"need \[M, K\]"):
+        splitk.matmul(torch.randn(512, 4).t(), torch.randn(64, 512), t)  # x's last dimension strided
+
+
+def test_tilings_the_engine_picks():
+    # the 1B model's proj [2048, 2048] and fc2 [2048, 8192]: the measured tilings (docs/PERF.md)
+    for n, k in ((2048, 2048), (2048, 8192)):
+        assert splitk.tiling_for(64, n, k) == splitk.Tiling(64, 128, 4, num_warps=4, num_stages=5)
+        assert splitk.tiling_for(1, n, k) == splitk.tiling_for(64, n, k)
+        assert splitk.tiling_for(65, n, k) == splitk.Tiling(64, 128, 4, num_warps=4, num_stages=3, swap=True)
+        assert splitk.tiling_for(128, n, k).swap
+        assert splitk.tiling_for(129, n, k) is None  # larger batches keep cuBLAS
+    # small models: narrower blocks where they divide the sizes; none where nothing does
+    assert splitk.tiling_for(4, 64, 64) == splitk.Tiling(64, 16, 4, num_warps=4, num_stages=5)
+    assert splitk.tiling_for(4, 96, 256) == splitk.Tiling(32, 64, 4, num_warps=4, num_stages=5)
+    assert splitk.tiling_for(4, 64, 96) is None  # 96 is not a multiple of 4 x 16
+    assert splitk.tiling_for(4, 40, 256) is None
+
+
+def test_available_under_the_interpreter():
+    assert splitk.unavailable(torch.device("cpu"), torch.float32) is None
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_decode_kernels_take_every_batch_size():
+    """Decode's kernels are compiled for fixed shapes, once per batch size: more batch sizes than dynamo's default
+    recompile limit (8) used to stop the engine ("Hard failure due to fullgraph=True"). The partial sums' kernel adds
+    them up as cuBLAS's product would be rounded, then adds and norms as add_norm does."""
+    k = make_kernels(family("llama"), 1e-5, True, max_batch=12)
+    eager = make_kernels(family("llama"), 1e-5, False)
+    w = torch.rand(64) + 0.5
+    for B in range(1, 10):  # nine sizes
+        x, parts = torch.randn(B, 64), torch.randn(4, B, 64)
+        got = k.add_parts_norm(x, parts, None, w, None)
+        want = eager.add_norm(x, parts.sum(0), None, w, None)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
