@@ -92,7 +92,10 @@ def test_available_under_the_interpreter():
     assert splitk.unavailable(torch.device("cpu"), torch.float32) is None
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="torch.compile on CPU needs a C++ compiler")
+NO_COMPILER = not (shutil.which("g++") or shutil.which("c++"))
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_decode_kernels_take_every_batch_size():
     """Decode's kernels are compiled for fixed shapes, once per batch size: more batch sizes than dynamo's default
     recompile limit (8) used to stop the engine ("Hard failure due to fullgraph=True"). The partial sums' kernel adds

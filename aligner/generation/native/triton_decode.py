@@ -8,10 +8,12 @@ slot up to the attention-length bucket) it
   prompts of different lengths cost what they hold, and one CUDA graph serves every step of a call (no buckets);
 - takes the r query heads of a group together as the rows of one small matrix (GQA without repeating K/V), q read
   in place from the RoPE kernel's output (strided, no copy);
-- computes scores and the softmax in float32 (q rounded to the cache's dtype first, as the matmul path feeds it);
-  operands are widened to float32 before each tl.dot, which on the GPU runs as TF32 tensor-core maths for a 16-bit
-  cache (exact for its keys and values; the probabilities keep 10 mantissa bits where the matmul path keeps bf16's
-  7) and as full float32 products for a float32 cache.
+- computes scores and the softmax in float32 (q rounded to the cache's dtype first, as the matmul path feeds it).
+  On the GPU with a 16-bit cache both products run on 16-bit tensor cores with float32 sums: q k^T from the cache's
+  own values (the products TF32 gave on them; NATIVE_QK), and p v with the probabilities rounded to the cache's
+  dtype, as the matmul path's bmm and megatron's attention take them (NATIVE_PV): 1.6-2.7 % faster decode steps
+  than widening both to float32 (docs/PERF.md, "Thirteenth session"). A float32 cache gets float32 products, and
+  so does every cache under Triton's interpreter (the CPU tests), which multiplies 16-bit operands wrongly.
 With few (sample, group) pairs and long caches the slots are cut into `splits` ranges handled by separate programs
 and merged by a second small kernel (each range's max, sum and weighted values), so every SM has work.
 
@@ -28,6 +30,8 @@ import torch
 
 BLOCK_N = 32  # cache slots per inner step
 FUSED_WRITE_MAX_BATCH = 128  # the engine passes new_kv up to this batch size (measured: docs/PERF.md)
+NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
+NATIVE_PV = True  # probabilities rounded to the cache's 16-bit dtype for the product with V; False: TF32
 
 
 def unavailable(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:
@@ -73,7 +77,7 @@ def _kernels():
         scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-        WRITE_NEW: tl.constexpr, ROPE: tl.constexpr,
+        WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
     ):  # fmt: skip
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         pos = tl.load(pos_ptr + b)
@@ -90,7 +94,8 @@ def _kernels():
             sin = tl.load(sin_ptr + b * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
             q_sw = tl.load(q_rows + swapped[None, :], mask=qmask, other=0.0).to(tl.float32)
             q = q.to(tl.float32) * cos[None, :] + q_sw * sin[None, :]
-        q = q.to(k_ptr.dtype.element_ty).to(tl.float32)
+        q16 = q.to(k_ptr.dtype.element_ty)
+        q = q16.to(tl.float32)
         m_i = tl.full([R_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([R_PAD], tl.float32)
         acc = tl.zeros([R_PAD, D_PAD], tl.float32)
@@ -100,15 +105,22 @@ def _kernels():
         for lo in range(start, stop, BLOCK):
             slots = lo + tl.arange(0, BLOCK)
             kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
-            k = tl.load(k_base + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            k = tl.load(k_base + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
+            if NATIVE_QK:  # the cache's 16-bit operands, float32 sums: the same products as TF32 on these values
+                scores = tl.dot(q16, tl.trans(k)) * scale
+            else:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
             scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
+            if NATIVE_PV:  # probabilities rounded to the cache's dtype (as the matmul path's bmm takes them)
+                pv = tl.dot(p.to(v.dtype), v)
+            else:
+                pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         if WRITE_NEW:
             if pos // SPLIT_LEN == s:
@@ -227,7 +239,11 @@ def decode_attention(
         if cos.shape != (B, D) or sin.shape != (B, D) or cos.stride(-1) != 1 or cos.stride() != sin.stride():
             raise ValueError(f"decode_attention: rope needs cos and sin of shape ({B}, {D}), equal strides")
         rope_stride = cos.stride(0)
-    common = dict(R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None)
+    native = keys_BGTD.device.type == "cuda" and keys_BGTD.dtype != torch.float32  # the interpreter: float32 only
+    common = dict(
+        R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
+        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV,
+    )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
