@@ -231,16 +231,17 @@ def _fp8_row(device, M: int, name: str, n: int, k: int) -> dict:
     return row
 
 
-def splitk_tilings(n: int, k: int) -> list:
+def splitk_tilings(n: int, k: int, batch: int = 64) -> list:
     from aligner.generation.native.splitk import Tiling
 
     out = []
-    for bn, bk, splits, warps, stages, swap in itertools.product(
-        (32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 5), (False, True)
+    block_ms = (None, 256) if batch >= 256 else (None,)
+    for bn, bk, splits, warps, stages, swap, bm in itertools.product(
+        (32, 64, 128), (128, 256), (1, 2, 4, 8), (4, 8), (3, 5), (False, True), block_ms
     ):
-        t = Tiling(bn, bk, splits, warps, stages, swap)
+        t = Tiling(bn, bk, splits, warps, stages, swap, bm)
         programs = n // bn * splits
-        if t.fits(n, k) and 64 <= programs <= 1024 and not (warps == 8 and bn == 32):
+        if t.fits(n, k) and 64 <= programs <= 1024 and not (warps == 8 and bn == 32) and not (bm and warps == 4):
             out.append(t)
     return out
 
@@ -274,7 +275,7 @@ def _splitk_row(device, M: int, name: str, reduce) -> dict:
     row = {"batch": M, "gemm": name, "floor_us": 2 * n * k / BANDWIDTH * 1e6}
     row["cublas_us"] = per_call_us(lambda i: x @ ws[i].t(), 50)
     results = []
-    for t in splitk_tilings(n, k):
+    for t in splitk_tilings(n, k, M):
         try:
             out = splitk.matmul(x, ws[0], t)
         except Exception as exc:  # noqa: BLE001 - a tiling this GPU cannot hold (shared memory): skipped
@@ -356,10 +357,11 @@ def format_report(report: dict) -> str:
         for r in report["gemm_splitk"]:
             b = r["splitk_best"][0]
             t = b["tiling"]
+            tiling = f"n{t['block_n']} k{t['block_k']} s{t['splits']} w{t['num_warps']} st{t['num_stages']}"
+            tiling += (" swap" if t["swap"] else "") + (f" m{t['block_m']}" if t.get("block_m") else "")
             lines.append(
                 f"  B={r['batch']:4d} {r['gemm']:6s} {r['floor_us']:7.1f} {r['cublas_us']:7.1f} {b['alone_us']:7.1f}"
-                f" / {b['with_sum_us']:7.1f}  n{t['block_n']} k{t['block_k']} s{t['splits']} w{t['num_warps']}"
-                f" st{t['num_stages']}{' swap' if t['swap'] else ''} (err {b['max_err']:.2g})"
+                f" / {b['with_sum_us']:7.1f}  {tiling} (err {b['max_err']:.2g})"
             )
     return "\n".join(lines)
 

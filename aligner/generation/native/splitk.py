@@ -30,6 +30,7 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 4
     swap: bool = False  # compute the tile as W_tile @ x^T (N on the MMA's M side) instead of x @ W_tile^T
+    block_m: int | None = None  # rows of x per program (None: all of them, 16 to 128)
 
     def fits(self, n: int, k: int) -> bool:
         return n % self.block_n == 0 and k % (self.splits * self.block_k) == 0
@@ -89,7 +90,7 @@ def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Te
     if out is None:
         shape, dtype = ((M, N), x_MK.dtype) if S == 1 else ((S, M, N), torch.float32)
         out = torch.empty(shape, dtype=dtype, device=x_MK.device)
-    block_m = max(16, min(128, 1 << (M - 1).bit_length()))
+    block_m = tiling.block_m or max(16, min(128, 1 << (M - 1).bit_length()))
     precision = "ieee" if x_MK.dtype == torch.float32 else "tf32"
     grid = (N // tiling.block_n, S, -(-M // block_m))
     _kernel()[grid](
