@@ -7,6 +7,7 @@ home (the CPU path is the development and CI path; see cpu_compat.py).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -29,6 +30,21 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def triton_kernels_unavailable(device: torch.device) -> str | None:
+    """Why our own Triton kernels cannot run on `device` (None if they can): Triton installed, and a CUDA device of
+    compute capability 8.0 or newer (bf16 and TF32 tensor cores), or on the CPU Triton's interpreter
+    (TRITON_INTERPRET=1, as the tests run them). Each kernel adds its own tiny start-up call on top."""
+    if not triton_available():
+        return "Triton is not installed"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"it needs compute capability 8.0 or newer, this GPU has {major}.{minor}"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return "it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+    return None
 
 
 def synchronize() -> None:

@@ -15,11 +15,12 @@ Runs on CUDA with Triton; on the CPU only under Triton's interpreter (TRITON_INT
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from aligner.parallel.device import triton_kernels_unavailable
 
 
 @dataclass(frozen=True)
@@ -125,16 +126,9 @@ def tiling_for(batch: int, n: int, k: int) -> Tiling | None:
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the split-K kernel cannot run here (None if it can): Triton, a CUDA device of compute capability 8.0 or
     newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            return f"it needs compute capability 8.0 or newer, this GPU has {major}.{minor}"
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        return "it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+    why_not = triton_kernels_unavailable(device)
+    if why_not is not None:
+        return why_not
     try:
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(5, 256, generator=g, device=device).to(dtype)

@@ -23,10 +23,11 @@ must be on before triton is first imported (its own library functions are define
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
+
+from aligner.parallel.device import triton_kernels_unavailable
 
 BLOCK_N = 32  # cache slots per inner step
 FUSED_WRITE_MAX_BATCH = 128  # the engine passes new_kv up to this batch size (measured: docs/PERF.md)
@@ -38,16 +39,9 @@ def unavailable(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_
     """Why the Triton decode attention cannot run here (None if it can): Triton, a CUDA device of compute capability
     8.0 or newer (or Triton's interpreter), and a tiny call with the engine's cache dtype and head width that must
     match plain attention (catches a Triton that cannot build the kernel here before a decode step needs it)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 8:
-            return f"it needs compute capability 8.0 or newer (TF32 products), this GPU has {major}.{minor}"
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        return "it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, for tests)"
+    why_not = triton_kernels_unavailable(device)
+    if why_not is not None:
+        return why_not
     try:
         g = torch.Generator(device=device).manual_seed(0)
         B, G, r, T, D = 2, 2, 2, 40, head_dim
