@@ -1,7 +1,7 @@
 """A decode step's small-batch weight GEMM in one Triton kernel, cut along K: y = x @ W^T as float32 partial sums.
 
 At decode batch sizes (M <= 128 rows) a projection reads its whole weight for very few FLOPs: the GEMM should run
-at the memory's speed, but cuBLAS takes 1.5-3x the weight's read time for the narrow ones (proj, fc2: docs/PERF.md,
+at the memory's speed, but cuBLAS took 1.8-3.2x the weight's read time for the narrow ones (proj, fc2: docs/PERF.md,
 twelfth session), partly because its split-K variants finish with a separate reduction kernel. Here every program
 reads a [BLOCK_N, K / splits] slab of W once and multiplies it with the matching columns of all M rows of x
 (tensor cores, float32 accumulation); the `splits` slabs of one output tile land as separate float32 partial sums
