@@ -16,7 +16,9 @@ symbolic (`dynamic=True`, before afcbc3f), plain calls timed with CUDA events. W
 `fp8=True` (`--fp8`): the weight GEMMs in bf16 and in FP8 (generation.decode_weights: fp8) over distinct weights.
 With `splitk=True` (`--splitk`): each bf16 weight GEMM at B=64 and 128 as cuBLAS runs it against the split-K Triton
 kernel (aligner.generation.native.splitk) over a grid of tilings, alone and with its partial sums added up by a
-compiled kernel (as the engine's residual add does it), over distinct weights.
+compiled kernel (as the engine's residual add does it), over distinct weights. With `attention_products=True`
+(`--attention-products`): the Triton attention with its products on 16-bit tensor cores (the engine's, NATIVE_QK and
+NATIVE_PV) against widened TF32 operands and the mix, over 16 layers' caches in turn.
 """
 
 from __future__ import annotations
@@ -296,11 +298,50 @@ def _splitk_row(device, M: int, name: str, reduce) -> dict:
     return row
 
 
+PRODUCTS = {"tf32": (False, False), "qk16": (True, False), "qk16_pv16": (True, True)}  # (NATIVE_QK, NATIVE_PV)
+
+
+def attention_product_rows(device) -> list[dict]:
+    """The Triton decode attention per layer (us, L2-cold: LAYERS caches in turn) and its max error against float32
+    attention, for each setting of its 16-bit products (triton_decode.NATIVE_QK / NATIVE_PV)."""
+    from aligner.generation.native import triton_decode
+
+    saved = triton_decode.NATIVE_QK, triton_decode.NATIVE_PV
+    rows, scale = [], HEAD_DIM**-0.5
+    try:
+        for B, filled in ((64, 256), (128, 256), (256, 256), (512, 256), (64, 1024)):
+            T = max(384, filled)
+            kvs = [torch.randn(2, B, GROUPS, T, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(LAYERS)]
+            q = torch.randn(B, GROUPS, GROUP_SIZE + 2, HEAD_DIM, device=device, dtype=torch.bfloat16)[:, :, :GROUP_SIZE]
+            pos = torch.full((B,), filled - 1, device=device)
+            probs = torch.einsum("bgrd,bgtd->bgrt", q.float(), kvs[0][0, :, :, :filled].float()) * scale
+            exact = torch.einsum("bgrt,bgtd->bgrd", probs.softmax(-1), kvs[0][1, :, :, :filled].float())
+            row = {"batch": B, "filled_slots": filled}
+
+            def every_layer(q=q, kvs=kvs, pos=pos):
+                return [decode_attention(q, kv[0], kv[1], pos, scale) for kv in kvs]
+
+            for name, switches in PRODUCTS.items():
+                triton_decode.NATIVE_QK, triton_decode.NATIVE_PV = switches
+                row[f"{name}_err"] = float((every_layer()[0].float() - exact).abs().max())
+                row[f"{name}_us"] = graph_time_us(every_layer, calls=1, replays=30) / LAYERS
+            rows.append(row)
+    finally:
+        triton_decode.NATIVE_QK, triton_decode.NATIVE_PV = saved
+    return rows
+
+
 class NeedsGPU(RuntimeError):
     pass
 
 
-def run(prefill: bool = False, autotune: bool = False, fp8: bool = False, splitk: tuple[int, ...] = ()) -> dict:
+def run(
+    prefill: bool = False,
+    autotune: bool = False,
+    fp8: bool = False,
+    splitk: tuple[int, ...] = (),
+    attention_products: bool = False,
+) -> dict:
     """`splitk`: the batch sizes of the split-K comparison (none: skipped)."""
     if not torch.cuda.is_available():
         raise NeedsGPU(
@@ -323,6 +364,8 @@ def run(prefill: bool = False, autotune: bool = False, fp8: bool = False, splitk
         report["gemm_fp8"] = fp8_rows(device)
     if splitk:
         report["gemm_splitk"] = splitk_rows(device, splitk)
+    if attention_products:
+        report["attention_products"] = attention_product_rows(device)
     return report
 
 
@@ -363,6 +406,11 @@ def format_report(report: dict) -> str:
                 f"  B={r['batch']:4d} {r['gemm']:6s} {r['floor_us']:7.1f} {r['cublas_us']:7.1f} {b['alone_us']:7.1f}"
                 f" / {b['with_sum_us']:7.1f}  {tiling} (err {b['max_err']:.2g})"
             )
+    if "attention_products" in report:
+        lines += ["", "Triton attention per layer (us; max error): " + ", ".join(PRODUCTS)]
+        for r in report["attention_products"]:
+            cells = "  ".join(f"{r[n + '_us']:7.1f} ({r[n + '_err']:.2g})" for n in PRODUCTS)
+            lines.append(f"  B={r['batch']:4d} slots={r['filled_slots']:5d}  {cells}")
     return "\n".join(lines)
 
 

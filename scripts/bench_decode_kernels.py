@@ -5,6 +5,7 @@ its settings) and the weight GEMMs in several layouts (see benchmarks/decode_ker
     python scripts/bench_decode_kernels.py --prefill --gemm-autotune   # also prefill's kernels, autotuned GEMMs
     python scripts/bench_decode_kernels.py --fp8                       # also the GEMMs in FP8
     python scripts/bench_decode_kernels.py --splitk 64 128             # also the split-K Triton GEMM's tilings
+    python scripts/bench_decode_kernels.py --attention-products        # the attention's 16-bit vs TF32 products
 """
 
 from __future__ import annotations
@@ -33,10 +34,19 @@ def main(argv=None) -> int:
         metavar="B",
         help="also the split-K Triton GEMM over its tilings at these batch sizes (default 64 128)",
     )
+    parser.add_argument(
+        "--attention-products", action="store_true", help="also the attention kernel's 16-bit vs TF32 products"
+    )
     a = parser.parse_args(argv)
     try:
         splitk = () if a.splitk is None else tuple(a.splitk or (64, 128))
-        report = run(prefill=a.prefill, autotune=a.gemm_autotune, fp8=a.fp8, splitk=splitk)
+        report = run(
+            prefill=a.prefill,
+            autotune=a.gemm_autotune,
+            fp8=a.fp8,
+            splitk=splitk,
+            attention_products=a.attention_products,
+        )
     except NeedsGPU as exc:
         print(f"bench_decode_kernels: {exc}", file=sys.stderr)
         return 2
