@@ -185,7 +185,7 @@ class Decoder:
     def _stack(self, x, attend, k, q8: fp8.DecodeFp8 | None = None, split_k: bool = False):
         """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states (with
         `q8`, FP8 MLP weights: quantized per row, (h8, scales), for the FP8 output layer). `split_k`: proj and fc2
-        by the split-K kernel (decode steps of x [B, H], B <= splitk.MAX_BATCH).
+        by the split-K kernel where it has a tiling for them (decode steps of x [B, H]: splitk.tiling_for).
 
         Each residual add is fused with the norm that follows it (the next layer's input norm, or the final norm).
         """
@@ -360,7 +360,7 @@ class Decoder:
             probs = torch.softmax(scores, dim=-1)  # accumulates in float32 inside, also for bf16
             return torch.bmm(probs, values.reshape(B * G, kv_len, D)).view(B, lo.heads * D).to(qkv.dtype)
 
-        split_k = self.decode_gemm == "splitk" and B <= splitk.MAX_BATCH
+        split_k = self.decode_gemm == "splitk"  # where splitk.tiling_for has a tiling (B <= splitk.MAX_BATCH)
         if self.fp8 is None:
             return self._linear(self._stack(x, attend, self.k, split_k=split_k), self.w.output_weight)
         h8, hs = self._stack(x, attend, self.k, self.fp8, split_k)
