@@ -27,11 +27,13 @@ rows are padded per layout, so those tensors may differ in their first dimension
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
 import re
 import shutil
+import threading
 
 import numpy as np
 import torch
@@ -75,13 +77,15 @@ def _barrier() -> None:
 
 
 _writer_manager = None  # the helper started by start_writer (kept alive for the whole process)
+_writer_thread: threading.Thread | None = None
+_writer_ready = threading.Event()
 
 
 def _helper_init() -> None:
     """Runs first in the helper process. It ignores the signals that ask a job to stop (Slurm and our launchers send
     them to every process of the job, and the job then saves a last checkpoint through this helper), and it ends
-    when the job process that started it ends, however that ends (SIGKILL included; Linux): without that an
-    orphaned helper outlives a killed job."""
+    when the thread that started it ends, which is when the job process ends, however that ends (SIGKILL included;
+    Linux): without that an orphaned helper outlives a killed job."""
     import ctypes
     import signal
 
@@ -96,18 +100,37 @@ def _helper_init() -> None:
 
 
 def start_writer() -> None:
-    """Start now, from the main thread, the helper process that megatron's checkpoint writer would otherwise start
-    at this process's first save; jobs that save (the actor, the critic) call it at start-up.
+    """Start, in the background, the helper process that megatron's checkpoint writer would otherwise start at this
+    process's first save; jobs that save (the actor, the critic, the supervised trainers) call it at start-up, and
+    `save` waits for it to be ready.
 
     megatron-core's filesystem writer (used by every torch_dist save, synchronous ones too) creates a multiprocessing
     Manager with the 'spawn' start method on first use: a fresh interpreter that imports the main script and torch,
     and the save waits for it: the demo critic's first save took 1.87 s on a 2-core CPU, later ones 0.06 s
-    (scripts/bench_checkpoint_writer.py, docs/PERF.md),
-    longer when several ranks do it at once, and inside a critic_save request Triton's python stub waits all that
-    time. megatron's own helper also dies of the SIGTERM that asks the job to checkpoint and stop (so that last save
-    fails), and outlives a job killed with SIGKILL; this one ignores the first and ends with the job.
-    A no-op where megatron's private hook is not there (other megatron-core versions).
+    (scripts/bench_checkpoint_writer.py, docs/PERF.md), longer when several ranks do it at once, and inside a
+    critic_save request Triton's python stub waits all that time. Started here, those seconds pass while the job
+    builds its models and serves its first steps (a job's start-up no longer waits for them either). megatron's own
+    helper also dies of the SIGTERM that asks the job to checkpoint and stop (so that last save fails), and outlives
+    a job killed with SIGKILL; this one ignores the first and ends with the job: its parent-death signal is tied to
+    the thread that starts it, so that thread stays (asleep) as long as the process. A no-op where megatron's private
+    hook is not there (other megatron-core versions).
     """
+    global _writer_thread
+    if _writer_thread is not None or _writer_ready.is_set():
+        return
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        _writer_ready.set()
+        return
+    if getattr(filesystem_async, "_results_queue", "missing") is not None:
+        _writer_ready.set()  # started already (megatron's own), or not this megatron-core
+        return
+    _writer_thread = threading.Thread(target=_run_writer, name="checkpoint-writer-helper", daemon=True)
+    _writer_thread.start()
+
+
+def _run_writer() -> None:
     global _writer_manager
     try:
         import multiprocessing as mp
@@ -115,18 +138,43 @@ def start_writer() -> None:
 
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from torch.distributed.checkpoint.storage import WriteResult
-    except ImportError:
+
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(_helper_init)
+        results = manager.Queue()
+        # A round trip of a torch checkpoint class (pickled by name) waits until the helper has imported it.
+        results.put(WriteResult)
+        results.get()
+        _writer_manager = manager
+        filesystem_async._results_queue = results
+        atexit.register(_stop_writer)  # runs before multiprocessing's exit handler, which waits for the helper
+    except Exception as exc:  # the save then starts megatron's own helper, as without start_writer
+        import logging
+
+        logging.getLogger(__name__).warning("checkpoint writer helper did not start (%r); saves start their own", exc)
+        _writer_ready.set()
         return
-    if _writer_manager is not None or getattr(filesystem_async, "_results_queue", "missing") is not None:
-        return  # started already, or not this megatron-core
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(_helper_init)
-    results = manager.Queue()
-    # A round trip of a torch checkpoint class (pickled by name) waits until the helper has imported it.
-    results.put(WriteResult)
-    results.get()
-    _writer_manager = manager
-    filesystem_async._results_queue = results
+    _writer_ready.set()
+    threading.Event().wait()  # the helper's parent-death signal fires when this thread ends: only at process exit
+
+
+def _stop_writer() -> None:
+    """At exit: end the helper (it ignores SIGTERM). multiprocessing's own exit handler joins every child process
+    and was seen waiting for this one forever in a job stopped by SIGTERM."""
+    manager = _writer_manager
+    if manager is None:
+        return
+    manager.shutdown()
+    process = getattr(manager, "_process", None)  # the manager's Process (private attribute; None elsewhere)
+    if process is not None and process.is_alive():
+        process.kill()
+        process.join(5)
+
+
+def wait_writer() -> None:
+    """Before a save: the helper that start_writer started is ready (returns at once where none was started)."""
+    if _writer_thread is not None:
+        _writer_ready.wait()
 
 
 def step_dir_name(step: int) -> str:
@@ -276,6 +324,7 @@ def save(
         os.makedirs(os.path.join(tmp, "optim"))
         os.makedirs(os.path.join(tmp, "rng"))
     _barrier()
+    wait_writer()
     dist_checkpointing.save(_model_sharded_state(models), os.path.join(tmp, "model"))
     if optimizer is not None:
         optimizer.save(os.path.join(tmp, "optim"), _model_sharded_state(models))
@@ -355,7 +404,7 @@ def stored_shapes(path: str) -> dict[str, tuple]:
 
     return {
         k: tuple(v.global_shape)
-        for k, v in load_tensors_metadata(model_dir(path)).items()
+        for k, v in load_tensors_metadata(_existing_model_dir(path)).items()
         if hasattr(v, "global_shape") and not k.endswith("_extra_state")
     }
 
@@ -384,7 +433,10 @@ def load_backbone_weights(path: str, models) -> None:
 def _existing_model_dir(path: str) -> str:
     directory = model_dir(path)
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
-        raise FileNotFoundError(f"{directory} is not a megatron dist checkpoint (no metadata.json)")
+        raise CheckpointError(
+            f"{path} is not a model checkpoint (no {os.path.join(directory, 'metadata.json')}): give a job's "
+            "checkpoint directory (step_*) or one written by scripts/convert_hf_to_nemo.py"
+        )
     return directory
 
 

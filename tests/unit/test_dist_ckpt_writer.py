@@ -1,5 +1,6 @@
-"""dist_ckpt.start_writer: megatron's checkpoint writer helper (a 'spawn' Manager process) is started and made ready
-(torch imported there) at job start, not inside the first save; its queue is left empty; a SIGTERM sent to the whole
+"""dist_ckpt.start_writer: megatron's checkpoint writer helper (a 'spawn' Manager process) is started in the background
+at job start (start_writer does not wait for it) and made ready (torch imported there) before the first save, not
+inside it; its queue is left empty; a SIGTERM sent to the whole
 job (as scancel does before the job's last checkpoint) leaves it serving; and it ends when the job is killed with
 SIGKILL. megatron's own helper would die of the SIGTERM (the last save fails) and outlive the SIGKILL.
 
@@ -35,6 +36,8 @@ BODY = textwrap.dedent("""
         initialize(1, 1, master_port=free_port_range(1))
         assert filesystem_async._results_queue is None, "the helper exists before start_writer"
         dist_ckpt.start_writer()
+        print("start_writer returned before the helper was ready", not dist_ckpt._writer_ready.is_set())
+        dist_ckpt.wait_writer()
         queue = filesystem_async._results_queue
         assert queue is not None and queue.qsize() == 0, "start_writer left something in megatron's queue"
         helpers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
@@ -72,6 +75,7 @@ def test_start_writer_readies_megatron_helper_before_the_first_save(tmp_path):
         ).returncode
     stdout = out.read_text()
     assert code == -9, err.read_text()[-3000:]
+    assert "start_writer returned before the helper was ready True" in stdout, stdout
     assert "helper_has_torch True" in stdout, stdout
     assert "job got SIGTERM" in stdout and "saved True queue 0" in stdout, stdout
     pid = int(stdout.split("helper_pid ")[1].split()[0])
