@@ -64,7 +64,7 @@ def main(argv) -> int:
         lock = hold_for_job(cfg.exp_dir, "the critic job")  # noqa: F841 - held until the process ends
         from aligner.critic.service import CriticService
 
-        code = serve(CriticService(cfg), cfg)
+        code = serve(lambda: CriticService(cfg), cfg)  # rank 0 builds it while Triton starts
     except (ConfigError, LockError, CheckpointError) as exc:  # CheckpointError: e.g. one the config does not describe
         print(exc, file=sys.stderr)
         code = 2

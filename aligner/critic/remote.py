@@ -84,7 +84,7 @@ class RemoteCritic:
 
             endpoints = (protocol.INFER,) if reward_only else protocol.ENDPOINTS
             self.client = CriticClient.from_config(client_cfg, endpoints)
-            self.client.wait_ready()
+            self.client.wait_ready(client_cfg.start_timeout)
 
     # -- requests ------------------------------------------------------------------------------------------
     def score(self, rollout) -> Pending[tuple[torch.Tensor, torch.Tensor]]:

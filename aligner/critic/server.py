@@ -45,7 +45,7 @@ from aligner.critic.auth import authorised, load_token
 from aligner.critic.protocol import CriticRequestError, check_infer, check_run_id, check_step, check_train
 from aligner.critic.reward_fn import RewardFunctionError
 from aligner.parallel import host_group
-from aligner.parallel.device import on_gpu
+from aligner.parallel.device import current_device, on_gpu
 
 LOG = logging.getLogger(__name__)
 
@@ -292,11 +292,22 @@ def _answers(endpoint):
     return call
 
 
-class CriticServer:
-    """Rank 0: Triton endpoints -> FIFO queue -> main thread (broadcast, then the service)."""
+class _StopBeforeReady(Exception):
+    """SIGTERM/SIGINT while the service was still being built."""
 
-    def __init__(self, service, cfg: CriticJobConfig, channel: CommandChannel):
-        self.service, self.cfg, self.channel = service, cfg, channel
+
+class CriticServer:
+    """Rank 0: Triton endpoints -> FIFO queue -> main thread (broadcast, then the service).
+
+    Triton (its process and one python stub per endpoint, ~2 s each to load) starts in a thread while the main thread
+    builds the service (the models): a request that comes before the service is there waits in the queue."""
+
+    def __init__(self, cfg: CriticJobConfig, channel: CommandChannel):
+        self.service, self.cfg, self.channel = None, cfg, channel
+        self._service_ready = threading.Event()
+        self._building = False
+        self._triton_started = threading.Event()
+        self._start_error: BaseException | None = None
         self.url = public_url(cfg.server)
         self.endpoints = (protocol.INFER,) if cfg.reward_only else protocol.ENDPOINTS
         self._jobs: queue.Queue[_Job] = queue.Queue()
@@ -322,8 +333,15 @@ class CriticServer:
                 "ALIGNER_CRITIC_TOKEN or critic.token_file; the launchers set it)"
             )
 
+    def _limits(self):
+        """The service's request limits, once it is built (Triton may answer before that)."""
+        while not self._service_ready.wait(0.5):
+            if self._closing:
+                raise _ShuttingDown("the critic server is shutting down")
+        return self.service.limits
+
     def _infer_endpoint(self, requests):
-        limits = self.service.limits
+        limits = self._limits()
         out = []
         for r in requests:
             self._authorise(r)
@@ -333,7 +351,7 @@ class CriticServer:
         return out
 
     def _train_endpoint(self, requests):
-        limits = self.service.limits
+        limits = self._limits()
         out = []
         for r in requests:
             self._authorise(r)
@@ -405,6 +423,20 @@ class CriticServer:
 
     def _on_signal(self, signum, _frame) -> None:
         self._signal = signum
+        if self._building:
+            raise _StopBeforeReady  # out of the models' build: stop now, as the default action would, but cleanly
+
+    def _start_triton_catching(self) -> None:
+        try:
+            self._start_triton()
+        except BaseException as exc:  # noqa: BLE001 - raised on the main thread once the service is built
+            self._start_error = exc
+        finally:
+            self._triton_started.set()
+        if self._start_error is None:
+            # PyTriton gives tritonserver a parent-death signal (SIGTERM), which Linux ties to the thread that started
+            # it: this thread stays (asleep) as long as the process.
+            threading.Event().wait()
 
     def _start_triton(self) -> None:
         from pytriton.model_config import ModelConfig, Tensor
@@ -625,17 +657,44 @@ class CriticServer:
             forced = end_processes(stubs)
             if forced:
                 LOG.log(level, "ended %d python stub process(es) left after Triton stopped", len(forced))
-        self.service.close()
+        if self.service is not None:
+            self.service.close()
         try:
             self.channel.send(OP_STOP, arg=code)
         except Exception as exc:  # noqa: BLE001 - the other ranks may already be gone
             LOG.log(level, "could not tell the other ranks to stop: %r", exc)
 
-    def serve(self) -> int:
+    def serve(self, build_service) -> int:
+        """Start Triton and build the service (`build_service()`) at the same time, then serve until stopped; an
+        exception of the build (a user's mistake: a config or checkpoint error) is raised after Triton stopped."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        # Imported here, not in the thread: two threads importing at once can deadlock on module locks.
+        import pytriton.client  # noqa: F401
+        import pytriton.model_config  # noqa: F401
+        import pytriton.triton  # noqa: F401
+
+        starting = threading.Thread(target=self._start_triton_catching, name="critic-triton-start", daemon=True)
+        self._building = True
+        try:
+            starting.start()
+            try:
+                self.service = build_service()
+            finally:
+                self._building = False
+                self._triton_started.wait()
+        except BaseException as exc:
+            self._shutdown(1)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            if isinstance(exc, _StopBeforeReady):
+                print(f"critic server: {signal.Signals(self._signal).name} received before it was ready, stopped")
+                return 0
+            raise
+        self._service_ready.set()
         code = 1
         try:
-            self._start_triton()
+            if self._start_error is not None:
+                raise self._start_error
             world = dist.get_world_size() if dist.is_initialized() else 1
             from megatron.core import parallel_state as ps
 
@@ -662,13 +721,15 @@ class CriticServer:
         return code
 
 
-def serve(service, cfg: CriticJobConfig) -> int:
-    """Run the critic job on this rank until it is stopped; returns the process exit code."""
+def serve(build_service, cfg: CriticJobConfig) -> int:
+    """Run the critic job on this rank until it is stopped; returns the process exit code. `build_service()` builds
+    this rank's CriticService (on rank 0 while Triton starts)."""
     logging.getLogger("pytriton").setLevel(logging.WARNING)
-    channel = CommandChannel(service.device)
+    channel = CommandChannel(current_device())
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        return CriticServer(service, cfg, channel).serve()
+        return CriticServer(cfg, channel).serve(build_service)
+    service = build_service()
     # A launcher stops the job by signalling every rank: the others wait for rank 0's OP_STOP (rank 0 stops Triton
     # first), so that all ranks exit 0 and torchrun/mpiexec report a clean stop. A dead rank 0 ends their wait with an
     # error in the broadcast.

@@ -1,4 +1,5 @@
-"""Run PPO on one machine: start the critic job, wait until it answers, run the actor job, stop the critic.
+"""Run PPO on one machine: start the critic job and the actor job together, run until the actor is done, stop the
+critic.
 
     python launchers/local/ppo.py [--actor-procs N] [--critic-procs M] [--launcher torchrun|mpiexec]
                                   [--actor-gpus LIST] [--critic-gpus LIST] [--actor-only]
@@ -24,7 +25,9 @@ failed, else 0; no process is left behind, also when this launcher is killed (th
 The last line printed is `metrics: <path of metrics.jsonl>`. Restarting the same command resumes both jobs from the
 run's newest committed checkpoint. One launcher per experiment directory: a second one stops at once (exit 2).
 The jobs share a secret generated per run (ALIGNER_CRITIC_TOKEN, in their environment, not on a command line). If
-the critic's ports are taken between their choice and Triton's start, it is restarted on other ports (3 tries).
+the critic's ports are taken between their choice and Triton's start, both jobs are started again, the critic on other
+ports (3 tries). The actor starts with the critic (its imports and model build overlap the critic's start-up) and
+waits for the critic's endpoints itself (critic.start_timeout).
 """
 
 from __future__ import annotations
@@ -228,10 +231,15 @@ def triton_crashed_at_start(log_text: str) -> bool:
     return "Triton failed to start" in log_text and "Signal (" in log_text
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float, log_path: str, log_offset: int) -> None:
-    """Until the critic job printed its ready line (after it checked all its ports and endpoints) and answers."""
+def wait_ready(
+    url: str, proc: subprocess.Popen, timeout: float, log_path: str, log_offset: int, actor: subprocess.Popen
+) -> None:
+    """Until the critic job printed its ready line (after it checked all its ports and endpoints) and answers, or
+    the actor job (started with it) has ended: the caller then reports the actor's status."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if actor.poll() is not None:
+            return
         new = _read_from(log_path, log_offset)
         if proc.poll() is not None:
             taken = "already in use" in new or "Address in use" in new
@@ -367,10 +375,13 @@ def main(argv=None) -> int:
                         preexec_fn=_die_with_parent,
                     )
                 critic.aligner_has_launcher, critic.aligner_script = args.critic_procs > 1, "serve_ppo_critic.py"
+                actor = start_actor([f"critic.port={port}", "critic.host=127.0.0.1"], "actor job")
                 try:
-                    wait_ready(url, critic, args.ready_timeout, critic_log, offset)
+                    wait_ready(url, critic, args.ready_timeout, critic_log, offset, actor)
                     break
                 except CriticStartError as exc:
+                    stop(actor)
+                    actor = None
                     stop(critic, grace=CRITIC_STOP_GRACE)
                     new_ports = exc.port_taken and args.port is None
                     crashed = exc.triton_crashed and not crashed_once
@@ -383,9 +394,10 @@ def main(argv=None) -> int:
                     else:
                         crashed_once = True
                         print("[ppo] Triton aborted while the critic started: starting it once more", flush=True)
-            print(f"[ppo] critic ready at {url}", flush=True)
-        overrides = [f"critic.port={port}", "critic.host=127.0.0.1"] if critic is not None else []
-        actor = start_actor(overrides, "actor job" if critic is not None else "actor job (no critic job)")
+            if actor.poll() is None:
+                print(f"[ppo] critic ready at {url}", flush=True)
+        else:
+            actor = start_actor([], "actor job (no critic job)")
         while actor.poll() is None:
             if critic is not None and critic.poll() is not None:
                 print(

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -127,6 +128,30 @@ def test_tritonserver_death_ends_the_job_with_the_reason(tmp_path):
 def test_bad_config_exits_2_with_the_key(tmp_path, override, text):
     server = ServerProcess(["--config-name", "ppo_critic_demo", override, f"exp_dir={tmp_path}"])
     assert server.wait_exit(60) == 2 and text in server.output, server.output[-2000:]
+
+
+def test_a_model_error_while_triton_starts_is_one_line_and_leaves_nothing(tmp_path):
+    """Rank 0 builds the models while Triton starts (its endpoints load in the meantime): a build that fails on the
+    user's input (here a model.checkpoint that is no checkpoint) still ends in one line and exit 2, after Triton
+    and its python stubs are gone."""
+    bad = tmp_path / "not_a_checkpoint"
+    bad.mkdir()
+    port = free_ports(3)
+    server = ServerProcess(
+        ["--config-name", "ppo_critic_demo", f"server.port={port}", f"exp_dir={tmp_path}", f"model.checkpoint={bad}"]
+    )
+    seen, folders = {}, set()
+    while server.proc.poll() is None:
+        procs = server.descendants()
+        seen.update((p.pid, p) for p in procs)
+        folders |= triton_workspaces(procs) | stub_model_folders(procs)
+        time.sleep(0.1)
+    code = server.wait_exit(60)
+    assert code == 2, server.output[-3000:]
+    assert f"{bad} is not a model checkpoint" in server.output and "Traceback" not in server.output
+    assert folders, "Triton was not started while the models were built"
+    assert wait_gone(list(seen.values())) == []
+    assert not any(os.path.exists(f) for f in folders)
 
 
 def test_a_frozen_python_stub_is_explained(tmp_path):
