@@ -126,6 +126,9 @@ def start_writer() -> None:
     if getattr(filesystem_async, "_results_queue", "missing") is not None:
         _writer_ready.set()  # started already (megatron's own), or not this megatron-core
         return
+    import multiprocessing.util  # noqa: F401 - registers its exit handler now: ours (below) then runs before it
+
+    atexit.register(_stop_writer)
     _writer_thread = threading.Thread(target=_run_writer, name="checkpoint-writer-helper", daemon=True)
     _writer_thread.start()
 
@@ -139,15 +142,13 @@ def _run_writer() -> None:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
         from torch.distributed.checkpoint.storage import WriteResult
 
-        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager = _writer_manager = SyncManager(ctx=mp.get_context("spawn"))
         manager.start(_helper_init)
         results = manager.Queue()
         # A round trip of a torch checkpoint class (pickled by name) waits until the helper has imported it.
         results.put(WriteResult)
         results.get()
-        _writer_manager = manager
         filesystem_async._results_queue = results
-        atexit.register(_stop_writer)  # runs before multiprocessing's exit handler, which waits for the helper
     except Exception as exc:  # the save then starts megatron's own helper, as without start_writer
         import logging
 
@@ -158,13 +159,17 @@ def _run_writer() -> None:
     threading.Event().wait()  # the helper's parent-death signal fires when this thread ends: only at process exit
 
 
-def _stop_writer() -> None:
-    """At exit: end the helper (it ignores SIGTERM). multiprocessing's own exit handler joins every child process
-    and was seen waiting for this one forever in a job stopped by SIGTERM."""
+def _stop_writer(wait_s: float = 60.0) -> None:
+    """At exit: end the helper, also one still starting (it ignores SIGTERM). multiprocessing's own exit handler,
+    which runs after this one, joins every child process: a job that ended while its helper was still starting
+    (SIGTERM early in a run, on a loaded machine) waited there forever."""
+    _writer_ready.wait(wait_s)
     manager = _writer_manager
     if manager is None:
         return
-    manager.shutdown()
+    shutdown = getattr(manager, "shutdown", None)  # set once the manager has started
+    if shutdown is not None:
+        shutdown()
     process = getattr(manager, "_process", None)  # the manager's Process (private attribute; None elsewhere)
     if process is not None and process.is_alive():
         process.kill()
