@@ -232,13 +232,18 @@ def triton_crashed_at_start(log_text: str) -> bool:
 
 
 def wait_ready(
-    url: str, proc: subprocess.Popen, timeout: float, log_path: str, log_offset: int, actor: subprocess.Popen
+    url: str,
+    proc: subprocess.Popen,
+    timeout: float,
+    log_path: str,
+    log_offset: int,
+    actor: subprocess.Popen | None = None,
 ) -> None:
     """Until the critic job printed its ready line (after it checked all its ports and endpoints) and answers, or
     the actor job (started with it) has ended: the caller then reports the actor's status."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if actor.poll() is not None:
+        if actor is not None and actor.poll() is not None:
             return
         new = _read_from(log_path, log_offset)
         if proc.poll() is not None:

@@ -90,6 +90,29 @@ def test_a_critic_that_lost_a_port_race_is_told_apart(tmp_path):
         offset = log.stat().st_size
 
 
+def test_the_wait_for_the_critic_ends_with_the_actor_started_beside_it(tmp_path):
+    """The actor starts with the critic: if it ends first (e.g. a config error, exit 2), the launcher stops waiting
+    for the critic at once and reports the actor's status; while the actor runs, a critic that never gets ready is
+    still a start error after the timeout."""
+    log = tmp_path / "critic.log"
+    log.write_text("")
+    ppo = _launcher()
+    critic = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        actor = subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"])
+        actor.wait()
+        ppo.wait_ready("http://127.0.0.1:9", critic, 30, str(log), 0, actor)  # returns, no CriticStartError
+        assert critic.poll() is None
+        running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            with pytest.raises(ppo.CriticStartError, match="did not answer"):
+                ppo.wait_ready("http://127.0.0.1:9", critic, 1, str(log), 0, running)
+        finally:
+            running.kill()
+    finally:
+        critic.kill()
+
+
 def test_jobs_on_one_gpu_are_told_to_take_turns():
     launcher = _launcher()
     turns, env = launcher.turn_taking, launcher.gpu_env
