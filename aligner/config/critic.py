@@ -262,9 +262,7 @@ class CriticClientConfig:
     host: str = "127.0.0.1"  # the critic job's address (its server.host)
     port: int = 5567  # the critic job's HTTP port (its server.port)
     connect_timeout: float = 120.0  # seconds to wait for the server to answer before failing with a clear error
-    # At start-up the critic job may still be building its models and loading its endpoints (the local launcher
-    # starts both jobs at once): the first wait is this long.
-    start_timeout: float = 600.0
+    start_timeout: float = 600.0  # seconds of the first wait, at start-up (the critic may still be loading its models)
     infer_timeout: float = 600.0  # seconds for one critic_infer request
     train_timeout: float = 3600.0  # seconds for one critic_train (or critic_save) request
     token_file: Optional[str] = None  # the run's secret (else env ALIGNER_CRITIC_TOKEN; the launchers set it)

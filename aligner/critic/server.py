@@ -633,7 +633,7 @@ class CriticServer:
             self._execute(job)
             last_command = last_request = time.monotonic()
 
-    def _shutdown(self, code: int) -> None:
+    def _shutdown(self, code: int, tell_ranks: bool = True) -> None:
         with self._lock:
             self._closing = True
         while True:  # answer whatever is still queued, so Triton's handler threads return at once
@@ -659,6 +659,8 @@ class CriticServer:
                 LOG.log(level, "ended %d python stub process(es) left after Triton stopped", len(forced))
         if self.service is not None:
             self.service.close()
+        if not tell_ranks:
+            return
         try:
             self.channel.send(OP_STOP, arg=code)
         except Exception as exc:  # noqa: BLE001 - the other ranks may already be gone
@@ -683,11 +685,13 @@ class CriticServer:
                 self._building = False
                 self._triton_started.wait()
         except BaseException as exc:
-            self._shutdown(1)
+            # The other ranks are not serving yet (they failed alike, or were stopped by the same signal): no OP_STOP.
+            self._shutdown(1, tell_ranks=False)
             for s, handler in previous.items():
                 signal.signal(s, handler)
             if isinstance(exc, _StopBeforeReady):
-                print(f"critic server: {signal.Signals(self._signal).name} received before it was ready, stopped")
+                name = signal.Signals(self._signal).name
+                print(f"critic server: {name} received before it was ready, stopped", flush=True)
                 return 0
             raise
         self._service_ready.set()
