@@ -262,7 +262,7 @@ class CriticClientConfig:
     host: str = "127.0.0.1"  # the critic job's address (its server.host)
     port: int = 5567  # the critic job's HTTP port (its server.port)
     connect_timeout: float = 120.0  # seconds to wait for the server to answer before failing with a clear error
-    start_timeout: float = 600.0  # seconds of the first wait, at start-up (the critic may still be loading its models)
+    start_timeout: Optional[float] = None  # seconds of the first wait at start-up (null: connect_timeout; see docs)
     infer_timeout: float = 600.0  # seconds for one critic_infer request
     train_timeout: float = 3600.0  # seconds for one critic_train (or critic_save) request
     token_file: Optional[str] = None  # the run's secret (else env ALIGNER_CRITIC_TOKEN; the launchers set it)

@@ -84,7 +84,8 @@ class RemoteCritic:
 
             endpoints = (protocol.INFER,) if reward_only else protocol.ENDPOINTS
             self.client = CriticClient.from_config(client_cfg, endpoints)
-            self.client.wait_ready(client_cfg.start_timeout)
+            start = client_cfg.start_timeout
+            self.client.wait_ready(client_cfg.connect_timeout if start is None else start)
 
     # -- requests ------------------------------------------------------------------------------------------
     def score(self, rollout) -> Pending[tuple[torch.Tensor, torch.Tensor]]:

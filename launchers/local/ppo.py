@@ -27,7 +27,7 @@ run's newest committed checkpoint. One launcher per experiment directory: a seco
 The jobs share a secret generated per run (ALIGNER_CRITIC_TOKEN, in their environment, not on a command line). If
 the critic's ports are taken between their choice and Triton's start, both jobs are started again, the critic on other
 ports (3 tries). The actor starts with the critic (its imports and model build overlap the critic's start-up) and
-waits for the critic's endpoints itself (critic.start_timeout).
+waits for the critic's endpoints itself (critic.start_timeout, set to --ready-timeout unless given).
 """
 
 from __future__ import annotations
@@ -354,6 +354,10 @@ def main(argv=None) -> int:
         proc.aligner_has_launcher, proc.aligner_script = args.actor_procs > 1, "train_ppo_actor.py"
         return proc
 
+    # The actor starts with the critic: its first wait for the critic's endpoints lasts as long as this launcher's.
+    first_wait = [f"critic.start_timeout={args.ready_timeout:g}"]
+    if any(o.startswith("critic.start_timeout=") for o in args.actor):
+        first_wait = []
     try:
         if not args.actor_only:
             crashed_once = False
@@ -380,7 +384,7 @@ def main(argv=None) -> int:
                         preexec_fn=_die_with_parent,
                     )
                 critic.aligner_has_launcher, critic.aligner_script = args.critic_procs > 1, "serve_ppo_critic.py"
-                actor = start_actor([f"critic.port={port}", "critic.host=127.0.0.1"], "actor job")
+                actor = start_actor([f"critic.port={port}", "critic.host=127.0.0.1", *first_wait], "actor job")
                 try:
                     wait_ready(url, critic, args.ready_timeout, critic_log, offset, actor)
                     break
