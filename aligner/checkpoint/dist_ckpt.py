@@ -27,7 +27,6 @@ rows are padded per layout, so those tensors may differ in their first dimension
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import random
@@ -126,9 +125,11 @@ def start_writer() -> None:
     if getattr(filesystem_async, "_results_queue", "missing") is not None:
         _writer_ready.set()  # started already (megatron's own), or not this megatron-core
         return
-    import multiprocessing.util  # noqa: F401 - registers its exit handler now: ours (below) then runs before it
+    from multiprocessing import util
 
-    atexit.register(_stop_writer)
+    # multiprocessing's exit handler (at interpreter exit, and called directly at the end of a multiprocessing child
+    # such as a test's rank) runs its finalizers, highest priority first, then joins every child process.
+    util.Finalize(None, _stop_writer, exitpriority=100)
     _writer_thread = threading.Thread(target=_run_writer, name="checkpoint-writer-helper", daemon=True)
     _writer_thread.start()
 
@@ -160,9 +161,10 @@ def _run_writer() -> None:
 
 
 def _stop_writer(wait_s: float = 60.0) -> None:
-    """At exit: end the helper, also one still starting (it ignores SIGTERM). multiprocessing's own exit handler,
-    which runs after this one, joins every child process: a job that ended while its helper was still starting
-    (SIGTERM early in a run, on a loaded machine) waited there forever."""
+    """At exit, before multiprocessing joins its children: end the helper, also one still starting (it ignores
+    SIGTERM). A process that ended while its helper was still starting (a job stopped early on a loaded machine, a
+    test's rank that trained a few steps without saving) waited in that join forever: the manager's own finalizer
+    did not exist yet."""
     _writer_ready.wait(wait_s)
     manager = _writer_manager
     if manager is None:

@@ -92,3 +92,41 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _return_while_the_helper_starts(report):
+    """A multiprocessing child (as a test's rank is) that ends while its writer helper is still starting."""
+    import psutil
+
+    from aligner.checkpoint import dist_ckpt
+
+    dist_ckpt.start_writer()
+    deadline = time.monotonic() + 60
+    helpers = []
+    while not helpers and time.monotonic() < deadline:
+        helpers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+        time.sleep(0.02)
+    report.put((helpers[0].pid if helpers else None, dist_ckpt._writer_ready.is_set()))
+
+
+def test_a_process_that_ends_while_its_helper_starts_exits_and_ends_it():
+    """multiprocessing ends a child by running its finalizers and then joining the child's own children: the helper
+    was joined before it had a finalizer that stops it (it ignores SIGTERM), and such a rank never exited (CI: the
+    test ranks that trained a few steps without saving)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    child = ctx.Process(target=_return_while_the_helper_starts, args=(report,))
+    child.start()
+    pid, ready = report.get(timeout=120)
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert pid is not None and not ready, "the helper was not caught starting"
+    assert not alive, "the process waited for its checkpoint writer helper forever"
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), f"the writer helper (pid {pid}) outlived its process"
