@@ -81,6 +81,7 @@ class CriticService:
     def __init__(self, cfg: CriticJobConfig):
         from aligner.models.training import TrainableModel
 
+        dist_ckpt.start_writer()  # in the background while the models are built; not inside the first critic_save
         self.cfg = cfg
         self.device = current_device()
         self.dp_group = ps.get_data_parallel_group()
@@ -115,7 +116,6 @@ class CriticService:
         self.base_step = 0  # the step the critic's state corresponds to (resumed or last saved)
         self.trains_since_base = 0
         self.resumed_from: str | None = None
-        dist_ckpt.start_writer()  # not inside the first critic_save request
 
     # -- layout helpers ----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -96,6 +96,8 @@ class PPOTrainer:
         self.val_data = PromptDataset(d.val_file, self.tokenizer, max_prompt, **keys) if d.val_file else None
         self.sampler = PromptSampler(len(self.train_data), d.seed, d.shuffle)
 
+        # The writer helper starts in the background while the models are built, not during the first steps.
+        dist_ckpt.start_writer()
         self.policy = TrainableModel(cfg.model, cfg.optim, head="lm")
         if cfg.model.checkpoint:
             dist_ckpt.load_model_weights(cfg.model.checkpoint, [self.policy.module])
@@ -126,7 +128,6 @@ class PPOTrainer:
         # own reward function's (reward_wait).
         self.reward_wait = "reward_wait" if cfg.reward.source == "function" else "critic_wait_infer"
         self._resume()
-        dist_ckpt.start_writer()  # not inside the first checkpoint (the critic saves at the same time)
         self.writer = MetricsWriter(
             cfg.exp_dir, enabled=is_logging_rank(), tensorboard=cfg.logging.tensorboard, resume_step=self.step
         )
