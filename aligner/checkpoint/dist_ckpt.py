@@ -76,7 +76,7 @@ def _barrier() -> None:
 
 
 _writer_manager = None  # the helper started by start_writer (kept alive for the whole process)
-_writer_thread: threading.Thread | None = None
+_writer_thread = None  # the ParentThread that starts it
 _writer_ready = threading.Event()
 
 
@@ -133,11 +133,12 @@ def start_writer() -> None:
     # multiprocessing's exit handler (at interpreter exit, and called directly at the end of a multiprocessing child
     # such as a test's rank) runs its finalizers, highest priority first, then joins every child process.
     util.Finalize(None, _stop_writer, exitpriority=100)
-    _writer_thread = threading.Thread(target=_run_writer, name="checkpoint-writer-helper", daemon=True)
-    _writer_thread.start()
+    from aligner.utils.threads import ParentThread
+
+    _writer_thread = ParentThread(_start_helper, "checkpoint-writer-helper", done=_writer_ready)
 
 
-def _run_writer() -> None:
+def _start_helper() -> None:
     global _writer_manager
     try:
         import multiprocessing as mp
@@ -157,10 +158,6 @@ def _run_writer() -> None:
         import logging
 
         logging.getLogger(__name__).warning("checkpoint writer helper did not start (%r); saves start their own", exc)
-        _writer_ready.set()
-        return
-    _writer_ready.set()
-    threading.Event().wait()  # the helper's parent-death signal fires when this thread ends: only at process exit
 
 
 def _stop_writer(wait_s: float = 60.0) -> None:

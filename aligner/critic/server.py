@@ -306,8 +306,7 @@ class CriticServer:
         self.service, self.cfg, self.channel = None, cfg, channel
         self._service_ready = threading.Event()
         self._building = False
-        self._triton_started = threading.Event()
-        self._start_error: BaseException | None = None
+        self._starting = None  # the ParentThread that starts Triton
         self.url = public_url(cfg.server)
         self.endpoints = (protocol.INFER,) if cfg.reward_only else protocol.ENDPOINTS
         self._jobs: queue.Queue[_Job] = queue.Queue()
@@ -425,18 +424,6 @@ class CriticServer:
         self._signal = signum
         if self._building:
             raise _StopBeforeReady  # out of the models' build: stop now, as the default action would, but cleanly
-
-    def _start_triton_catching(self) -> None:
-        try:
-            self._start_triton()
-        except BaseException as exc:  # noqa: BLE001 - raised on the main thread once the service is built
-            self._start_error = exc
-        finally:
-            self._triton_started.set()
-        if self._start_error is None:
-            # PyTriton gives tritonserver a parent-death signal (SIGTERM), which Linux ties to the thread that started
-            # it: this thread stays (asleep) as long as the process.
-            threading.Event().wait()
 
     def _start_triton(self) -> None:
         from pytriton.model_config import ModelConfig, Tensor
@@ -675,15 +662,18 @@ class CriticServer:
         import pytriton.model_config  # noqa: F401
         import pytriton.triton  # noqa: F401
 
-        starting = threading.Thread(target=self._start_triton_catching, name="critic-triton-start", daemon=True)
+        from aligner.utils.threads import ParentThread
+
         self._building = True
         try:
-            starting.start()
+            # tritonserver carries a parent-death signal (PyTriton's): started from a thread that stays.
+            self._starting = ParentThread(self._start_triton, "critic-triton-start")
             try:
                 self.service = build_service()
             finally:
                 self._building = False
-                self._triton_started.wait()
+                if self._starting is not None:
+                    self._starting.done.wait()
         except BaseException as exc:
             # The other ranks are not serving yet (they failed alike, or were stopped by the same signal): no OP_STOP.
             self._shutdown(1, tell_ranks=False)
@@ -697,8 +687,8 @@ class CriticServer:
         self._service_ready.set()
         code = 1
         try:
-            if self._start_error is not None:
-                raise self._start_error
+            if self._starting.error is not None:
+                raise self._starting.error
             world = dist.get_world_size() if dist.is_initialized() else 1
             from megatron.core import parallel_state as ps
 

@@ -1,0 +1,33 @@
+"""`ParentThread`: start child processes from a thread that lives as long as this process.
+
+Linux ties a child's parent-death signal (PR_SET_PDEATHSIG) to the thread that started the child, not to the process:
+the child is signalled when that thread ends. dist_ckpt's writer helper (SIGKILL) and PyTriton's tritonserver
+(SIGTERM) carry one, and both are started in the background; so the starting thread stays, asleep, until the
+process ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+
+class ParentThread:
+    """Runs `start()` in a daemon thread now. `done` is set when it returned or raised (then `error` holds the
+    exception); after a successful start the thread sleeps for the rest of the process's life."""
+
+    def __init__(self, start: Callable[[], None], name: str, done: threading.Event | None = None):
+        self.done = done if done is not None else threading.Event()
+        self.error: BaseException | None = None
+        self._start = start
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._start()
+        except BaseException as exc:  # noqa: BLE001 - the caller reads it from `error`
+            self.error = exc
+        finally:
+            self.done.set()
+        if self.error is None:
+            threading.Event().wait()
