@@ -18,7 +18,8 @@ With `splitk=True` (`--splitk`): each bf16 weight GEMM at B=64 and 128 as cuBLAS
 kernel (aligner.generation.native.splitk) over a grid of tilings, alone and with its partial sums added up by a
 compiled kernel (as the engine's residual add does it), over distinct weights. With `attention_products=True`
 (`--attention-products`): the Triton attention with its products on 16-bit tensor cores (the engine's, NATIVE_QK and
-NATIVE_PV) against widened TF32 operands and the mix, over 16 layers' caches in turn.
+NATIVE_PV) against widened TF32 operands and the mix, over 16 layers' caches in turn. With `gated` (`--gated`): fc1
+and its SwiGLU, cuBLAS + the compiled activation against one Triton kernel (splitk.gated_matmul) over its tilings.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 
 from aligner.generation.native.triton_decode import choose_splits, decode_attention
 
@@ -301,6 +303,53 @@ def _splitk_row(device, M: int, name: str, reduce) -> dict:
 PRODUCTS = {"tf32": (False, False), "qk16": (True, False), "qk16_pv16": (True, True)}  # (NATIVE_QK, NATIVE_PV)
 
 
+def gated_tilings() -> list:
+    from aligner.generation.native.splitk import Tiling
+
+    return [
+        Tiling(bn, bk, 1, warps, stages, swap)
+        for bn, bk, warps, stages, swap in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5), (0, 1))
+        if not (warps == 8 and bn == 32)
+    ]
+
+
+def gated_rows(device, batches: tuple[int, ...]) -> list[dict]:
+    """fc1 and its SwiGLU: cuBLAS's x @ W^T followed by the compiled activation kernel (the engine's default path)
+    against splitk.gated_matmul (both in one kernel) over its tilings, each over FP8_WEIGHT_COPIES distinct weights."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    act = torch.compile(lambda h: F.silu(h[:, :FFN]) * h[:, FFN:], dynamic=False, fullgraph=True)
+    ws = [torch.randn(2 * FFN, HIDDEN, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(FP8_WEIGHT_COPIES)]
+    return [_gated_row(torch.randn(M, HIDDEN, device=device, dtype=torch.bfloat16), ws, act) for M in batches]
+
+
+def _gated_row(x, ws, act) -> dict:
+    from aligner.generation.native import splitk
+
+    h = x.float() @ ws[0].float().t()
+    exact = F.silu(h[:, :FFN]) * h[:, FFN:]
+
+    def per_call_us(fn, replays=30):  # fn(i) on weight i, every weight in turn
+        return graph_time_us(lambda: [fn(i) for i in range(FP8_WEIGHT_COPIES)], 2, replays) / FP8_WEIGHT_COPIES
+
+    row = {"batch": x.shape[0], "floor_us": 2 * 2 * FFN * HIDDEN / BANDWIDTH * 1e6}
+    row["cublas_us"] = per_call_us(lambda i: x @ ws[i].t())
+    row["cublas_act_us"] = per_call_us(lambda i: act(x @ ws[i].t()))
+    row["cublas_act_err"] = float((act(x @ ws[0].t()).float() - exact).abs().max())
+    results = []
+    for t in gated_tilings():
+        try:
+            out = splitk.gated_matmul(x, ws[0], t)
+        except Exception as exc:  # noqa: BLE001 - a tiling this GPU cannot hold (shared memory): skipped
+            if "out of resource" not in str(exc):
+                raise
+            continue
+        err = float((out.float() - exact).abs().max())
+        us = per_call_us(lambda i, t=t, out=out: splitk.gated_matmul(x, ws[i], t, out))
+        results.append({"tiling": vars(t), "us": us, "max_err": err})
+    row["gated_best"] = sorted(results, key=lambda r: r["us"])[:6]
+    return row
+
+
 def attention_product_rows(device) -> list[dict]:
     """The Triton decode attention per layer (us, L2-cold: LAYERS caches in turn) and its max error against float32
     attention, for each setting of its 16-bit products (triton_decode.NATIVE_QK / NATIVE_PV)."""
@@ -341,6 +390,7 @@ def run(
     fp8: bool = False,
     splitk: tuple[int, ...] = (),
     attention_products: bool = False,
+    gated: tuple[int, ...] = (),
 ) -> dict:
     """`splitk`: the batch sizes of the split-K comparison (none: skipped)."""
     if not torch.cuda.is_available():
@@ -366,6 +416,8 @@ def run(
         report["gemm_splitk"] = splitk_rows(device, splitk)
     if attention_products:
         report["attention_products"] = attention_product_rows(device)
+    if gated:
+        report["gated_fc1"] = gated_rows(device, gated)
     return report
 
 
@@ -411,6 +463,16 @@ def format_report(report: dict) -> str:
         for r in report["attention_products"]:
             cells = "  ".join(f"{r[n + '_us']:7.1f} ({r[n + '_err']:.2g})" for n in PRODUCTS)
             lines.append(f"  B={r['batch']:4d} slots={r['filled_slots']:5d}  {cells}")
+    if "gated_fc1" in report:
+        lines += ["", "fc1 + SwiGLU over distinct weights (us): floor, cuBLAS alone, cuBLAS + act, one gated kernel"]
+        for r in report["gated_fc1"]:
+            b = r["gated_best"][0]
+            t = b["tiling"]
+            tiling = f"n{t['block_n']} k{t['block_k']} w{t['num_warps']} st{t['num_stages']}" + (" swap" * t["swap"])
+            lines.append(
+                f"  B={r['batch']:4d} {r['floor_us']:7.1f} {r['cublas_us']:7.1f} {r['cublas_act_us']:7.1f} "
+                f"{b['us']:7.1f}  {tiling} (err {b['max_err']:.2g} vs {r['cublas_act_err']:.2g})"
+            )
     return "\n".join(lines)
 
 

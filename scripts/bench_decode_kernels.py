@@ -6,6 +6,7 @@ its settings) and the weight GEMMs in several layouts (see benchmarks/decode_ker
     python scripts/bench_decode_kernels.py --fp8                       # also the GEMMs in FP8
     python scripts/bench_decode_kernels.py --splitk 64 128             # also the split-K Triton GEMM's tilings
     python scripts/bench_decode_kernels.py --attention-products        # the attention's 16-bit vs TF32 products
+    python scripts/bench_decode_kernels.py --gated 64 128              # fc1 + SwiGLU in one kernel vs cuBLAS + act
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--attention-products", action="store_true", help="also the attention kernel's 16-bit vs TF32 products"
     )
+    parser.add_argument(
+        "--gated",
+        nargs="*",
+        type=int,
+        default=None,
+        metavar="B",
+        help="also fc1 with its SwiGLU in one Triton kernel over its tilings at these batch sizes (default 64 128)",
+    )
     a = parser.parse_args(argv)
     try:
         splitk = () if a.splitk is None else tuple(a.splitk or (64, 128))
@@ -46,6 +55,7 @@ def main(argv=None) -> int:
             fp8=a.fp8,
             splitk=splitk,
             attention_products=a.attention_products,
+            gated=() if a.gated is None else tuple(a.gated or (64, 128)),
         )
     except NeedsGPU as exc:
         print(f"bench_decode_kernels: {exc}", file=sys.stderr)

@@ -129,7 +129,7 @@ def _responses(out):
         "gpt2-triton",
         "gpt2-triton-scatter",
         "qwen3-triton",
-        "llama-triton-splitk",  # the split-K kernel for proj (fc2's 96 columns: cuBLAS), by Triton's interpreter
+        "llama-triton-splitk",  # split-K proj (fc2's 96 columns: cuBLAS), fc1 + SwiGLU in one kernel; interpreted
         "gpt2-matmul-splitk",  # for proj and fc2, with their row biases
     ],
 )
@@ -154,6 +154,8 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
 
         calls, real = [], splitk.matmul
         monkeypatch.setattr(splitk, "matmul", lambda *a: calls.append(a[1].shape) or real(*a))
+        gated, real_gated = [], splitk.gated_matmul  # and a SwiGLU MLP's fc1 with its activation (Llama)
+        monkeypatch.setattr(splitk, "gated_matmul", lambda *a: gated.append(a[1].shape) or real_gated(*a))
     if family(cfg.arch).rope:  # the engine rotates with the model's own (possibly scaled) frequencies
         angles = torch.outer(
             torch.arange(GEN.max_prompt_length + GEN.max_response_length).float(), model.rotary_pos_emb.inv_freq
@@ -162,6 +164,7 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
     out = engine.generate(_padded_prompts(), LENGTHS, SamplingParams(greedy=True))
     if gemm == "splitk":  # 11 decode steps (the first token comes from prefill) x 2 layers
         assert len(calls) == 11 * 2 * (2 if cfg.arch == "gpt2" else 1)
+        assert len(gated) == (0 if cfg.arch == "gpt2" else 11 * 2)
     expected = reference_greedy(model, PROMPTS, LENGTHS, 12, V)
     assert _responses(out) == expected
     assert out.response_tokens_BR.shape == (4, 12) and out.response_lengths_B.tolist() == [12] * 4

@@ -88,6 +88,49 @@ def test_tilings_the_engine_picks():
     assert splitk.tiling_for(4, 40, 256) is None
 
 
+@pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize(
+    "tiling", [splitk.Tiling(32, 32, 1), splitk.Tiling(16, 64, 1, swap=True)], ids=["plain", "swapped"]
+)
+def test_gated_kernel_is_silu_of_the_gate_times_up(M, tiling):
+    """fc1 W = [Wg; Wu] [2F, K]: the kernel's output is silu(x Wg^T) * (x Wu^T), the gate taken from the first F
+    rows (megatron's [gate; up] order), not the activation of the other half."""
+    g = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, 256, generator=g), torch.randn(2 * 96, 256, generator=g)
+    out = splitk.gated_matmul(x, w, tiling)
+    assert out.shape == (M, 96) and out.dtype == x.dtype
+    h = x @ w.t()
+    torch.testing.assert_close(out, torch.nn.functional.silu(h[:, :96]) * h[:, 96:], rtol=1e-4, atol=1e-3)
+    swapped = torch.nn.functional.silu(h[:, 96:]) * h[:, :96]
+    assert (out - swapped).abs().max() > 1.0
+
+
+def test_gated_kernel_rounds_bf16_once_and_refuses_what_does_not_fit():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
+    w = (torch.randn(128, 512, generator=g) / 8).to(torch.bfloat16)
+    h = x.double() @ w.double().t()
+    exact = torch.nn.functional.silu(h[:, :64]) * h[:, 64:]
+    out = splitk.gated_matmul(x, w, splitk.Tiling(32, 64, 1))
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
+    with pytest.raises(ValueError, match="one split"):
+        splitk.gated_matmul(x, w, splitk.Tiling(32, 64, 2))
+    with pytest.raises(ValueError, match="one split"):
+        splitk.gated_matmul(x, w, splitk.Tiling(128, 64, 1))  # F=64 is not a multiple of 128
+    with pytest.raises(ValueError, match=r"need \[M, K\], \[2F, K\]"):
+        splitk.gated_matmul(x, w[:, :256], splitk.Tiling(32, 64, 1))
+
+
+def test_gated_tilings_the_engine_picks():
+    # the 1B model's fc1 [16384, 2048]: the measured tilings (docs/PERF.md); none past GATED_MAX_BATCH rows
+    assert splitk.gated_tiling_for(64, 16384, 2048) == splitk.Tiling(64, 64, 1, num_warps=4, num_stages=5)
+    assert splitk.gated_tiling_for(128, 16384, 2048) == splitk.Tiling(64, 64, 1, num_warps=8, num_stages=5)
+    assert splitk.gated_tiling_for(129, 16384, 2048) is None
+    assert splitk.gated_tiling_for(4, 2 * 96, 48) == splitk.Tiling(32, 16, 1, num_warps=4, num_stages=5)
+    assert splitk.gated_tiling_for(4, 2 * 40, 64) is None  # F=40: no block divides it
+
+
 def test_available_under_the_interpreter():
     assert splitk.unavailable(torch.device("cpu"), torch.float32) is None
 

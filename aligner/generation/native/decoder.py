@@ -33,7 +33,8 @@ its first `kv_len` slots (a multiple of kv_block) through strided views. Its lay
   the key itself, from the qkv projection's rows: no RoPE or scatter kernel in the step.
 Split-K GEMMs (`decode_gemm="splitk"`, splitk.py, TP=1): decode steps of up to splitk.MAX_BATCH rows run the
 row-parallel projections (proj, fc2) as one Triton kernel each whose float32 partial sums the next compiled kernel
-(residual add and norm) adds up; cuBLAS everywhere else (prefill, the other projections, larger batches).
+(residual add and norm) adds up, and a SwiGLU MLP's fc1 together with its activation as one kernel; cuBLAS everywhere
+else (prefill, qkv, the output layer, larger batches).
 FP8 decode weights (`decode_fp8`, fp8.py): decode steps run fc1, fc2 and the output layer as FP8 GEMMs, their inputs
 quantized per row by the compiled kernel before and their results scaled by the one after (Kernels.*_q, dq*).
 """
@@ -212,10 +213,21 @@ class Decoder:
                 x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp)
                 continue
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
-            m = k.act(self._linear(h, lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]))
+            m = self._fc1_act(h, lw, k, split_k)
             m, parts = self._row_parallel(m, lw["mlp.linear_fc2.weight"], split_k)
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, m, *post_mlp)
         return h
+
+    def _fc1_act(self, h, lw, k, split_k: bool):
+        """fc1 and its activation; with `split_k`, a SwiGLU MLP without fc1 bias (Llama, Qwen) runs both as one
+        Triton kernel (splitk.gated_matmul) where it has a tiling for the step's rows."""
+        w, b = lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]
+        fam = self.lo.family
+        swiglu = fam.gated_mlp and fam.activation == "silu" and b is None
+        tiling = splitk.gated_tiling_for(h.shape[0], *w.shape) if split_k and swiglu and h.dim() == 2 else None
+        if tiling is None:
+            return k.act(self._linear(h, w, b))
+        return splitk.gated_matmul(h, w, tiling)
 
     def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp):
         """Layer i's MLP with FP8 weights (fp8.py) from its normed input quantized (h8, scales), and the residual add

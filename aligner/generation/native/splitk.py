@@ -8,6 +8,10 @@ reads a [BLOCK_N, K / splits] slab of W once and multiplies it with the matching
 [splits, M, N], and the compiled elementwise kernel that follows the GEMM anyway (the residual add and norm) sums
 them: no reduction kernel, no atomics. With one split the kernel writes y in x's dtype directly.
 
+A gated MLP's fc1 (SwiGLU: W = [Wg; Wu]) has its own kernel, gated_matmul: one program reads BLOCK_N rows of both
+halves over the whole K and writes silu(gate) * up, rounded once: fc1 and the activation kernel after it in one
+(the activation needs whole sums, so no split).
+
 Summing the partials in float32 and rounding once gives the same rounding point as cuBLAS (float32 accumulation,
 one rounding of the product), the order of the additions aside.
 Runs on CUDA with Triton; on the CPU only under Triton's interpreter (TRITON_INTERPRET=1, as the tests run it).
@@ -77,6 +81,77 @@ def _kernel():
     return splitk_gemm
 
 
+@lru_cache(maxsize=1)
+def _gated_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gated_gemm(  # a gated MLP's fc1 and its SwiGLU in one: silu(x @ Wg^T) * (x @ Wu^T), W = [Wg; Wu]
+        x_ptr, w_ptr, out_ptr, M, K, F, sx_m, sw_n, so_m,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+        PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+    ):  # fmt: skip
+        n0, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(2) * BLOCK_M
+        rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+        x_tile = x_ptr + rows[:, None] * sx_m + ks[None, :]
+        g_tile = w_ptr + cols[:, None] * sw_n + ks[None, :]  # the gate's rows n0.. and the up rows F + n0..
+        u_tile = g_tile + F * sw_n
+        row_ok = (rows < M)[:, None]
+        if SWAP:
+            acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            x = tl.load(x_tile, mask=row_ok, other=0.0)
+            g = tl.load(g_tile)
+            u = tl.load(u_tile)
+            if WIDEN:  # as in splitk_gemm: the interpreter needs float32 operands
+                x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            if SWAP:
+                xt = tl.trans(x)
+                acc_g = tl.dot(g, xt, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(u, xt, acc_u, input_precision=PRECISION)
+            else:
+                acc_g = tl.dot(x, tl.trans(g), acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(x, tl.trans(u), acc_u, input_precision=PRECISION)
+            x_tile += BLOCK_K
+            g_tile += BLOCK_K
+            u_tile += BLOCK_K
+        out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up in float32, rounded once below
+        if SWAP:
+            out = tl.trans(out)
+        dst = out_ptr + rows[:, None] * so_m + cols[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    return gated_gemm
+
+
+def gated_matmul(x_MK: torch.Tensor, w_2FK: torch.Tensor, tiling: Tiling, out: torch.Tensor | None = None):
+    """silu(x @ Wg^T) * (x @ Wu^T) for a gated fc1 weight w = [Wg; Wu] [2F, K]: the SwiGLU activation [M, F] in x's
+    dtype, from float32 sums rounded once. One program per BLOCK_N columns of F (and BLOCK_M rows), over the whole
+    K (`tiling.splits` must be 1: the activation needs whole sums)."""
+    M, K = x_MK.shape
+    F = w_2FK.shape[0] // 2
+    if x_MK.stride(-1) != 1 or w_2FK.stride(-1) != 1 or w_2FK.shape[1] != K or w_2FK.shape[0] != 2 * F:
+        raise ValueError(f"splitk.gated_matmul: x {tuple(x_MK.shape)} and w {tuple(w_2FK.shape)} need [M, K], [2F, K]")
+    if tiling.splits != 1 or not tiling.fits(F, K):
+        raise ValueError(f"splitk.gated_matmul: F={F}, K={K} do not fit {tiling} (one split)")
+    if out is None:
+        out = torch.empty((M, F), dtype=x_MK.dtype, device=x_MK.device)
+    block_m = tiling.block_m or max(16, min(128, 1 << (M - 1).bit_length()))
+    precision = "ieee" if x_MK.dtype == torch.float32 else "tf32"
+    grid = (F // tiling.block_n, 1, -(-M // block_m))
+    _gated_kernel()[grid](
+        x_MK, w_2FK, out, M, K, F, x_MK.stride(0), w_2FK.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SWAP=tiling.swap, PRECISION=precision,
+        WIDEN=x_MK.device.type != "cuda", num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )  # fmt: skip
+    return out
+
+
 def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T: float32 partial sums [splits, M, N] (their sum over the first dimension is the
     product), or with one split the product [M, N] in x's dtype. Both operands need a contiguous last dimension;
@@ -121,6 +196,24 @@ def tiling_for(batch: int, n: int, k: int) -> Tiling | None:
     if batch <= 64:
         return Tiling(block_n, block_k, splits, num_warps=4, num_stages=5)
     return Tiling(block_n, block_k, splits, num_warps=4, num_stages=3, swap=True)
+
+
+GATED_MAX_BATCH = 128  # decode steps of more rows run fc1 by cuBLAS and the activation by its compiled kernel
+
+
+def gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
+    """The tiling of gated_matmul for a decode step of `batch` rows and a gated fc1 weight [two_f, k] (None: keep
+    cuBLAS and the activation kernel). Measured on the H200 at the 1B model's fc1 [16384, 2048]
+    (scripts/bench_decode_kernels.py --gated; docs/PERF.md): 64 columns of each half per program, 64-wide K steps,
+    five pipeline stages; eight warps above 64 rows."""
+    f = two_f // 2
+    if batch > GATED_MAX_BATCH or two_f % 2:
+        return None
+    block_n = next((b for b in (64, 32, 16) if f % b == 0), None)
+    block_k = next((b for b in (64, 32, 16) if k % b == 0), None)
+    if block_n is None or block_k is None:
+        return None
+    return Tiling(block_n, block_k, 1, num_warps=4 if batch <= 64 else 8, num_stages=5)
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
