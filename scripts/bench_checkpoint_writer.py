@@ -1,4 +1,4 @@
-"""How long a process's first checkpoint takes, with and without `dist_ckpt.start_writer()` at start-up.
+"""How long a process's first checkpoints take, with megatron's default writer results queue and with dist_ckpt's own.
 
     python scripts/bench_checkpoint_writer.py [--repeats 3]
 

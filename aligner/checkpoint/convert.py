@@ -338,6 +338,7 @@ def convert_hf_to_dist(
         reader.close()
     try:
         _agree(error)
+        dist_ckpt.use_local_results_queue()  # no writer helper process (dist_ckpt.save does the same)
         dist_checkpointing.save(module.sharded_state_dict(), os.path.join(tmp, "model"))
         _barrier()
         error = None

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import re
 import shutil
-import threading
 
 import numpy as np
 import torch
@@ -75,113 +75,25 @@ def _barrier() -> None:
         host_barrier()
 
 
-_writer_manager = None  # the helper started by start_writer (kept alive for the whole process)
-_writer_thread = None  # the ParentThread that starts it
-_writer_ready = threading.Event()
+def use_local_results_queue() -> None:
+    """Give megatron's checkpoint writer a results queue that lives in this process, before the first save.
 
-
-def _helper_init() -> None:
-    """Runs first in the helper process. It ignores the signals that ask a job to stop (Slurm and our launchers send
-    them to every process of the job, and the job then saves a last checkpoint through this helper), and it ends
-    when the thread that started it ends, which is when the job process ends, however that ends (SIGKILL included;
-    Linux): without that an orphaned helper outlives a killed job."""
-    import ctypes
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    # It starts (imports torch) while the job works: on a busy host it yields the CPU (a Triton python stub starved
-    # for ~1 s fails its endpoint).
-    os.nice(10)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the job ended before the line above ran
-        os._exit(0)
-
-
-def start_writer() -> None:
-    """Start, in the background, the helper process that megatron's checkpoint writer would otherwise start at this
-    process's first save; jobs that save (the actor, the critic, the supervised trainers) call it at start-up, and
-    `save` waits for it to be ready.
-
-    megatron-core's filesystem writer (used by every torch_dist save, synchronous ones too) creates a multiprocessing
-    Manager with the 'spawn' start method on first use: a fresh interpreter that imports the main script and torch,
-    and the save waits for it: the demo critic's first save took 1.87 s on a 2-core CPU, later ones 0.06 s
-    (scripts/bench_checkpoint_writer.py, docs/PERF.md), longer when several ranks do it at once, and inside a
-    critic_save request Triton's python stub waits all that time. Started here, those seconds pass while the job
-    builds its models and serves its first steps (a job's start-up no longer waits for them either). megatron's own
-    helper also dies of the SIGTERM that asks the job to checkpoint and stop (so that last save fails), and outlives
-    a job killed with SIGKILL; this one ignores the first and ends with the job: its parent-death signal is tied to
-    the thread that starts it, so that thread stays (asleep) as long as the process. A no-op where megatron's private
-    hook is not there (other megatron-core versions).
+    megatron-core's filesystem writer (every torch_dist save) passes each save's write results through a module-level
+    queue that it creates on first use as a 'spawn' multiprocessing Manager: a helper interpreter that imports the
+    main script and torch (a 2-core CPU: 1.87 s inside the demo critic's first save, ~3.5 s of CPU per job,
+    docs/PERF.md), that dies of the SIGTERM asking a job to checkpoint and stop (so that last save fails) and
+    outlives a job killed with SIGKILL. That queue has to cross processes only for megatron's asynchronous saves,
+    whose writes run in a background process. Ours are synchronous (dist_checkpointing.save runs the request with
+    `execute_sync`): this process puts the results and takes them back itself (the write workers it forks report
+    through a queue of their own), so a plain thread-safe queue does the same job without any helper process. A
+    no-op where megatron's private hook is not there (other megatron-core versions: they start their own helper).
     """
-    global _writer_thread
-    if _writer_thread is not None or _writer_ready.is_set():
-        return
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
-        _writer_ready.set()
         return
-    if getattr(filesystem_async, "_results_queue", "missing") is not None:
-        _writer_ready.set()  # started already (megatron's own), or not this megatron-core
-        return
-    from multiprocessing import util
-
-    # multiprocessing's exit handler (at interpreter exit, and called directly at the end of a multiprocessing child
-    # such as a test's rank) runs its finalizers, highest priority first, then joins every child process.
-    util.Finalize(None, _stop_writer, exitpriority=100)
-    from aligner.utils.threads import ParentThread
-
-    _writer_thread = ParentThread(_start_helper, "checkpoint-writer-helper", done=_writer_ready)
-
-
-def _start_helper() -> None:
-    global _writer_manager
-    try:
-        import multiprocessing as mp
-        from multiprocessing.managers import SyncManager
-
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-        from torch.distributed.checkpoint.storage import WriteResult
-
-        manager = _writer_manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(_helper_init)
-        results = manager.Queue()
-        # A round trip of a torch checkpoint class (pickled by name) waits until the helper has imported it.
-        results.put(WriteResult)
-        results.get()
-        filesystem_async._results_queue = results
-    except Exception as exc:  # the save then starts megatron's own helper, as without start_writer
-        import logging
-
-        logging.getLogger(__name__).warning("checkpoint writer helper did not start (%r); saves start their own", exc)
-
-
-def _stop_writer(wait_s: float = 60.0) -> None:
-    """At exit, before multiprocessing joins its children: end the helper, also one still starting (it ignores
-    SIGTERM). A process that ended while its helper was still starting (a job stopped early on a loaded machine, a
-    test's rank that trained a few steps without saving) waited in that join forever: the manager's own finalizer
-    did not exist yet."""
-    _writer_ready.wait(wait_s)
-    manager = _writer_manager
-    if manager is None:
-        return
-    shutdown = getattr(manager, "shutdown", None)  # set once the manager has started
-    if shutdown is not None:
-        shutdown()
-    process = getattr(manager, "_process", None)  # the manager's Process (private attribute; None elsewhere)
-    if process is not None and process.is_alive():
-        process.kill()
-        process.join(5)
-
-
-def wait_writer() -> None:
-    """Before a save: the helper that start_writer started is ready (returns at once where none was started)."""
-    if _writer_thread is not None:
-        _writer_ready.wait()
+    if getattr(filesystem_async, "_results_queue", "missing") is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def step_dir_name(step: int) -> str:
@@ -331,7 +243,7 @@ def save(
         os.makedirs(os.path.join(tmp, "optim"))
         os.makedirs(os.path.join(tmp, "rng"))
     _barrier()
-    wait_writer()
+    use_local_results_queue()
     dist_checkpointing.save(_model_sharded_state(models), os.path.join(tmp, "model"))
     if optimizer is not None:
         optimizer.save(os.path.join(tmp, "optim"), _model_sharded_state(models))

@@ -81,7 +81,6 @@ class CriticService:
     def __init__(self, cfg: CriticJobConfig):
         from aligner.models.training import TrainableModel
 
-        dist_ckpt.start_writer()  # in the background while the models are built; not inside the first critic_save
         self.cfg = cfg
         self.device = current_device()
         self.dp_group = ps.get_data_parallel_group()

@@ -96,8 +96,6 @@ class PPOTrainer:
         self.val_data = PromptDataset(d.val_file, self.tokenizer, max_prompt, **keys) if d.val_file else None
         self.sampler = PromptSampler(len(self.train_data), d.seed, d.shuffle)
 
-        # The writer helper starts in the background while the models are built, not during the first steps.
-        dist_ckpt.start_writer()
         self.policy = TrainableModel(cfg.model, cfg.optim, head="lm")
         if cfg.model.checkpoint:
             dist_ckpt.load_model_weights(cfg.model.checkpoint, [self.policy.module])

@@ -68,7 +68,6 @@ class SupervisedLoop:
         self.step = 0
         if cfg.checkpoint.resume:
             self._resume()
-        dist_ckpt.start_writer()
         self.writer = MetricsWriter(
             cfg.exp_dir, enabled=is_logging_rank(), tensorboard=cfg.logging.tensorboard, resume_step=self.step
         )

@@ -1,9 +1,8 @@
 """`ParentThread`: start child processes from a thread that lives as long as this process.
 
 Linux ties a child's parent-death signal (PR_SET_PDEATHSIG) to the thread that started the child, not to the process:
-the child is signalled when that thread ends. dist_ckpt's writer helper (SIGKILL) and PyTriton's tritonserver
-(SIGTERM) carry one, and both are started in the background; so the starting thread stays, asleep, until the
-process ends.
+the child is signalled when that thread ends. PyTriton's tritonserver carries one (SIGTERM), and the critic starts
+it in the background while it builds its models; so the starting thread stays, asleep, until the process ends.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ class ParentThread:
     """Runs `start()` in a daemon thread now. `done` is set when it returned or raised (then `error` holds the
     exception); after a successful start the thread sleeps for the rest of the process's life."""
 
-    def __init__(self, start: Callable[[], None], name: str, done: threading.Event | None = None):
-        self.done = done if done is not None else threading.Event()
+    def __init__(self, start: Callable[[], None], name: str):
+        self.done = threading.Event()
         self.error: BaseException | None = None
         self._start = start
         threading.Thread(target=self._run, name=name, daemon=True).start()
