@@ -204,6 +204,21 @@ def autotune_rows(device, batches=(64, 256)) -> list[dict]:
 FP8_WEIGHT_COPIES = 8  # distinct weights cycled per graph: their bytes exceed the L2 cache, as a step's layers do
 
 
+def per_weight_us(fn, replays: int = 50) -> float:
+    """Mean microseconds per call of fn(i), called on each of FP8_WEIGHT_COPIES distinct weights in turn."""
+    return graph_time_us(lambda: [fn(i) for i in range(FP8_WEIGHT_COPIES)], 2, replays) / FP8_WEIGHT_COPIES
+
+
+def _if_it_fits(call):
+    """call()'s result, or None where its tiling does not fit this GPU (Triton: out of resource, shared memory)."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - only that failure is skipped
+        if "out of resource" not in str(exc):
+            raise
+        return None
+
+
 def fp8_rows(device, batches=(64, 256)) -> list[dict]:
     """Each weight GEMM in bf16 (x @ W^T) and in FP8 (torch._scaled_mm, e4m3 operands, float32 result) with unit
     (tensor-wise) scales, as FP8 decode weights run it, and with row-wise scales; over FP8_WEIGHT_COPIES distinct
@@ -221,17 +236,14 @@ def _fp8_row(device, M: int, name: str, n: int, k: int) -> dict:
     x8 = x.to(E4M3)
     row_scales = (torch.ones(M, 1, device=device), torch.ones(1, n, device=device))
 
-    def cycle(fn):
-        return lambda: [fn(i) for i in range(FP8_WEIGHT_COPIES)]
-
     variants = {
-        "bf16": cycle(lambda i: x @ ws[i].t()),
-        "fp8_unit_scales": cycle(lambda i: matmul(x8, w8s[i], one)),
-        "fp8_row_scales": cycle(lambda i: torch._scaled_mm(x8, w8s[i].t(), *row_scales, out_dtype=torch.bfloat16)),
+        "bf16": lambda i: x @ ws[i].t(),
+        "fp8_unit_scales": lambda i: matmul(x8, w8s[i], one),
+        "fp8_row_scales": lambda i: torch._scaled_mm(x8, w8s[i].t(), *row_scales, out_dtype=torch.bfloat16),
     }
     row = {"batch": M, "gemm": name, "bf16_floor_us": 2 * n * k / BANDWIDTH * 1e6}
     for v, fn in variants.items():
-        row[f"{v}_us"] = graph_time_us(fn, calls=2, replays=50) / FP8_WEIGHT_COPIES
+        row[f"{v}_us"] = per_weight_us(fn)
     return row
 
 
@@ -273,28 +285,22 @@ def _splitk_row(device, M: int, name: str, reduce) -> dict:
     x = torch.randn(M, k, device=device, dtype=torch.bfloat16)
     exact = x.float() @ ws[0].float().t()
 
-    def per_call_us(fn, replays):  # fn(i) on weight i, every weight in turn
-        return graph_time_us(lambda: [fn(i) for i in range(FP8_WEIGHT_COPIES)], 2, replays) / FP8_WEIGHT_COPIES
-
     row = {"batch": M, "gemm": name, "floor_us": 2 * n * k / BANDWIDTH * 1e6}
-    row["cublas_us"] = per_call_us(lambda i: x @ ws[i].t(), 50)
+    row["cublas_us"] = per_weight_us(lambda i: x @ ws[i].t())
     results = []
     for t in splitk_tilings(n, k, M):
-        try:
-            out = splitk.matmul(x, ws[0], t)
-        except Exception as exc:  # noqa: BLE001 - a tiling this GPU cannot hold (shared memory): skipped
-            if "out of resource" not in str(exc):
-                raise
+        out = _if_it_fits(lambda t=t: splitk.matmul(x, ws[0], t))
+        if out is None:
             continue
         err = float(((out if t.splits == 1 else out.sum(0)).float() - exact).abs().max())
-        alone = per_call_us(lambda i, t=t, out=out: splitk.matmul(x, ws[i], t, out), 30)
+        alone = per_weight_us(lambda i, t=t, out=out: splitk.matmul(x, ws[i], t, out), 30)
         results.append((alone, t, out, err))
     results.sort(key=lambda r: r[0])
     best = []
     for alone, t, out, err in results[:6]:
         both = alone
         if t.splits > 1:
-            both = per_call_us(lambda i, t=t, out=out: reduce(splitk.matmul(x, ws[i], t, out)), 50)
+            both = per_weight_us(lambda i, t=t, out=out: reduce(splitk.matmul(x, ws[i], t, out)))
         best.append({"tiling": vars(t), "alone_us": alone, "with_sum_us": both, "max_err": err})
     row["splitk_best"] = sorted(best, key=lambda b: b["with_sum_us"])
     return row
@@ -328,23 +334,17 @@ def _gated_row(x, ws, act) -> dict:
     h = x.float() @ ws[0].float().t()
     exact = F.silu(h[:, :FFN]) * h[:, FFN:]
 
-    def per_call_us(fn, replays=30):  # fn(i) on weight i, every weight in turn
-        return graph_time_us(lambda: [fn(i) for i in range(FP8_WEIGHT_COPIES)], 2, replays) / FP8_WEIGHT_COPIES
-
     row = {"batch": x.shape[0], "floor_us": 2 * 2 * FFN * HIDDEN / BANDWIDTH * 1e6}
-    row["cublas_us"] = per_call_us(lambda i: x @ ws[i].t())
-    row["cublas_act_us"] = per_call_us(lambda i: act(x @ ws[i].t()))
+    row["cublas_us"] = per_weight_us(lambda i: x @ ws[i].t(), 30)
+    row["cublas_act_us"] = per_weight_us(lambda i: act(x @ ws[i].t()), 30)
     row["cublas_act_err"] = float((act(x @ ws[0].t()).float() - exact).abs().max())
     results = []
     for t in gated_tilings():
-        try:
-            out = splitk.gated_matmul(x, ws[0], t)
-        except Exception as exc:  # noqa: BLE001 - a tiling this GPU cannot hold (shared memory): skipped
-            if "out of resource" not in str(exc):
-                raise
+        out = _if_it_fits(lambda t=t: splitk.gated_matmul(x, ws[0], t))
+        if out is None:
             continue
         err = float((out.float() - exact).abs().max())
-        us = per_call_us(lambda i, t=t, out=out: splitk.gated_matmul(x, ws[i], t, out))
+        us = per_weight_us(lambda i, t=t, out=out: splitk.gated_matmul(x, ws[i], t, out), 30)
         results.append({"tiling": vars(t), "us": us, "max_err": err})
     row["gated_best"] = sorted(results, key=lambda r: r["us"])[:6]
     return row
