@@ -141,15 +141,22 @@ def gated_matmul(x_MK: torch.Tensor, w_2FK: torch.Tensor, tiling: Tiling, out: t
         raise ValueError(f"splitk.gated_matmul: F={F}, K={K} do not fit {tiling} (one split)")
     if out is None:
         out = torch.empty((M, F), dtype=x_MK.dtype, device=x_MK.device)
-    block_m = tiling.block_m or max(16, min(128, 1 << (M - 1).bit_length()))
-    precision = "ieee" if x_MK.dtype == torch.float32 else "tf32"
+    block_m, options = _launch_options(x_MK, tiling)
     grid = (F // tiling.block_n, 1, -(-M // block_m))
-    _gated_kernel()[grid](
-        x_MK, w_2FK, out, M, K, F, x_MK.stride(0), w_2FK.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SWAP=tiling.swap, PRECISION=precision,
-        WIDEN=x_MK.device.type != "cuda", num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-    )  # fmt: skip
+    _gated_kernel()[grid](x_MK, w_2FK, out, M, K, F, x_MK.stride(0), w_2FK.stride(0), out.stride(0), **options)
     return out
+
+
+def _launch_options(x_MK: torch.Tensor, tiling: Tiling) -> tuple[int, dict]:
+    """Rows of x per program (all of them, 16 to 128, unless the tiling says) and the launch's keyword arguments,
+    the same for both kernels."""
+    block_m = tiling.block_m or max(16, min(128, 1 << (x_MK.shape[0] - 1).bit_length()))
+    options = dict(
+        BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SWAP=tiling.swap,
+        PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32", WIDEN=x_MK.device.type != "cuda",
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )  # fmt: skip
+    return block_m, options
 
 
 def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,13 +173,11 @@ def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Te
     if out is None:
         shape, dtype = ((M, N), x_MK.dtype) if S == 1 else ((S, M, N), torch.float32)
         out = torch.empty(shape, dtype=dtype, device=x_MK.device)
-    block_m = tiling.block_m or max(16, min(128, 1 << (M - 1).bit_length()))
-    precision = "ieee" if x_MK.dtype == torch.float32 else "tf32"
+    block_m, options = _launch_options(x_MK, tiling)
     grid = (N // tiling.block_n, S, -(-M // block_m))
     _kernel()[grid](
         x_MK, w_NK, out, M, K // S, x_MK.stride(0), w_NK.stride(0), out.stride(0) if S > 1 else 0, out.stride(-2),
-        BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SWAP=tiling.swap, PRECISION=precision,
-        WIDEN=x_MK.device.type != "cuda", num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        **options,
     )  # fmt: skip
     return out
 
