@@ -30,7 +30,7 @@ import torch
 from aligner.parallel.device import triton_kernels_unavailable
 
 BLOCK_N = 32  # cache slots per inner step
-FUSED_WRITE_MAX_BATCH = 128  # the engine passes new_kv up to this batch size (measured: docs/PERF.md)
+FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
 NATIVE_PV = True  # probabilities rounded to the cache's 16-bit dtype for the product with V; False: TF32
 
