@@ -8,7 +8,9 @@ Layout of one checkpoint directory:
     <root>/step_000012/rng/rank_K.pt     RNG states per global rank
     <root>/step_000012/manifest.json     every other file's size, written just before state.json
 Every rank writes under `<root>/.tmp-step_000012`; after a barrier rank 0 writes the manifest, then `state.json` last,
-and renames the directory into place, so a directory named `step_*` is always complete when written.
+and renames the directory into place, so a directory named `step_*` is always complete when written. A write that
+fails on any rank (a full disk, a file-size limit, no write access) raises `CheckpointWriteError` on every rank at the
+same point, naming the rank and the cause, with the `.tmp-` directory removed.
 `verify(path)` tells whether it is still intact (a truncated or missing file is named); `latest_checkpoint(root)`
 finds the newest complete one. Which steps of a run the actor and the critic *both* completed is recorded by
 aligner.checkpoint.run (the run's commit record), not here.
@@ -52,6 +54,11 @@ class CheckpointMismatchError(CheckpointError):
     """A tensor is missing, unexpected or has a shape its config does not imply."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a file-size limit, no write access): raised on every rank
+    alike, its partial directory removed, the checkpoints written before it untouched."""
+
+
 # A stored or expected tensor that usually means one ModelConfig key disagrees with the checkpoint.
 _HINTS = (
     ("linear_qkv.bias", "model.add_qkv_bias"),
@@ -65,14 +72,6 @@ _HINTS = (
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    """Ranks wait for one another's files (host-side work): over the host group where there is one."""
-    if dist.is_initialized():
-        from aligner.parallel import host_barrier
-
-        host_barrier()
 
 
 def use_local_results_queue() -> None:
@@ -236,20 +235,24 @@ def save(
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
     if not replace and os.path.isfile(os.path.join(final, "state.json")):
         raise FileExistsError(f"{final} exists and is complete: a checkpoint is never overwritten")
-    if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
-        os.makedirs(os.path.join(tmp, "model"))
-        os.makedirs(os.path.join(tmp, "optim"))
-        os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
-    use_local_results_queue()
-    dist_checkpointing.save(_model_sharded_state(models), os.path.join(tmp, "model"))
-    if optimizer is not None:
-        optimizer.save(os.path.join(tmp, "optim"), _model_sharded_state(models))
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank()}.pt"))
-    _barrier()
-    if _rank() == 0:
+
+    def make_dirs():
+        if _rank() == 0:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+            for part in ("model", "optim", "rng"):
+                os.makedirs(os.path.join(tmp, part))
+
+    def write_shards():
+        use_local_results_queue()
+        dist_checkpointing.save(_model_sharded_state(models), os.path.join(tmp, "model"))
+        if optimizer is not None:
+            optimizer.save(os.path.join(tmp, "optim"), _model_sharded_state(models))
+        torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank()}.pt"))
+
+    def finish():
+        if _rank() != 0:
+            return
         if model_cfg is not None:
             from aligner.config import to_yaml
 
@@ -266,8 +269,64 @@ def save(
         os.replace(tmp, final)
         if keep:
             _prune(root, keep)
-    _barrier()
+
+    # Each part is followed by every rank's word on it (which also stands for the barrier between the parts): a
+    # write that fails on one rank (a full disk, a file-size limit) stops all of them at the same place.
+    for part in (make_dirs, write_shards, finish):
+        _all_succeeded(_attempt(part), final, tmp)
     return final
+
+
+def _attempt(part) -> str | None:
+    """Run one part of a save on this rank: None, or what went wrong (its innermost cause, in one line)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        part()
+    except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+        return _root_cause(exc)
+    return None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error under megatron's and torch's wrappers (a write worker's OSError, say), in one line."""
+    failures = getattr(exc, "failures", None)  # torch's CheckpointException: {rank: (exception, traceback)}
+    if failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+
+
+def _all_succeeded(problem: str | None, final: str, tmp: str) -> None:
+    """Collective: return when every rank's part succeeded; otherwise every rank raises CheckpointWriteError
+    naming the first failed rank's problem, once rank 0 has removed the partial directory."""
+    problems = [problem]
+    if dist.is_initialized():
+        from aligner.parallel import host_group
+
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem, group=host_group())
+    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not failed:
+        return
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_initialized():  # every rank raises with the partial directory gone
+        from aligner.parallel import host_barrier
+
+        host_barrier()
+    rank, what = failed[0]
+    where = f" (global rank {rank})" if len(problems) > 1 else ""
+    try:  # torch's own file writer reports a full disk as a bare "iostream error": the free space tells
+        free = f"; {shutil.disk_usage(os.path.dirname(final)).free / 2**30:.1f} GiB free there now"
+    except OSError:
+        free = ""
+    raise CheckpointWriteError(
+        f"cannot write checkpoint {final}{where}: {what}{free}. Nothing of it is kept and earlier checkpoints are "
+        "intact: free space on that disk (or give write access), or set checkpoint.dir elsewhere, then resume"
+    )
 
 
 def _prune(root: str, keep: int) -> None:

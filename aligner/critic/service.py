@@ -348,7 +348,7 @@ class CriticService:
                 model_cfg=self.cfg.model,
                 replace=False,
             )
-        except FileExistsError as exc:
+        except (FileExistsError, dist_ckpt.CheckpointWriteError) as exc:  # raised on every rank alike
             raise CriticCheckpointError(str(exc)) from exc
         self.base_step, self.trains_since_base = step, 0
         return path

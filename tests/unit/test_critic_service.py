@@ -256,6 +256,32 @@ def test_critic_save_needs_the_runs_next_step_and_never_overwrites(weights, tmp_
         fresh.save(1, "a1")
 
 
+def test_a_failed_critic_save_is_a_checkpoint_refusal_and_can_be_retried(weights, tmp_path):
+    """A real OS write failure (files may not grow past 1 KiB: EFBIG, as a full disk gives ENOSPC) reaches the actor
+    as CriticCheckpointError (one line, exit 2 there), nothing of the step is left, and the same step saves once the
+    limit is lifted (space freed)."""
+    import resource
+    import signal
+
+    from aligner.critic.protocol import CriticCheckpointError
+
+    tokens, lengths, returns, mask = _train_batch()
+    service = _service(weights, tmp_path)
+    service.resume(-1, "a1")
+    values, _ = service.infer(tokens, lengths)
+    service.train(tokens, lengths, returns, values, mask)
+    old_handler, old_limit = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, old_limit[1]))
+    try:
+        with pytest.raises(CriticCheckpointError, match=r"cannot write checkpoint .*step_000001: .*GiB free there now"):
+            service.save(1, "a1")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert os.listdir(service.cfg.checkpoint_dir) == []
+    assert service.save(1, "a1").endswith("step_000001")
+
+
 def test_critic_resume_checks_the_run_and_drops_uncommitted_steps(weights, tmp_path):
     from aligner.critic.protocol import CriticCheckpointError
 
