@@ -1,6 +1,7 @@
 """GPU check (run by hand on a GPU machine, not collected by pytest): megatron's distributed optimizer state
 through aligner.checkpoint.dist_ckpt — save after a step, load into fresh objects, compare weights and the next
-step's result. Prints PASS/FAIL lines.
+step's result; then a save the OS refuses (a file-size limit) is one CheckpointWriteError and leaves nothing.
+Prints PASS/FAIL lines.
 
     python tests/gpu/ckpt_roundtrip.py /tmp/ckpt
 """
@@ -57,6 +58,28 @@ def main(root, distributed=True):
         next_a,
         next_b,
     )
+    write_failure(root, a, dist_ckpt)
+
+
+def write_failure(root, a, dist_ckpt):
+    """A save that the OS refuses (files may not grow past 1 KiB: EFBIG, as a full disk gives ENOSPC) is one
+    CheckpointWriteError with nothing of it left, through megatron's GPU save path; the next save is whole."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+    try:
+        dist_ckpt.save(root, 2, [a.module], a.optimizer, {"x": 2})
+        error = None
+    except dist_ckpt.CheckpointWriteError as exc:
+        error = str(exc)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    left = sorted(n for n in os.listdir(root) if n.endswith("step_000002"))
+    again = dist_ckpt.verify(dist_ckpt.save(root, 2, [a.module], a.optimizer, {"x": 2}))
+    ok = error is not None and error.startswith("cannot write checkpoint") and not left and again is None
+    print("PASS" if ok else "FAIL", "a refused write:", error, "| left:", left, "| saved again:", again)
 
 
 if __name__ == "__main__":
