@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from aligner.families import FamilySpec
-from aligner.generation.native import fp8, splitk, triton_decode
+from aligner.generation.native import fp8, pdl, splitk, triton_decode
 from aligner.generation.native.fused import make_kernels
 
 
@@ -111,6 +111,10 @@ class Decoder:
         # graphs), prefill's for any batch and prompt width (compiled once with symbolic shapes).
         fam, eps, qk_norm = layout.family, layout.norm_eps, layout.qk_norm
         self.k = make_kernels(fam, eps, compile_elementwise, qk_norm, max_batch=max_batch)
+        # decode steps of up to pdl.MAX_BATCH rows: the same kernels compiled for programmatic dependent launch
+        self.k_pdl = self.k
+        if compile_elementwise and pdl.inductor_options(device):
+            self.k_pdl = make_kernels(fam, eps, True, qk_norm, max_batch=max_batch, pdl_device=torch.device(device))
         self.k_prefill = make_kernels(fam, eps, compile_elementwise, qk_norm, prefill=True)
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
@@ -285,6 +289,7 @@ class Decoder:
         B = tokens_B.shape[0]
         lo, kv = self.lo, self.kv
         G, r, D = lo.groups, lo.heads // lo.groups, lo.head_dim
+        k = self.k_pdl if B <= pdl.MAX_BATCH else self.k
         x = self._embed(tokens_B, pos_B)
         # slots past each sample's position: the mask of the matmul and sdpa paths (triton and flash use pos_B)
         beyond_BL = None
@@ -326,7 +331,7 @@ class Decoder:
                     new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD,
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
-            q, kv_new = self.k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
+            q, kv_new = k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
             kv_new = kv_new.to(kv.dtype)
             if not kernel_writes:
@@ -374,10 +379,10 @@ class Decoder:
 
         split_k = self.decode_gemm == "splitk"  # where splitk.tiling_for has a tiling (B <= splitk.MAX_BATCH)
         if self.fp8 is None:
-            return self._linear(self._stack(x, attend, self.k, split_k=split_k), self.w.output_weight)
-        h8, hs = self._stack(x, attend, self.k, self.fp8, split_k)
+            return self._linear(self._stack(x, attend, k, split_k=split_k), self.w.output_weight)
+        h8, hs = self._stack(x, attend, k, self.fp8, split_k)
         w_out, s_out = self.fp8.output
-        return self.k.dq(fp8.matmul(h8, w_out, self.fp8.one), hs, s_out, x.dtype)
+        return k.dq(fp8.matmul(h8, w_out, self.fp8.one), hs, s_out, x.dtype)
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the engine's, with the FP8 copies in place of those they replace)."""

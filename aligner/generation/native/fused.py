@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner.families import FamilySpec
+from aligner.generation.native import pdl
 from aligner.generation.native.fp8 import dequantize, quantize_rows
 
 
@@ -44,13 +45,20 @@ class Kernels:
 
 
 def make_kernels(
-    family: FamilySpec, eps: float, compile_: bool, qk_norm: bool = False, prefill: bool = False, max_batch: int = 64
+    family: FamilySpec,
+    eps: float,
+    compile_: bool,
+    qk_norm: bool = False,
+    prefill: bool = False,
+    max_batch: int = 64,
+    pdl_device: torch.device | None = None,
 ) -> Kernels:
     """The kernels of one family; `compile_` wraps each in torch.compile, for the decode step's fixed shapes (each
     batch size up to `max_batch` its own compilation: allow_recompiles), or with
     `prefill` for any batch and prompt width (symbolic shapes) and with q returned contiguous: prefill's attention
     reads it as [B, H, T, D] without a copy, where a decode step's attention reads the strided view (a separate
-    contiguous q costs the step a second RoPE kernel: measured slower on the H200)."""
+    contiguous q costs the step a second RoPE kernel: measured slower on the H200). With `pdl_device` the decode
+    kernels are compiled for programmatic dependent launch there (aligner.generation.native.pdl), where it can."""
     # The family's traits as plain Python values, read here once: the kernels branch on constants only.
     rms, gated, rope = family.normalization == "RMSNorm", family.gated_mlp, family.rope
     act_fn = family.activation_func()
@@ -117,7 +125,8 @@ def make_kernels(
         wrap = _batch_and_length_dynamic
     else:
         allow_recompiles(max_batch)
-        wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True)  # noqa: E731
+        options = pdl.inductor_options(pdl_device) if pdl_device is not None else {}
+        wrap = lambda fn: torch.compile(fn, dynamic=False, fullgraph=True, options=options or None)  # noqa: E731
     return Kernels(**{name: wrap(fn) for name, fn in plain.items()})
 
 

@@ -27,6 +27,7 @@ from functools import lru_cache
 
 import torch
 
+from aligner.generation.native import pdl
 from aligner.parallel.device import triton_kernels_unavailable
 
 BLOCK_N = 32  # cache slots per inner step
@@ -72,8 +73,11 @@ def _kernels():
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PDL:  # launched early (pdl.py): wait for the qkv projection before reading anything
+            tl.extra.cuda.gdc_wait()
         pos = tl.load(pos_ptr + b)
         # WRITE_NEW: slot pos is not read from the cache; the step's own key and value come from kn/vn, and the
         # program whose range holds pos stores them there (no other program reads that slot: no race).
@@ -116,6 +120,8 @@ def _kernels():
                 pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         if WRITE_NEW:
             if pos // SPLIT_LEN == s:
                 dmask = dims < D
@@ -234,19 +240,21 @@ def decode_attention(
             raise ValueError(f"decode_attention: rope needs cos and sin of shape ({B}, {D}), equal strides")
         rope_stride = cos.stride(0)
     native = keys_BGTD.device.type == "cuda" and keys_BGTD.dtype != torch.float32  # the interpreter: float32 only
+    use_pdl = pdl.wanted(keys_BGTD.device, B)
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
         NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV,
     )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
+    launch = dict(PDL=use_pdl, launch_pdl=True) if use_pdl else dict(PDL=False)  # the merge kernel: plain
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
     precision = "ieee" if keys_BGTD.dtype == torch.float32 else "tf32"
     if splits == 1:
         attend[(B, G, 1)](
             q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, *args, *out.stride()[:3],
             *new_strides, rope_stride, scale,
-            BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common,
+            BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common, **launch,
         )  # fmt: skip
         return out
     acc = torch.empty((B, G, splits, r, D), dtype=torch.float32, device=out.device)
@@ -256,6 +264,7 @@ def decode_attention(
         q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, *args, 0, 0, 0, *new_strides,
         rope_stride, scale,
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
+        **launch,
     )  # fmt: skip
     merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD)
     return out
