@@ -289,14 +289,15 @@ class Decoder:
         B = tokens_B.shape[0]
         lo, kv = self.lo, self.kv
         G, r, D = lo.groups, lo.heads // lo.groups, lo.head_dim
-        k = self.k_pdl if B <= pdl.MAX_BATCH else self.k
+        kernels = self.k_pdl if B <= pdl.MAX_BATCH else self.k
         x = self._embed(tokens_B, pos_B)
         # slots past each sample's position: the mask of the matmul and sdpa paths (triton and flash use pos_B)
         beyond_BL = None
         if self.decode_attention in ("matmul", "sdpa"):
             beyond_BL = self.key_index[:kv_len].unsqueeze(0) > pos_B.unsqueeze(1)
         # The Triton kernel writes the step's key and value itself up to a batch size; elsewhere one scatter per
-        # layer does (same-run on one H200, 1B, docs/PERF.md: decode -4 % at B=64, even at 256, +2.5 % at 512).
+        # layer does (same-run on one H200, 1B, docs/PERF.md: decode -4 % at B=64; with RoPE in the kernel, -1.9 %
+        # at 256 and -1.6 % at 512).
         kernel_writes = self.decode_attention == "triton" and B <= triton_decode.FUSED_WRITE_MAX_BATCH
         # ... and then also applies RoPE to q and the new key itself, reading the qkv projection's rows in place: no
         # RoPE kernel per layer (not with per-head q/k norms, which run before RoPE, nor with a cache of another dtype)
@@ -331,7 +332,7 @@ class Decoder:
                     new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD,
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
-            q, kv_new = k.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv_new [2,B,G,D]
+            q, kv_new = kernels.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
             kv_new = kv_new.to(kv.dtype)
             if not kernel_writes:
@@ -379,10 +380,10 @@ class Decoder:
 
         split_k = self.decode_gemm == "splitk"  # where splitk.tiling_for has a tiling (B <= splitk.MAX_BATCH)
         if self.fp8 is None:
-            return self._linear(self._stack(x, attend, k, split_k=split_k), self.w.output_weight)
-        h8, hs = self._stack(x, attend, k, self.fp8, split_k)
+            return self._linear(self._stack(x, attend, kernels, split_k=split_k), self.w.output_weight)
+        h8, hs = self._stack(x, attend, kernels, self.fp8, split_k)
         w_out, s_out = self.fp8.output
-        return k.dq(fp8.matmul(h8, w_out, self.fp8.one), hs, s_out, x.dtype)
+        return kernels.dq(fp8.matmul(h8, w_out, self.fp8.one), hs, s_out, x.dtype)
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the engine's, with the FP8 copies in place of those they replace)."""
