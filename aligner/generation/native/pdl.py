@@ -3,17 +3,15 @@
 A decode step is a chain of ~120 short kernels, each reading what the one before wrote. Launched with PDL, a kernel's
 programs may start while the kernel before it is still finishing; each first waits in `gdc_wait` until that kernel
 has completed and its writes are visible, so the results are the same, and only the launch and the previous
-kernel's tail overlap. A program may do before the wait only what does not depend on the previous kernel: the
-split-K and gated GEMMs can prefetch the start of their weight slab into L2 there (weights are never written during
-a step; `splitk.PREFETCH_K`, off: see below). Each of our kernels lets the next one launch (`gdc_launch_dependents`)
-once its main loop is done. The compiled elementwise kernels of a decode step get the same from inductor (its
+kernel's tail overlap. Each of our kernels lets the next one launch (`gdc_launch_dependents`) once its main loop is
+done. The compiled elementwise kernels of a decode step get the same from inductor (its
 `triton.enable_pdl` option) where this PyTorch has it; cuBLAS's GEMMs take no part (the kernel after one starts when
 it has finished, as without PDL).
 
 Only decode steps of up to MAX_BATCH rows take it: on the H200 (docs/PERF.md, "Sixteenth session") it made steps of
 64 rows 3.7-3.9 % faster and steps of 256 rows 1.2 % slower, where the split-K and gated GEMMs (splitk.py) are not
-used. The L2 prefetch before the wait (`splitk.PREFETCH_K` columns per weight row) measured slower than none (512
-columns: +1 %, 2048: +19 % at 64 rows), so it is off (0); it stays as a setting for other GPUs and shapes.
+used. Prefetching the start of each GEMM program's weight slab into L2 before the wait measured slower than none
+(512 columns: +1 %, 2048: +19 % at 64 rows) and is not done.
 `ENABLED` switches it for kernels built after the change (the engine decides when it builds).
 """
 

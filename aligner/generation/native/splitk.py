@@ -42,45 +42,21 @@ class Tiling:
         return n % self.block_n == 0 and k % (self.splits * self.block_k) == 0
 
 
-PREFETCH_K = 0  # with PDL: columns of each weight row a program prefetches into L2 before its wait (pdl.py)
-
-
-@lru_cache(maxsize=1)
-def _prefetch():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        """One L2 prefetch per address (each address a 128-byte line of the weight), kept there ahead of the
-        streaming reads (evict_last)."""
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-
-    return _prefetch_l2
-
-
 @lru_cache(maxsize=1)
 def _kernel():
     import triton
     import triton.language as tl
 
-    _prefetch_l2 = _prefetch()
-
     @triton.jit
     def splitk_gemm(  # "gemm" in the name: profiles count it with the GEMMs (aligner.utils.profiling.kind_of)
         x_ptr, w_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-        PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         n0, s, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1), tl.program_id(2) * BLOCK_M
         rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
         k0 = s * K_SPLIT
-        if PDL:  # the slab's first PREFETCH columns into L2 while the previous kernel finishes, then wait for it
-            if PREFETCH > 0:
-                _prefetch_l2(w_ptr + cols[:, None] * sw_n + (k0 + tl.arange(0, PREFETCH // 64) * 64)[None, :])
+        if PDL:  # launched early (pdl.py): wait for the kernel that wrote x
             tl.extra.cuda.gdc_wait()
         x_tile = x_ptr + rows[:, None] * sx_m + (k0 + ks)[None, :]
         w_tile = w_ptr + cols[:, None] * sw_n + (k0 + ks)[None, :]
@@ -115,24 +91,18 @@ def _gated_kernel():
     import triton
     import triton.language as tl
 
-    _prefetch_l2 = _prefetch()
-
     @triton.jit
     def gated_gemm(  # a gated MLP's fc1 and its SwiGLU in one: silu(x @ Wg^T) * (x @ Wu^T), W = [Wg; Wu]
         x_ptr, w_ptr, out_ptr, M, K, F, sx_m, sw_n, so_m,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-        PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         n0, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(2) * BLOCK_M
         rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
         x_tile = x_ptr + rows[:, None] * sx_m + ks[None, :]
         g_tile = w_ptr + cols[:, None] * sw_n + ks[None, :]  # the gate's rows n0.. and the up rows F + n0..
         u_tile = g_tile + F * sw_n
-        if PDL:  # as in splitk_gemm: both halves' first PREFETCH columns into L2, then wait for the previous kernel
-            if PREFETCH > 0:
-                lines = (tl.arange(0, PREFETCH // 64) * 64)[None, :]
-                _prefetch_l2(w_ptr + cols[:, None] * sw_n + lines)
-                _prefetch_l2(w_ptr + (F + cols)[:, None] * sw_n + lines)
+        if PDL:  # as in splitk_gemm
             tl.extra.cuda.gdc_wait()
         row_ok = (rows < M)[:, None]
         if SWAP:
@@ -180,21 +150,21 @@ def gated_matmul(x_MK: torch.Tensor, w_2FK: torch.Tensor, tiling: Tiling, out: t
         raise ValueError(f"splitk.gated_matmul: F={F}, K={K} do not fit {tiling} (one split)")
     if out is None:
         out = torch.empty((M, F), dtype=x_MK.dtype, device=x_MK.device)
-    block_m, options = _launch_options(x_MK, tiling, K)
+    block_m, options = _launch_options(x_MK, tiling)
     grid = (F // tiling.block_n, 1, -(-M // block_m))
     _gated_kernel()[grid](x_MK, w_2FK, out, M, K, F, x_MK.stride(0), w_2FK.stride(0), out.stride(0), **options)
     return out
 
 
-def _launch_options(x_MK: torch.Tensor, tiling: Tiling, k_per_program: int) -> tuple[int, dict]:
+def _launch_options(x_MK: torch.Tensor, tiling: Tiling) -> tuple[int, dict]:
     """Rows of x per program (all of them, 16 to 128, unless the tiling says) and the launch's keyword arguments,
-    the same for both kernels (`k_per_program`: the length of each program's K range, for the PDL prefetch)."""
+    the same for both kernels."""
     block_m = tiling.block_m or max(16, min(128, 1 << (x_MK.shape[0] - 1).bit_length()))
     use_pdl = pdl.wanted(x_MK.device, x_MK.shape[0])
     options = dict(
         BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SWAP=tiling.swap,
         PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32", WIDEN=x_MK.device.type != "cuda",
-        PDL=use_pdl, PREFETCH=min(PREFETCH_K, 1 << (k_per_program.bit_length() - 1)) if k_per_program >= 64 else 0,
+        PDL=use_pdl,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
     if use_pdl:
@@ -216,7 +186,7 @@ def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Te
     if out is None:
         shape, dtype = ((M, N), x_MK.dtype) if S == 1 else ((S, M, N), torch.float32)
         out = torch.empty(shape, dtype=dtype, device=x_MK.device)
-    block_m, options = _launch_options(x_MK, tiling, K // S)
+    block_m, options = _launch_options(x_MK, tiling)
     grid = (N // tiling.block_n, S, -(-M // block_m))
     _kernel()[grid](
         x_MK, w_NK, out, M, K // S, x_MK.stride(0), w_NK.stride(0), out.stride(0) if S > 1 else 0, out.stride(-2),
