@@ -8,7 +8,15 @@ from generation_reference import candidate_mask
 
 from aligner.config.errors import ConfigError
 from aligner.generation import GenerationConfig, SamplingParams, validate_generation
-from aligner.generation.native.sampling import sample_tokens, select_tokens, token_logprobs, uniforms_for_seeds
+from aligner.generation.native.sampling import (
+    choose_and_record,
+    gumbel_noise,
+    keys_for_seeds,
+    sample_tokens,
+    select_tokens,
+    token_logprobs,
+    uniforms_for_seeds,
+)
 
 
 def _logits_of(probs):
@@ -83,6 +91,42 @@ def test_draws_stay_inside_the_mask_and_follow_its_distribution(top_k, top_p):
     assert (counts / n - expected).abs().max() < 0.018
 
 
+def test_gumbel_race_draws_follow_softmax_and_depend_only_on_key_step_and_token():
+    """Plain sampling (select_tokens without top-k/top-p): argmax(logits / T + g) with the hashed Gumbel noise draws
+    each token with its softmax probability, never a banned token; the noise of a sample depends on its key, the
+    step and the token only, and successive steps of one key draw independently."""
+    V, n = 12, 40000
+    logits = (torch.randn(1, V, generator=torch.Generator().manual_seed(2)) * 1.5).expand(n, V).contiguous()
+    end = torch.zeros(V, dtype=torch.bool)
+    end[3] = True
+    state = dict(
+        logits_BV=logits, vocab_size=V, temperature=torch.tensor(0.8), u_BR=torch.zeros(n, 4),
+        key_B=keys_for_seeds(range(1000, 1000 + n)), step_t=torch.tensor([1]), min_new_t=torch.tensor([5]),
+        top_p=torch.tensor(1.0), end_mask_V=end, ended_B=torch.zeros(n, dtype=torch.bool), pad_t=torch.tensor(0),
+    )  # fmt: skip
+    tokens, logp, _, _ = select_tokens(**state, greedy=False, top_k=0, use_top_p=False)
+    counts = torch.bincount(tokens, minlength=V).double()
+    assert counts[3] == 0, "a banned token was drawn"
+    probs = torch.softmax(logits[0].double() / 0.8, -1).masked_fill(end, 0.0)
+    expected = probs / probs.sum()
+    assert (counts / n - expected).abs().max() < 0.0125  # 5 standard errors of a frequency (at most 0.0025)
+    torch.testing.assert_close(logp, token_logprobs(logits, tokens, torch.tensor(0.8)))
+    # the next step of the same keys: independent of this one (joint frequencies = products of the marginals)
+    state["step_t"] = torch.tensor([2])
+    again, _, _, _ = select_tokens(**state, greedy=False, top_k=0, use_top_p=False)
+    first, second = tokens == int(expected.argmax()), again == int(expected.argmax())
+    p1, p2 = first.double().mean(), second.double().mean()
+    assert abs((first & second).double().mean() - p1 * p2) < 0.0125 and not torch.equal(tokens, again)
+    # a sample's noise: its own key, step and token; other rows and the vocabulary's size change nothing
+    keys = keys_for_seeds([5, 6, 2**63 + 5])
+    g = gumbel_noise(keys, torch.tensor([3]), V)
+    assert torch.equal(gumbel_noise(keys[[2, 0]], torch.tensor([3]), V + 4)[:, :V], g[[2, 0]])
+    assert not torch.equal(g[0], g[2]) and not torch.equal(g[0], gumbel_noise(keys, torch.tensor([4]), V)[0])
+    # standard Gumbel over many draws: mean = Euler's constant, variance = pi^2 / 6
+    many = gumbel_noise(keys_for_seeds(range(2000)), torch.tensor([0]), 500).double()
+    assert abs(many.mean() - 0.5772) < 0.01 and abs(many.var() - math.pi**2 / 6) < 0.03
+
+
 def test_uniforms_depend_only_on_the_seed():
     a = uniforms_for_seeds([7, 8, 9], 6)
     b = uniforms_for_seeds([9, 7], 6)
@@ -140,6 +184,7 @@ def _step_state(B=6, V_pad=64, V=60, seed=0):
         vocab_size=V,
         temperature=torch.tensor(0.8),
         u_BR=torch.rand(B, 5, generator=g),
+        key_B=keys_for_seeds(range(seed * B, seed * B + B)),
         step_t=torch.tensor([2]),
         min_new_t=torch.tensor([0]),
         top_p=torch.tensor(0.9),
@@ -164,6 +209,37 @@ def test_select_tokens_records_a_step():
     assert tok[0] not in (3, 7) and ended.tolist() == [False, True] + [False] * 4
 
 
+def _record_state(B=6, R=5, seed=0):
+    """The engine's step state beside _step_state's inputs: outputs, lengths, current tokens and positions, as the
+    engine passes them: the first B rows of buffers built for more."""
+    g = torch.Generator().manual_seed(100 + seed)
+    Bm = B + 2
+    return dict(
+        out_tokens_BR=torch.randint(0, 60, (Bm, R), generator=g)[:B],
+        out_logp_BR=torch.randn(Bm, R, generator=g)[:B],
+        lengths_B=torch.randint(0, 3, (Bm,), generator=g)[:B],
+        cur_tok_B=torch.randint(0, 60, (Bm,), generator=g)[:B],
+        pos_B=torch.randint(5, 9, (Bm,), generator=g)[:B],
+    )
+
+
+def test_choose_and_record_writes_the_step_into_the_state():
+    """The decode step's choice and bookkeeping in one function: column step_t of the outputs gets the chosen
+    tokens and log-probs (nothing else changes there), active samples count, ended samples stay ended, positions
+    and the step counter advance by one."""
+    state, record = _step_state(), _record_state()
+    before = {k: v.clone() for k, v in {**state, **record}.items() if isinstance(v, torch.Tensor)}
+    tok, logp, active, ended = select_tokens(**state, greedy=True, top_k=0, use_top_p=False)
+    choose_and_record(**state, **record, greedy=True, top_k=0, use_top_p=False)
+    assert torch.equal(record["out_tokens_BR"][:, 2], tok) and torch.equal(record["out_logp_BR"][:, 2], logp)
+    others = [0, 1, 3, 4]
+    assert torch.equal(record["out_tokens_BR"][:, others], before["out_tokens_BR"][:, others])
+    assert torch.equal(record["out_logp_BR"][:, others], before["out_logp_BR"][:, others])
+    assert torch.equal(record["lengths_B"], before["lengths_B"] + active)
+    assert torch.equal(state["ended_B"], ended) and torch.equal(record["cur_tok_B"], tok)
+    assert torch.equal(record["pos_B"], before["pos_B"] + 1) and state["step_t"].tolist() == [3]
+
+
 @pytest.mark.parametrize(
     "mode", [(True, 0, False), (False, 0, False), (False, 8, False), (False, 0, True), (False, 8, True)]
 )
@@ -182,3 +258,14 @@ def test_compiled_select_tokens_equals_eager(mode):
         got = compiled(**state, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    # what the engine compiles: the choice with the step's bookkeeping, its state written in place
+    compiled = torch.compile(choose_and_record, dynamic=False, fullgraph=True)
+    for seed in range(2):
+        eager_state, eager_record = _step_state(seed=seed), _record_state(seed=seed)
+        state, record = _step_state(seed=seed), _record_state(seed=seed)
+        choose_and_record(**eager_state, **eager_record, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+        compiled(**state, **record, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+        for name in ("step_t", "ended_B"):
+            assert torch.equal(state[name], eager_state[name])
+        for name, want in eager_record.items():
+            torch.testing.assert_close(record[name], want, rtol=0, atol=1e-5)

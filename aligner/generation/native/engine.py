@@ -31,9 +31,9 @@ import torch
 from aligner.config.generation import GenerationConfig
 from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
-from aligner.generation.native import fp8, splitk, triton_decode
+from aligner.generation.native import fp8, pdl, splitk, triton_decode
 from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unavailable
-from aligner.generation.native.sampling import select_tokens, uniforms_for_seeds
+from aligner.generation.native.sampling import choose_and_record, keys_for_seeds, uniforms_for_seeds
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
 from aligner.models.dtypes import torch_dtype
 from aligner.parallel.device import triton_available
@@ -146,8 +146,15 @@ class NativeEngine:
             decode_fp8=decode_fp8,
             decode_gemm=decode_gemm,
         )
-        # The token choice of a step: its passes over [B, V] fused into a few kernels where the layers' are
-        self._select = torch.compile(select_tokens, dynamic=False, fullgraph=True) if compile_ else select_tokens
+        # The token choice of a step and its bookkeeping: fused into a few kernels where the layers' are (and, as
+        # theirs, compiled a second time for steps of up to pdl.MAX_BATCH rows: programmatic dependent launch)
+        self._choose = self._choose_pdl = choose_and_record
+        if compile_:
+            self._choose = torch.compile(choose_and_record, dynamic=False, fullgraph=True)
+            self._choose_pdl = self._choose
+            options = pdl.inductor_options(self.device)
+            if options:
+                self._choose_pdl = torch.compile(choose_and_record, dynamic=False, fullgraph=True, options=options)
         self.tp_group, self.tp = group, tp
         # Ranks that must draw identical tokens: the TP group, and with PP > 1 the whole model-parallel group.
         self.seed_group = mp_group if mp_group is not None else (group if tp > 1 else None)
@@ -190,7 +197,8 @@ class NativeEngine:
         self.lengths_B = torch.zeros(Bm, dtype=torch.long, device=dev)
         self.out_tokens_BR = torch.zeros(Bm, R, dtype=torch.long, device=dev)
         self.out_logp_BR = torch.zeros(Bm, R, dtype=torch.float32, device=dev)
-        self.u_BR = torch.zeros(Bm, R, dtype=torch.float32, device=dev)
+        self.u_BR = torch.zeros(Bm, R, dtype=torch.float32, device=dev)  # top-k / top-p: inverse CDF
+        self.key_B = torch.zeros(Bm, dtype=torch.long, device=dev)  # plain sampling: the Gumbel noise's keys
         self.end_mask_V = torch.zeros(self.layout.vocab_size, dtype=torch.bool, device=dev)
         self.temperature_t = torch.ones((), dtype=torch.float32, device=dev)
         self.top_p_t = torch.ones((), dtype=torch.float32, device=dev)
@@ -201,29 +209,28 @@ class NativeEngine:
     def _sample_and_record(self, logits_local_BV: torch.Tensor, B: int, mode: tuple) -> None:
         """Draw token `step_t` for every sample and update the state; device-only (graph-safe)."""
         greedy, top_k, use_top_p = mode
-        tok_B, logp_B, active_B, ended_B = self._select(
+        choose = self._choose_pdl if B <= pdl.MAX_BATCH else self._choose
+        choose(
             self.decoder.gather_vocab(logits_local_BV),
             self.layout.vocab_size,
             self.temperature_t,
             self.u_BR[:B],
+            self.key_B[:B],
             self.step_t,
             self.min_new_t,
             self.top_p_t,
             self.end_mask_V,
             self.ended_B[:B],
             self.pad_t,
+            self.out_tokens_BR[:B],
+            self.out_logp_BR[:B],
+            self.lengths_B[:B],
+            self.cur_tok_B[:B],
+            self.pos_B[:B],
             greedy=greedy,
             top_k=top_k,
             use_top_p=use_top_p,
         )
-        step_B1 = self.step_t.expand(B).unsqueeze(1)
-        self.out_tokens_BR[:B].scatter_(1, step_B1, tok_B.unsqueeze(1))
-        self.out_logp_BR[:B].scatter_(1, step_B1, logp_B.unsqueeze(1))
-        self.lengths_B[:B] += active_B
-        self.ended_B[:B] = ended_B
-        self.cur_tok_B[:B] = tok_B
-        self.pos_B[:B] += 1
-        self.step_t += 1
 
     def _decode_step(self, B: int, kv_len: int, mode: tuple) -> None:
         logits = self.decoder.decode(self.cur_tok_B[:B], self.pos_B[:B], kv_len)
@@ -328,8 +335,13 @@ class NativeEngine:
         ends = sampling.end_token_ids()
         if ends:
             self.end_mask_V[torch.tensor(ends, device=self.device)] = True
-        if not sampling.greedy:
-            self.u_BR[:B, :max_new] = uniforms_for_seeds(self._seeds(sampling, B), max_new).to(self.device)
+        if sampling.greedy:
+            return
+        seeds = self._seeds(sampling, B)
+        if 0 < sampling.top_k < self.layout.vocab_size or sampling.top_p < 1.0:  # select_tokens' inverse CDF
+            self.u_BR[:B, :max_new] = uniforms_for_seeds(seeds, max_new).to(self.device)
+        else:
+            self.key_B[:B] = keys_for_seeds(seeds).to(self.device)
 
     def _seeds(self, sampling: SamplingParams, B: int) -> list[int]:
         if sampling.seeds is not None:
@@ -391,7 +403,9 @@ class NativeEngine:
             ptrs.update(self.decoder.fp8.data_ptrs())
         if self.decoder.kv is not None:
             ptrs["kv_cache"] = self.decoder.kv.data_ptr()
-        for name in ("cur_tok_B", "pos_B", "step_t", "ended_B", "lengths_B", "out_tokens_BR", "out_logp_BR", "u_BR"):
+        for name in (
+            "cur_tok_B", "pos_B", "step_t", "ended_B", "lengths_B", "out_tokens_BR", "out_logp_BR", "u_BR", "key_B",
+        ):  # fmt: skip
             ptrs[name] = getattr(self, name).data_ptr()
         return ptrs
 
