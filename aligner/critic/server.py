@@ -292,6 +292,10 @@ def _answers(endpoint):
     return call
 
 
+class _TritonExited(Exception):
+    """Raised in the Triton start thread when tritonserver exited while PyTriton was still waiting for it."""
+
+
 class _StopBeforeReady(Exception):
     """SIGTERM/SIGINT while the service was still being built."""
 
@@ -491,18 +495,47 @@ class CriticServer:
         try:
             self._triton.run()
         except Exception as exc:
-            try:
-                check_ports_free(s)  # taken since the first check? Triton reports that as a misleading 403
-            except PortInUseError as port_exc:
-                raise port_exc from exc
-            taken = port_taken_line(self.cfg.triton_log_file)  # held for a moment only (e.g. an outgoing connection)
-            if taken:
-                raise PortInUseError(
-                    f"Triton could not bind a port that was free a moment before ({taken}): another program took it."
-                    " Start again, or pick other ports with server.port=..."
-                ) from exc
-            raise TritonStartError(f"Triton failed to start: {exc!r}; see {self.cfg.triton_log_file}") from exc
+            raise self._start_failure(exc) from exc
         self._check_endpoints()
+
+    def _start_failure(self, exc: Exception) -> Exception:
+        """The error that explains a failed Triton start (`exc`: PyTriton's, or _TritonExited): a port another
+        program took (PortInUseError: the local launcher starts again on other ports), else TritonStartError."""
+        try:
+            check_ports_free(self.cfg.server)  # taken since the first check? Triton reports that as a misleading 403
+        except PortInUseError as port_exc:
+            return port_exc
+        taken = port_taken_line(self.cfg.triton_log_file)  # held for a moment only (e.g. an outgoing connection)
+        if taken:
+            return PortInUseError(
+                f"Triton could not bind a port that was free a moment before ({taken}): another program took it."
+                " Start again, or pick other ports with server.port=..."
+            )
+        if isinstance(exc, _TritonExited):
+            return TritonStartError(self._triton_death_reason())
+        return TritonStartError(f"Triton failed to start: {exc!r}; see {self.cfg.triton_log_file}")
+
+    def _tritonserver_exited(self) -> bool:
+        """Whether the tritonserver process was started and has exited (best effort: PyTriton keeps its handle
+        private; False where it cannot be read)."""
+        server = getattr(self._triton, "_triton_server", None)
+        running = getattr(server, "_tritonserver_running_cmd", None)
+        try:
+            return running is not None and not running.is_alive()
+        except Exception:  # noqa: BLE001 - an internal of PyTriton's that changed: no answer
+            return False
+
+    def _wait_for_start(self) -> BaseException | None:
+        """Wait for the Triton start thread and return its error (None: started). When tritonserver exits before
+        it is ready (a port another program took after the port check), PyTriton keeps polling its HTTP port for up
+        to two minutes, holding the lock its stop() needs; the exit is noticed here instead, and the start thread is
+        interrupted (_TritonExited), so that the start fails at once with the reason."""
+        interrupted = False
+        while not self._starting.done.wait(0.2):
+            if not interrupted and self._tritonserver_exited():
+                self._starting.interrupt(_TritonExited)
+                interrupted = True
+        return self._starting.error
 
     def _check_endpoints(self) -> None:
         """Answer through the printed URL before announcing it (catches a host name that does not reach us)."""
@@ -668,12 +701,13 @@ class CriticServer:
         try:
             # tritonserver carries a parent-death signal (PyTriton's): started from a thread that stays.
             self._starting = ParentThread(self._start_triton, "critic-triton-start")
+            start_error = None
             try:
                 self.service = build_service()
             finally:
                 self._building = False
                 if self._starting is not None:
-                    self._starting.done.wait()
+                    start_error = self._wait_for_start()
         except BaseException as exc:
             # The other ranks are not serving yet (they failed alike, or were stopped by the same signal): no OP_STOP.
             self._shutdown(1, tell_ranks=False)
@@ -687,8 +721,8 @@ class CriticServer:
         self._service_ready.set()
         code = 1
         try:
-            if self._starting.error is not None:
-                raise self._starting.error
+            if start_error is not None:
+                raise start_error
             world = dist.get_world_size() if dist.is_initialized() else 1
             from megatron.core import parallel_state as ps
 

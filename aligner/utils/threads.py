@@ -7,6 +7,7 @@ it in the background while it builds its models; so the starting thread stays, a
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Callable
 
@@ -19,7 +20,14 @@ class ParentThread:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self._start = start
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def interrupt(self, exc_type: type[Exception]) -> None:
+        """Raise `exc_type` in the thread while `start()` still runs (at its next Python instruction: a wait in C
+        code ends first), so that it returns early through its own error handling."""
+        if not self.done.is_set():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread.ident), ctypes.py_object(exc_type))
 
     def _run(self) -> None:
         try:

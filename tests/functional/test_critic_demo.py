@@ -121,6 +121,34 @@ def test_tritonserver_death_ends_the_job_with_the_reason(tmp_path):
             server.kill()
 
 
+def test_tritonserver_exiting_before_it_is_ready_fails_the_start_at_once(tmp_path):
+    """tritonserver exits before it is ready (as when another program takes one of its ports after the port check;
+    here it is killed as soon as it appears). PyTriton alone keeps polling its HTTP port for 120 s; the critic notices
+    the exit, names it, exits 1 and leaves nothing behind, well inside the 60 s this test waits."""
+    server = ServerProcess(["--config-name", "ppo_critic_demo", f"server.port={free_ports(3)}", f"exp_dir={tmp_path}"])
+    seen, folders, killed = {}, set(), False
+    try:
+        while server.proc.poll() is None and not killed:
+            procs = server.descendants()
+            seen.update((p.pid, p) for p in procs)
+            folders |= triton_workspaces(procs)
+            for p in procs:
+                if p.name() == "tritonserver":
+                    p.kill()
+                    killed = True
+            time.sleep(0.05)
+        assert killed, server.output[-3000:]
+        code = server.wait_exit(60)
+        assert code == 1, server.output[-3000:]
+        assert "tritonserver (or an endpoint's python stub) exited unexpectedly" in server.output, server.output[-3000:]
+        assert "not ready after timeout" not in server.output and "Traceback" not in server.output
+        assert wait_gone(list(seen.values())) == []
+        assert folders and not any(os.path.exists(f) for f in folders)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
 @pytest.mark.parametrize(
     "override, text",
     [("reward_fn=missing.py", "config error at 'reward_fn'"), ("server.port=70000", "outside 1..65535")],
