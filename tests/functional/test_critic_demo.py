@@ -149,6 +149,31 @@ def test_tritonserver_exiting_before_it_is_ready_fails_the_start_at_once(tmp_pat
             server.kill()
 
 
+def test_sigterm_while_the_critic_starts_stops_it_cleanly(tmp_path):
+    """SIGTERM as soon as tritonserver appears (the models are being built meanwhile, or Triton still loads its
+    endpoints): exit 0, the signal named, no process, workspace or model folder left."""
+    server = ServerProcess(["--config-name", "ppo_critic_demo", f"server.port={free_ports(3)}", f"exp_dir={tmp_path}"])
+    seen, folders, signalled = {}, set(), False
+    try:
+        while server.proc.poll() is None:
+            procs = server.descendants()
+            seen.update((p.pid, p) for p in procs)
+            folders |= triton_workspaces(procs) | stub_model_folders(procs)
+            if not signalled and any(p.name() == "tritonserver" for p in procs):
+                server.signal(signal.SIGTERM)
+                signalled = True
+            time.sleep(0.05)
+        assert signalled, server.output[-3000:]
+        assert server.wait_exit(60) == 0, server.output[-3000:]
+        assert "SIGTERM received" in server.output and "Traceback" not in server.output
+        assert "critic server ready" not in server.output  # stopped before it was announced
+        assert wait_gone(list(seen.values())) == []
+        assert folders and not any(os.path.exists(f) for f in folders)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+
+
 @pytest.mark.parametrize(
     "override, text",
     [("reward_fn=missing.py", "config error at 'reward_fn'"), ("server.port=70000", "outside 1..65535")],
