@@ -293,7 +293,7 @@ class NativeEngine:
 
         if self.use_graphs:
             self._ensure_graphs(B, prompt_max, max_new, mode)
-        self._set_sampling(sampling, B, max_new)
+        self._set_sampling(sampling, B, max_new, inverse_cdf=bool(top_k) or mode[2])
         self.ended_B.zero_()
         self.lengths_B.zero_()
         self.step_t.zero_()
@@ -326,7 +326,8 @@ class NativeEngine:
             ended_B=self.ended_B[:B].clone(),
         )
 
-    def _set_sampling(self, sampling: SamplingParams, B: int, max_new: int) -> None:
+    def _set_sampling(self, sampling: SamplingParams, B: int, max_new: int, inverse_cdf: bool) -> None:
+        """The call's sampling state; `inverse_cdf` (top-k or top-p): each sample's uniforms, else its Gumbel key."""
         self.temperature_t.fill_(float(sampling.temperature))
         self.top_p_t.fill_(float(sampling.top_p))
         self.min_new_t.fill_(int(sampling.min_new_tokens))
@@ -338,7 +339,7 @@ class NativeEngine:
         if sampling.greedy:
             return
         seeds = self._seeds(sampling, B)
-        if 0 < sampling.top_k < self.layout.vocab_size or sampling.top_p < 1.0:  # select_tokens' inverse CDF
+        if inverse_cdf:
             self.u_BR[:B, :max_new] = uniforms_for_seeds(seeds, max_new).to(self.device)
         else:
             self.key_B[:B] = keys_for_seeds(seeds).to(self.device)

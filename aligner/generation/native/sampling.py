@@ -78,12 +78,12 @@ def sample_tokens(
     return pick if index_BK is None else index_BK.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
 
 
-M32 = 0xFFFF_FFFF
+_M32 = 0xFFFF_FFFF
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
     """(h * c) mod 2**32 for int64 h in [0, 2**32) and a constant c < 2**32, without overflowing int64."""
-    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & M32
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
@@ -98,8 +98,8 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 
 def keys_for_seeds(seeds: list[int]) -> torch.Tensor:
     """int64 [B] keys in [0, 2**32) for gumbel_noise, one per seed (all 64 bits of it count)."""
-    lo = torch.tensor([int(s) & M32 for s in seeds], dtype=torch.int64)
-    hi = torch.tensor([(int(s) >> 32) & M32 for s in seeds], dtype=torch.int64)
+    lo = torch.tensor([int(s) & _M32 for s in seeds], dtype=torch.int64)
+    hi = torch.tensor([(int(s) >> 32) & _M32 for s in seeds], dtype=torch.int64)
     return _mix32(lo ^ _mix32(hi ^ 0x2545_F491))
 
 
