@@ -3,8 +3,11 @@
 Ports are drawn outside the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by
 default): a port found free there can be handed to any outgoing connection of another process (gloo's rendezvous
 opens dozens) in the moment before our server binds it, which made a critic's Triton fail to start on a busy 2-core
-machine ("failed to start Metrics service: ... already in use"). Below that range only programs that bind a fixed
-port compete. The draw is random from the OS's entropy, not from `random` (jobs seed it alike).
+machine ("failed to start Metrics service: ... already in use"). Outside it only programs that bind a fixed port
+compete, and the Slurm launchers are such programs: they take 20000 + (job id % 1270) x 10 + 0..5 (SLURM_PORTS), so
+the pool lies above the ephemeral range (61000-65535 by default), else between the two, and overlaps the launchers'
+ports only where nothing else is left (a CI run had a test's critic answer on a Slurm job's port). The draw is
+random from the OS's entropy, not from `random` (jobs seed it alike).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import socket
 
 _DRAW = random.SystemRandom()
 LOWEST = 20000  # the pool's floor: above the usual fixed service ports
+SLURM_PORTS = (20000, 32699)  # launchers/slurm/*.sbatch: PORT_BASE = 20000 + (job id % 1270) * 10, up to PORT_BASE + 5
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -27,12 +31,12 @@ def ephemeral_range() -> tuple[int, int]:
 
 
 def _pool(n: int) -> tuple[int, int]:
-    """[first, last] base ports outside the ephemeral range with room for n consecutive ports."""
+    """[first, last] base ports for n consecutive ports outside the ephemeral range: above it, else between the Slurm
+    launchers' ports and it, else below it (module docstring); the first of these with room for a thousand."""
     lo, hi = ephemeral_range()
-    if lo - LOWEST >= 1000 + n:
-        return LOWEST, lo - n
-    if 65535 - hi >= 1000 + n:
-        return hi + 1, 65536 - n
+    for first, last in ((hi + 1, 65535), (SLURM_PORTS[1] + 1, lo - 1), (LOWEST, lo - 1)):
+        if last - first + 1 >= 1000 + n:
+            return first, last - n + 1
     return 1024, 65536 - n  # an unusual range that leaves no room outside: anywhere, checked below
 
 

@@ -8,11 +8,15 @@ import socket
 from aligner.utils import net
 
 
-def test_ports_are_free_and_outside_the_ephemeral_range():
+def test_ports_are_free_and_outside_the_ephemeral_range_and_the_slurm_launchers_ports():
     lo, hi = net.ephemeral_range()
+    slurm_lo, slurm_hi = net.SLURM_PORTS
+    room_above = 65535 - hi >= 1003  # true for the kernel's default range (32768-60999), and on this machine
     for n in (1, 3):
         base = net.free_port_range(n)
         assert all(not lo <= p <= hi for p in range(base, base + n)), (base, lo, hi)
+        if room_above:
+            assert all(not slurm_lo <= p <= slurm_hi for p in range(base, base + n)), base
         for port in range(base, base + n):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("127.0.0.1", port))
@@ -26,6 +30,16 @@ def test_a_taken_port_is_never_returned(monkeypatch):
         for _ in range(20):
             base = net.free_port_range(2)
             assert base in (taken - 3, taken - 2)
+
+
+def test_the_pool_avoids_the_slurm_launchers_ports(monkeypatch):
+    """Above the ephemeral range where it leaves room; else between the launchers' ports and it; else below it."""
+    for (lo, hi), first in (((32768, 60999), 61000), ((40000, 65000), 32700), ((25000, 65000), 20000)):
+        monkeypatch.setattr(net, "ephemeral_range", lambda lo=lo, hi=hi: (lo, hi))
+        pool = net._pool(3)
+        assert pool[0] == first and pool[1] + 2 <= (65535 if first > hi else lo - 1), (lo, hi, pool)
+    # the Slurm launchers' formula stays inside SLURM_PORTS
+    assert 20000 + 1269 * 10 + 5 <= net.SLURM_PORTS[1] and net.SLURM_PORTS[0] == 20000
 
 
 def test_seeding_random_does_not_repeat_the_draw():
