@@ -296,10 +296,6 @@ class _TritonExited(Exception):
     """Raised in the Triton start thread when tritonserver exited while PyTriton was still waiting for it."""
 
 
-class _StopBeforeReady(Exception):
-    """SIGTERM/SIGINT while the service was still being built."""
-
-
 class CriticServer:
     """Rank 0: Triton endpoints -> FIFO queue -> main thread (broadcast, then the service).
 
@@ -309,7 +305,6 @@ class CriticServer:
     def __init__(self, cfg: CriticJobConfig, channel: CommandChannel):
         self.service, self.cfg, self.channel = None, cfg, channel
         self._service_ready = threading.Event()
-        self._building = False
         self._starting = None  # the ParentThread that starts Triton
         self.url = public_url(cfg.server)
         self.endpoints = (protocol.INFER,) if cfg.reward_only else protocol.ENDPOINTS
@@ -425,9 +420,10 @@ class CriticServer:
         job.future.set_result(result)
 
     def _on_signal(self, signum, _frame) -> None:
+        # Recorded only, also during the models' build: serve() stops once the build and Triton's start are done. An
+        # exception raised here would land wherever the main thread is, inside an import too, where it once left the
+        # interpreter's import lock held and Triton's start thread waiting for it forever (seen in a test).
         self._signal = signum
-        if self._building:
-            raise _StopBeforeReady  # out of the models' build: stop now, as the default action would, but cleanly
 
     def _start_triton(self) -> None:
         from pytriton.model_config import ModelConfig, Tensor
@@ -532,7 +528,12 @@ class CriticServer:
         interrupted (_TritonExited), so that the start fails at once with the reason."""
         interrupted = False
         while not self._starting.done.wait(0.2):
-            if not interrupted and self._tritonserver_exited():
+            # only while it sleeps in PyTriton's wait, never inside an import (an exception there leaves the
+            # interpreter's import lock held)
+            frames = self._starting.frames()
+            waiting = any(f.endswith(":wait_for_server_ready") for f in frames)
+            waiting = waiting and not any("importlib" in f for f in frames)
+            if not interrupted and waiting and self._tritonserver_exited():
                 self._starting.interrupt(_TritonExited)
                 interrupted = True
         return self._starting.error
@@ -697,7 +698,6 @@ class CriticServer:
 
         from aligner.utils.threads import ParentThread
 
-        self._building = True
         try:
             # tritonserver carries a parent-death signal (PyTriton's): started from a thread that stays.
             self._starting = ParentThread(self._start_triton, "critic-triton-start")
@@ -705,19 +705,21 @@ class CriticServer:
             try:
                 self.service = build_service()
             finally:
-                self._building = False
                 if self._starting is not None:
                     start_error = self._wait_for_start()
-        except BaseException as exc:
+        except BaseException:
             # The other ranks are not serving yet (they failed alike, or were stopped by the same signal): no OP_STOP.
             self._shutdown(1, tell_ranks=False)
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            if isinstance(exc, _StopBeforeReady):
-                name = signal.Signals(self._signal).name
-                print(f"critic server: {name} received before it was ready, stopped", flush=True)
-                return 0
             raise
+        if self._signal is not None:  # SIGTERM/SIGINT while the models were built or Triton started
+            self._shutdown(0, tell_ranks=False)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            name = signal.Signals(self._signal).name
+            print(f"critic server: {name} received before it was ready, stopped", flush=True)
+            return 0
         self._service_ready.set()
         code = 1
         try:

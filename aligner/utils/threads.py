@@ -29,6 +29,16 @@ class ParentThread:
         if not self.done.is_set():
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread.ident), ctypes.py_object(exc_type))
 
+    def frames(self) -> list[str]:
+        """The thread's current stack as "file:function" entries, innermost first (empty once it ended)."""
+        import sys
+
+        frame, out = sys._current_frames().get(self._thread.ident), []
+        while frame is not None:
+            out.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+            frame = frame.f_back
+        return out
+
     def _run(self) -> None:
         try:
             self._start()
