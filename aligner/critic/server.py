@@ -718,7 +718,7 @@ class CriticServer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             name = signal.Signals(self._signal).name
-            print(f"critic server: {name} received before it was ready, stopped", flush=True)
+            print(f"critic server: {name} received, stopping (before it was ready)", flush=True)
             return 0
         self._service_ready.set()
         code = 1
