@@ -528,12 +528,12 @@ class CriticServer:
         interrupted (_TritonExited), so that the start fails at once with the reason."""
         interrupted = False
         while not self._starting.done.wait(0.2):
+            if interrupted or not self._tritonserver_exited():
+                continue
             # only while it sleeps in PyTriton's wait, never inside an import (an exception there leaves the
             # interpreter's import lock held)
             frames = self._starting.frames()
-            waiting = any(f.endswith(":wait_for_server_ready") for f in frames)
-            waiting = waiting and not any("importlib" in f for f in frames)
-            if not interrupted and waiting and self._tritonserver_exited():
+            if any(f.endswith(":wait_for_server_ready") for f in frames) and not any("importlib" in f for f in frames):
                 self._starting.interrupt(_TritonExited)
                 interrupted = True
         return self._starting.error
