@@ -62,6 +62,7 @@ class BenchArgs:
     decode_attention: str = "auto"  # generation.decode_attention
     decode_weights: str = "same"  # generation.decode_weights (fp8: FP8 MLP/output weights in decode steps)
     decode_gemm: str = "auto"  # generation.decode_gemm (splitk: decode's proj/fc2 by the split-K Triton kernel)
+    kv_dtype: str = "auto"  # generation.kv_dtype (fp8: an e4m3 KV cache)
     ragged: bool = False  # prompt lengths drawn from [prompt_len / 4, prompt_len] (native engine only)
 
 
@@ -172,6 +173,7 @@ def run(args: BenchArgs) -> dict:
         decode_attention=args.decode_attention,
         decode_weights=args.decode_weights,
         decode_gemm=args.decode_gemm,
+        kv_dtype=args.kv_dtype,
     )
     engine = build_engine(gen, cfg, policy)
     bw = copy_bandwidth(device)
@@ -200,6 +202,7 @@ def run(args: BenchArgs) -> dict:
         "engine_dtype": str(engine.weights.dtype),
         "decode_attention": engine.decode_attention,
         "decode_weights": args.decode_weights,
+        "kv_dtype": str(engine.decoder.kv_dtype),
         "decode_gemm": engine.decode_gemm,
         "cuda_graphs": engine.use_graphs,
         "prompt_len": args.prompt_len,
@@ -291,6 +294,7 @@ def format_table(report: dict) -> str:
             f"device {report['device']}, engine {report['engine_dtype']}, cuda_graphs={report['cuda_graphs']}, "
             f"decode attention {report.get('decode_attention', 'matmul')}, "
             f"decode weights {report.get('decode_weights', 'same')}, "
+            f"KV cache {report.get('kv_dtype', 'in the engine dtype')}, "
             f"decode GEMMs {report.get('decode_gemm', 'cublas')}, "
             f"prompt {'up to ' if report.get('ragged') else ''}{report['prompt_len']} + {report['new_tokens']} new "
             f"tokens{' (ragged prompt lengths)' if report.get('ragged') else ''}"

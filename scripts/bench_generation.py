@@ -44,6 +44,12 @@ def main(argv=None) -> int:
         help="generation.decode_weights: fp8 = the MLP and output layer of decode steps in FP8",
     )
     parser.add_argument(
+        "--kv-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="generation.kv_dtype: fp8 = an e4m3 KV cache with a scale per slot and head (Triton decode attention)",
+    )
+    parser.add_argument(
         "--decode-gemm",
         choices=("auto", "cublas", "splitk"),
         default="auto",
@@ -63,6 +69,7 @@ def main(argv=None) -> int:
         profile=a.profile,
         decode_attention=a.decode_attention,
         decode_weights=a.decode_weights,
+        kv_dtype=a.kv_dtype,
         decode_gemm=a.decode_gemm,
         ragged=a.ragged,
     )

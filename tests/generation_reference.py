@@ -115,3 +115,26 @@ def fake_fp8(model, lengths_B, width: int):
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def fp8_kv_cache(model):
+    """Megatron's forward attending to keys and values as an FP8 KV cache holds them (generation.kv_dtype=fp8): each
+    (token, group)'s key and value quantized by triton_decode.quantize_fp8 and dequantized, at every position (the
+    engine's prefill attends to them so too)."""
+    from aligner.generation.native.triton_decode import quantize_fp8
+
+    def dequantized(t):
+        t8, s = quantize_fp8(t)
+        return (t8.float() * s[..., None]).to(t.dtype)
+
+    def hook(module, args):
+        query, key, value, *rest = args
+        return (query, dequantized(key), dequantized(value), *rest)
+
+    handles = [layer.self_attention.core_attention.register_forward_pre_hook(hook) for layer in model.decoder.layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

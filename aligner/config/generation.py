@@ -12,6 +12,7 @@ from typing import Literal
 from aligner.config.rules import check, check_choices
 
 DtypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+KvDtypeChoice = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
 
 
 @dataclass
@@ -21,7 +22,7 @@ class GenerationConfig:
     max_prompt_length: int = 128  # longest prompt in tokens (longer ones: data.long_prompts)
     max_response_length: int = 256  # most tokens generated per response
     dtype: DtypeChoice = "auto"  # engine weights: auto = bfloat16 on GPU, the policy's dtype on CPU
-    kv_dtype: DtypeChoice = "auto"  # auto = the engine's dtype
+    kv_dtype: KvDtypeChoice = "auto"  # auto = the engine's dtype; fp8: e4m3 with per-slot scales (GENERATION.md)
     share_weights: Literal["auto", "on", "off"] = "auto"  # engine reads the policy tensors, no copy (auto: if it can)
     cuda_graphs: bool = True  # capture the decode step on GPU (ignored on CPU)
     compile_elementwise: Literal["auto", "on", "off"] = "auto"  # torch.compile of norms/RoPE/activations (auto: GPU)
@@ -55,6 +56,12 @@ def validate_generation(gen: GenerationConfig, model=None, prefix: str = "genera
         gen.decode_gemm != "splitk" or gen.backend == "native",
         f"{prefix}.decode_gemm",
         "splitk is a setting of the native engine: use backend=native (or decode_gemm=auto)",
+    )
+    check(
+        gen.kv_dtype != "fp8" or (gen.backend == "native" and gen.decode_attention in ("auto", "triton")),
+        f"{prefix}.kv_dtype",
+        "an FP8 cache is read by the native engine's Triton decode attention only: use backend=native and "
+        "decode_attention=triton or auto (or kv_dtype=auto)",
     )
     if model is not None:
         total = gen.max_prompt_length + gen.max_response_length

@@ -4,9 +4,11 @@ Tiny models (2 layers, hidden 64, GQA with 2 KV groups, vocabulary 250 padded to
 kv_block=4 so the decode attention length changes bucket several times within one call.
 """
 
+import contextlib
+
 import pytest
 import torch
-from generation_reference import reference_greedy, training_logprobs
+from generation_reference import fp8_kv_cache, reference_greedy, training_logprobs
 
 from aligner.config.schema import ModelConfig, OptimConfig
 from aligner.families import family
@@ -117,6 +119,8 @@ def _responses(out):
         (QWEN3, "triton"),
         (LLAMA, "triton-splitk"),
         (GPT2, "matmul-splitk"),
+        (LLAMA, "triton-fp8kv"),
+        (QWEN3, "triton-fp8kv"),
     ],
     ids=[
         "llama-matmul",
@@ -131,10 +135,14 @@ def _responses(out):
         "qwen3-triton",
         "llama-triton-splitk",  # split-K proj (fc2's 96 columns: cuBLAS), fc1 + SwiGLU in one kernel; interpreted
         "gpt2-matmul-splitk",  # for proj and fc2, with their row biases
+        "llama-triton-fp8kv",  # an FP8 KV cache (generation.kv_dtype): RoPE and the cache writes by the kernel
+        "qwen3-triton-fp8kv",  # ... the step's key and value from the q/k-norm RoPE kernel, quantized by the kernel
     ],
 )
 def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
-    gemm = "cublas"
+    gemm, kv_dtype = "cublas", "auto"
+    if attention.endswith("-fp8kv"):  # the reference: megatron attending to the FP8 cache's values (fp8_kv_cache)
+        attention, kv_dtype = attention.removesuffix("-fp8kv"), "fp8"
     if attention.endswith("-splitk"):  # decode's proj/fc2 by the split-K Triton kernel (generation.decode_gemm)
         attention, gemm = attention.removesuffix("-splitk"), "splitk"
         pytest.importorskip("triton")
@@ -146,9 +154,10 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
         monkeypatch.setattr(triton_decode, "FUSED_WRITE_MAX_BATCH", 0)
         attention = "triton"
     model = _model(cfg)
-    gen = GenerationConfig(**{**GEN.__dict__, "decode_attention": attention, "decode_gemm": gemm})
+    gen = GenerationConfig(**{**GEN.__dict__, "decode_attention": attention, "decode_gemm": gemm, "kv_dtype": kv_dtype})
     engine = build_engine(gen, cfg, model)
     assert engine.decode_gemm == gemm
+    assert engine.decoder.kv.dtype == (torch.float8_e4m3fn if kv_dtype == "fp8" else torch.float32)
     if gemm == "splitk":  # count the kernel's calls (the real kernel runs): proj, and fc2 where its sizes fit
         from aligner.generation.native import splitk
 
@@ -165,12 +174,16 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
     if gemm == "splitk":  # 11 decode steps (the first token comes from prefill) x 2 layers
         assert len(calls) == 11 * 2 * (2 if cfg.arch == "gpt2" else 1)
         assert len(gated) == (0 if cfg.arch == "gpt2" else 11 * 2)
-    expected = reference_greedy(model, PROMPTS, LENGTHS, 12, V)
+    with fp8_kv_cache(model) if kv_dtype == "fp8" else contextlib.nullcontext():
+        expected = reference_greedy(model, PROMPTS, LENGTHS, 12, V)
+        ref_logp = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)
     assert _responses(out) == expected
     assert out.response_tokens_BR.shape == (4, 12) and out.response_lengths_B.tolist() == [12] * 4
     assert not out.ended_B.any()
-    ref_logp = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)
     torch.testing.assert_close(out.logprobs_BR, ref_logp, rtol=0, atol=2e-5)
+    if kv_dtype == "fp8":  # the quantization is real: megatron's forward without it differs
+        plain = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)
+        assert (plain - ref_logp).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, QWEN3], ids=["llama", "qwen3"])
@@ -469,6 +482,21 @@ def test_flash_and_triton_decode_attention_are_refused_off_cuda(monkeypatch):
     engine = build_engine(GEN, LLAMA, model)
     assert engine.decode_attention == "matmul" and not engine.decoder.seq_major
     assert engine.decode_gemm == "cublas"
+
+
+def test_fp8_kv_cache_needs_the_triton_kernel():
+    """generation.kv_dtype=fp8: only the Triton decode kernel reads such a cache. Another decode_attention is a config
+    mistake named by its key; `auto` where the kernel cannot run (here: the CPU, without the interpreter's explicit
+    `triton`) is refused with the reason instead of falling back to a path that cannot read it."""
+    from aligner.config.generation import validate_generation
+    from aligner.config.rules import ConfigError
+
+    for attention in ("matmul", "sdpa", "flash"):
+        with pytest.raises(ConfigError, match=r"generation.kv_dtype.*decode_attention=triton or auto"):
+            validate_generation(GenerationConfig(kv_dtype="fp8", decode_attention=attention))
+    validate_generation(GenerationConfig(kv_dtype="fp8"))
+    with pytest.raises(ValueError, match=r"generation.kv_dtype=fp8 is not possible here: .*\(CPU\); use kv_dtype=auto"):
+        build_engine(GenerationConfig(**{**GEN.__dict__, "kv_dtype": "fp8"}), LLAMA, _model(LLAMA))
 
 
 def test_prefill_kernels_compile_once_for_every_batch_and_width():

@@ -98,6 +98,72 @@ def test_rope_applied_by_the_kernel(dtype, atol, B, G, r, D, T, splits):
         decode_attention(qkv[:, :, :r], cache[0], cache[1], pos, 1.0, rope=(cos, sin_signed))
 
 
+def test_quantize_fp8_by_hand():
+    """Each row over its own scale amax / 448: the largest entry becomes 448, the others round to e4m3's grid (3
+    mantissa bits); a row of zeros keeps scale 1."""
+    from aligner.generation.native.triton_decode import quantize_fp8
+
+    x = torch.tensor([[0.0, 1.0, -2.0, 4.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.3, 0.0, -0.5]])
+    x8, scale = quantize_fp8(x)
+    assert x8.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, torch.tensor([4 / 448, 1.0, 1 / 448]), rtol=0, atol=0)
+    # row 0: 0, 112, -224, 448 (all on the grid); row 2: 0.3 * 448 = 134.4 -> 128 (grid step 16 in [128, 256))
+    assert x8.float().tolist() == [[0.0, 112.0, -224.0, 448.0], [0.0] * 4, [448.0, 128.0, 0.0, -224.0]]
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+def test_fp8_cache_read_and_written_by_the_kernel(act, splits, rope):
+    """An FP8 cache (generation.kv_dtype=fp8): the kernel reads e4m3 keys and values with their per-slot scales, and
+    writes the step's own key (rotated) and value quantized by quantize_fp8's rule, bit for bit (the rounding at
+    powers of two included: values that round up into the next binade); it attends to them as later steps will read
+    them. Against plain attention over the dequantized cache."""
+    from aligner.generation.native.triton_decode import quantize_fp8
+
+    B, G, r, D, T = 3, 2, 2, 64, 50
+    g = torch.Generator().manual_seed(11 + splits)
+    qkv = torch.randn(B, G, r + 2, D, generator=g).to(act)
+    cache, scales = quantize_fp8(torch.randn(2, B, G, T, D, generator=g))
+    pos = torch.tensor([0, T - 1, T // 2])
+    rows = torch.arange(B)
+    q, k_new, v_new = qkv[:, :, :r], qkv[:, :, r], qkv[:, :, r + 1]
+    extra = {}
+    if rope:
+        angles = torch.rand(B, D // 2, generator=g) * 6.0
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(act)
+        sin_signed = torch.cat((-angles.sin(), angles.sin()), -1).to(act)
+        extra["rope"] = (cos, sin_signed)
+
+        sin = torch.cat((angles.sin(), angles.sin()), -1).to(act).float()
+
+        def rotate(t):  # [B, G, n, D] as megatron: t * cos + [-t2, t1] * sin, rounded to the activations' dtype
+            t1, t2 = t.float().chunk(2, -1)
+            return (t.float() * cos.float()[:, None, None] + torch.cat((-t2, t1), -1) * sin[:, None, None]).to(act)
+
+    out = decode_attention(
+        q, cache[0], cache[1], pos, D**-0.5, splits=splits, new_kv=(k_new, v_new), kv_scales=(scales[0], scales[1]),
+        **extra,
+    )  # fmt: skip
+    assert out.dtype == act
+    written = torch.stack([cache[0, rows, :, pos], cache[1, rows, :, pos]])  # [2, B, G, D]
+    written_scales = torch.stack([scales[0, rows, :, pos], scales[1, rows, :, pos]])
+    if not rope:
+        expected8, expected_scales = quantize_fp8(torch.stack([k_new, v_new]))
+        assert torch.equal(written.float(), expected8.float()) and torch.equal(written_scales, expected_scales)
+    else:  # the value as it came; the key rotated (one bf16 rounding apart where a fused multiply-add rounds otherwise)
+        v8, v_s = quantize_fp8(v_new)
+        assert torch.equal(written[1].float(), v8.float()) and torch.equal(written_scales[1], v_s)
+    dequantized = cache.float() * scales[..., None]
+    if rope:
+        q = rotate(q)
+    ref = _reference(q, dequantized[0], dequantized[1], pos, D**-0.5)
+    bf16 = act == torch.bfloat16  # q and the output rounded to bf16
+    torch.testing.assert_close(out.float(), ref, rtol=2**-7 if bf16 else 0, atol=1.6e-2 if bf16 else 1e-5)
+    with pytest.raises(ValueError, match="kv_scales go with an FP8 cache"):
+        decode_attention(q, cache[0], cache[1], pos, 1.0)
+
+
 def test_non_contiguous_head_dimension_is_refused():
     q = torch.randn(1, 1, 2, 16)
     kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D

@@ -105,6 +105,13 @@ class Decoder:
         self.fp8, self.decode_gemm = decode_fp8, decode_gemm
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
+        # An FP8 cache (kv_dtype float8_e4m3fn): e4m3 keys and values with a float32 scale per (slot, group), read and
+        # written by the Triton decode kernel only; prefill quantizes what it writes and its own attention reads them
+        # as the cache holds them.
+        self.kv_fp8 = kv_dtype == triton_decode.FP8
+        if self.kv_fp8 and decode_attention != "triton":
+            raise ValueError(f"an FP8 KV cache is read by the Triton decode attention only, not by {decode_attention}")
+        self.kv_scale: torch.Tensor | None = None
         self.seq_major = decode_attention in ("sdpa", "flash")  # the cache layout (module docstring)
         self.scale = layout.head_dim**-0.5
         # Compiled kernels (compile_elementwise): decode's for its fixed shapes per batch size (captured in the CUDA
@@ -140,13 +147,22 @@ class Decoder:
         self.kv = torch.zeros(
             (lo.num_layers, 2, self.max_batch, *per_sample, lo.head_dim), dtype=self.kv_dtype, device=self.device
         )
+        if self.kv_fp8:  # each (slot, group)'s key and value scale (triton_decode.quantize_fp8), group-major
+            self.kv_scale = torch.zeros(
+                (lo.num_layers, 2, self.max_batch, lo.groups, self.max_seq), dtype=torch.float32, device=self.device
+            )
+
+    def kv_ptrs(self) -> tuple[int, ...]:
+        """Where the cache (and an FP8 cache's scales) lie: the addresses captured graphs read."""
+        return tuple(t.data_ptr() for t in (self.kv, self.kv_scale) if t is not None)
 
     def free_kv(self) -> None:
-        self.kv = None
+        self.kv = self.kv_scale = None
 
     def kv_bytes_per_token(self) -> int:
         lo = self.lo
-        return lo.num_layers * 2 * lo.groups * lo.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        per_row = lo.head_dim * torch.finfo(self.kv_dtype).bits // 8 + (4 if self.kv_fp8 else 0)
+        return lo.num_layers * 2 * lo.groups * per_row
 
     # -- pieces --------------------------------------------------------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,6 +286,10 @@ class Decoder:
             kv_2BGTD = kv_new.transpose(2, 3)
             if self.seq_major:
                 kv[i, :, row0 : row0 + B, :T] = kv_new
+            elif self.kv_fp8:  # the prompt attends to its keys and values as the cache holds them, as decode does
+                kv8, scales = triton_decode.quantize_fp8(kv_2BGTD)
+                kv[i, :, row0 : row0 + B, :, :T], self.kv_scale[i, :, row0 : row0 + B, :, :T] = kv8, scales
+                kv_2BGTD = (kv8.float() * scales[..., None]).to(q.dtype)
             else:
                 kv[i, :, row0 : row0 + B, :, :T] = kv_2BGTD
             q_BHTD = q.view(B, T, lo.heads, lo.head_dim).transpose(1, 2)
@@ -298,10 +318,13 @@ class Decoder:
         # The Triton kernel writes the step's key and value itself up to a batch size; elsewhere one scatter per
         # layer does (same-run on one H200, 1B, docs/PERF.md: decode -4 % at B=64; with RoPE in the kernel, -1.9 %
         # at 256 and -1.6 % at 512).
-        kernel_writes = self.decode_attention == "triton" and B <= triton_decode.FUSED_WRITE_MAX_BATCH
+        # (an FP8 cache: at every batch size, quantizing them as it writes)
+        kernel_writes = self.decode_attention == "triton" and (B <= triton_decode.FUSED_WRITE_MAX_BATCH or self.kv_fp8)
         # ... and then also applies RoPE to q and the new key itself, reading the qkv projection's rows in place: no
-        # RoPE kernel per layer (not with per-head q/k norms, which run before RoPE, nor with a cache of another dtype)
-        kernel_ropes = kernel_writes and not lo.qk_norm and kv.dtype == self.w.dtype
+        # RoPE kernel per layer (not with per-head q/k norms, which run before RoPE, nor with a cache of another
+        # 16/32-bit dtype)
+        kernel_ropes = kernel_writes and not lo.qk_norm and (kv.dtype == self.w.dtype or self.kv_fp8)
+        scales = (lambda i: (self.kv_scale[i, 0, :B], self.kv_scale[i, 1, :B])) if self.kv_fp8 else (lambda i: None)
         slot_dim = 2 if self.seq_major else 3  # of the layer's cache [2, B, ...]
         slot = pos_B.view(1, B, 1, 1, 1).expand(*((2, B, 1, G, D) if self.seq_major else (2, B, G, 1, D)))
         cos = None if self.cos is None else self.cos[pos_B].view(B, 1, 1, D)
@@ -329,17 +352,20 @@ class Decoder:
                 qkv5 = self._qkv5(qkv)
                 out = triton_decode.decode_attention(
                     qkv5[:, :, :r], kv[i, 0, :B], kv[i, 1, :B], pos_B, self.scale, splits,
-                    new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD,
+                    new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i),
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
             q, kv_new = kernels.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
-            kv_new = kv_new.to(kv.dtype)
+            if not self.kv_fp8:  # (the kernel quantizes the step's key and value for an FP8 cache)
+                kv_new = kv_new.to(kv.dtype)
             if not kernel_writes:
                 cache.scatter_(slot_dim, slot, kv_new.unsqueeze(slot_dim))
             if self.decode_attention == "triton":
                 new_kv = (kv_new[0], kv_new[1]) if kernel_writes else None
-                out = triton_decode.decode_attention(q, cache[0], cache[1], pos_B, self.scale, splits, new_kv=new_kv)
+                out = triton_decode.decode_attention(
+                    q, cache[0], cache[1], pos_B, self.scale, splits, new_kv=new_kv, kv_scales=scales(i)
+                )
                 return out.view(B, lo.heads * D).to(qkv.dtype)
             if self.decode_attention == "flash":
                 out = flash_varlen(

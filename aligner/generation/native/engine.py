@@ -76,7 +76,10 @@ class NativeEngine:
             dtype = torch.bfloat16 if self.on_gpu else param.dtype
         else:
             dtype = torch_dtype(gen_cfg.dtype)
-        kv_dtype = dtype if gen_cfg.kv_dtype == "auto" else torch_dtype(gen_cfg.kv_dtype)
+        if gen_cfg.kv_dtype == "fp8":
+            kv_dtype = triton_decode.FP8
+        else:
+            kv_dtype = dtype if gen_cfg.kv_dtype == "auto" else torch_dtype(gen_cfg.kv_dtype)
         self.weights = EngineWeights(module, dtype, self.device, pp_group, share=gen_cfg.share_weights)
         w = self.weights
         log.info(
@@ -105,8 +108,14 @@ class NativeEngine:
         self.max_seq = gen_cfg.max_prompt_length + gen_cfg.max_response_length
         self.max_new = gen_cfg.max_response_length
         attention = gen_cfg.decode_attention
+        fp8_cache = kv_dtype == triton_decode.FP8
         if attention == "auto":  # the Triton kernel where it runs (checked by a tiny call), else matmul
-            why_not = triton_decode.unavailable(self.device, kv_dtype, layout.head_dim) if self.on_gpu else "CPU"
+            why_not = triton_decode.unavailable(self.device, kv_dtype, layout.head_dim, dtype) if self.on_gpu else "CPU"
+            if fp8_cache and why_not is not None:  # only the Triton kernel reads an FP8 cache
+                raise ValueError(
+                    f"generation.kv_dtype=fp8 is not possible here: the Triton decode attention that reads it cannot "
+                    f"run ({why_not}); use kv_dtype=auto"
+                )
             attention = "triton" if why_not is None else "matmul"
             if self.on_gpu and why_not is not None:
                 log.warning("generation.decode_attention=auto takes matmul: the Triton kernel cannot run (%s)", why_not)
@@ -115,9 +124,11 @@ class NativeEngine:
         if attention == "flash":
             why_not = flash_decode_unavailable(kv_dtype, layout.head_dim, self.device)
         elif attention == "triton" and gen_cfg.decode_attention == "triton":
-            why_not = triton_decode.unavailable(self.device, kv_dtype, layout.head_dim)
+            why_not = triton_decode.unavailable(self.device, kv_dtype, layout.head_dim, dtype)
         if why_not is not None:
             raise ValueError(f"generation.decode_attention={attention} is not possible here: {why_not}; use matmul")
+        if fp8_cache:
+            log.info("generation engine: FP8 KV cache (e4m3 keys and values, a float32 scale per slot and head)")
         decode_fp8 = None
         if gen_cfg.decode_weights == "fp8":
             why_not = fp8.unavailable(self.device)
@@ -162,7 +173,7 @@ class NativeEngine:
         self.use_graphs = bool(gen_cfg.cuda_graphs and self.on_gpu)
         self._capturer = CudaGraphCapturer() if self.use_graphs else None
         self._graphs: dict[tuple, Callable[[], None]] = {}  # key -> replay
-        self._kv_ptr = self.decoder.kv.data_ptr()
+        self._kv_ptr = self.decoder.kv_ptrs()
         self._released = False
         self.last_timings: dict[str, float] = {}
 
@@ -380,7 +391,7 @@ class NativeEngine:
         self._released = False
         if self.decoder.kv.data_ptr() != self._kv_ptr:
             self._drop_graphs()  # they address the old cache; re-captured on the next generate
-            self._kv_ptr = self.decoder.kv.data_ptr()
+            self._kv_ptr = self.decoder.kv_ptrs()
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
@@ -404,6 +415,8 @@ class NativeEngine:
             ptrs.update(self.decoder.fp8.data_ptrs())
         if self.decoder.kv is not None:
             ptrs["kv_cache"] = self.decoder.kv.data_ptr()
+        if self.decoder.kv_scale is not None:
+            ptrs["kv_scale"] = self.decoder.kv_scale.data_ptr()
         for name in (
             "cur_tok_B", "pos_B", "step_t", "ended_B", "lengths_B", "out_tokens_BR", "out_logp_BR", "u_BR", "key_B",
         ):  # fmt: skip

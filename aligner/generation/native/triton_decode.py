@@ -14,6 +14,9 @@ slot up to the attention-length bucket) it
   dtype, as the matmul path's bmm and megatron's attention take them (NATIVE_PV): 1.6-2.7 % faster decode steps
   than widening both to float32 (docs/PERF.md, "Thirteenth session"). A float32 cache gets float32 products, and
   so does every cache under Triton's interpreter (the CPU tests), which multiplies 16-bit operands wrongly.
+An FP8 cache (generation.kv_dtype=fp8: e4m3 keys and values, a float32 scale per slot and group) is read in float16
+on tensor cores, each slot's scale applied to its score and its probability; the kernel writes the step's key and
+value into it quantized (quantize_fp8's rule).
 With few (sample, group) pairs and long caches the slots are cut into `splits` ranges handled by separate programs
 and merged by a second small kernel (each range's max, sum and weighted values), so every SM has work.
 
@@ -31,25 +34,50 @@ from aligner.generation.native import pdl
 from aligner.parallel.device import triton_kernels_unavailable
 
 BLOCK_N = 32  # cache slots per inner step
+FP8_BLOCK_N = 128  # ... with an FP8 cache on the GPU (fastest there at 64 and 256 rows: docs/PERF.md)
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
 NATIVE_PV = True  # probabilities rounded to the cache's 16-bit dtype for the product with V; False: TF32
+FP8 = torch.float8_e4m3fn  # the FP8 cache's element type (generation.kv_dtype: fp8)
+E4M3_MAX = 448.0  # its largest finite value
 
 
-def unavailable(device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128) -> str | None:
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys or values [..., D] -> (e4m3 values [..., D], float32 scales [...]): each head's row divided by its own
+    scale amax(|row|) / 448 (1 for a row of zeros), so its largest entry lands on e4m3's largest value and x is
+    about values * scale. The kernel quantizes the step's own key and value by the same rule."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    # tensor by tensor: IEEE division on the GPU too, as the kernel's (PyTorch's CUDA division by a scalar multiplies
+    # by its reciprocal)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    return (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), scale
+
+
+def unavailable(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, act_dtype: torch.dtype | None = None
+) -> str | None:
     """Why the Triton decode attention cannot run here (None if it can): Triton, a CUDA device of compute capability
-    8.0 or newer (or Triton's interpreter), and a tiny call with the engine's cache dtype and head width that must
-    match plain attention (catches a Triton that cannot build the kernel here before a decode step needs it)."""
+    8.0 or newer (or Triton's interpreter), and a tiny call with the engine's cache dtype (FP8: with activations of
+    `act_dtype`, default bfloat16) and head width that must match plain attention (catches a Triton that cannot build
+    the kernel here before a decode step needs it)."""
     why_not = triton_kernels_unavailable(device)
     if why_not is not None:
         return why_not
     try:
         g = torch.Generator(device=device).manual_seed(0)
         B, G, r, T, D = 2, 2, 2, 40, head_dim
-        q = torch.randn(B, G, r, D, generator=g, device=device).to(dtype)
-        kv = torch.randn(2, B, G, T, D, generator=g, device=device).to(dtype)
+        q = torch.randn(B, G, r, D, generator=g, device=device)
+        kv = torch.randn(2, B, G, T, D, generator=g, device=device)
         pos = torch.tensor([5, T - 1], device=device)
-        out = decode_attention(q, kv[0], kv[1], pos, D**-0.5)
+        if dtype == FP8:
+            q = q.to(act_dtype or torch.bfloat16)
+            kv8, scales = quantize_fp8(kv)
+            out = decode_attention(q, kv8[0], kv8[1], pos, D**-0.5, kv_scales=(scales[0], scales[1]))
+            kv = kv8.float() * scales[..., None]
+        else:
+            q, kv = q.to(dtype), kv.to(dtype)
+            out = decode_attention(q, kv[0], kv[1], pos, D**-0.5)
         scores = torch.einsum("bgrd,bgtd->bgrt", q.float(), kv[0].float()) * D**-0.5
         beyond = torch.arange(T, device=device)[None, None, None, :] > pos[:, None, None, None]
         ref = torch.einsum("bgrt,bgtd->bgrd", scores.masked_fill(beyond, float("-inf")).softmax(-1), kv[1].float())
@@ -67,13 +95,13 @@ def _kernels():
 
     @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
-        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr,
+        q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
         sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g, svn_b, svn_g, srope_b,
-        scale,
+        ss_b, ss_g, scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
-        PDL: tl.constexpr,
+        KV_FP8: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # launched early (pdl.py): wait for the qkv projection before reading anything
@@ -92,7 +120,16 @@ def _kernels():
             sin = tl.load(sin_ptr + b * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
             q_sw = tl.load(q_rows + swapped[None, :], mask=qmask, other=0.0).to(tl.float32)
             q = q.to(tl.float32) * cos[None, :] + q_sw * sin[None, :]
-        q16 = q.to(k_ptr.dtype.element_ty)
+        # The products' operand type: the cache's; for an FP8 cache float16 on tensor cores (e4m3 values are exact
+        # in it and the GPU widens e4m3 to it in one instruction, not to bfloat16: measured, docs/PERF.md), else
+        # the activations'. Each slot's scale multiplies its score and its probability instead of its values.
+        act_t = q_ptr.dtype.element_ty
+        op_t = k_ptr.dtype.element_ty
+        if KV_FP8:
+            op_t = act_t
+            if NATIVE_QK:
+                op_t = tl.float16
+        q16 = q.to(op_t)
         q = q16.to(tl.float32)
         m_i = tl.full([R_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([R_PAD], tl.float32)
@@ -100,24 +137,33 @@ def _kernels():
         start = s * SPLIT_LEN
         stop = tl.minimum(start + SPLIT_LEN, n_keys)
         k_base, v_base = k_ptr + b * sk_b + g * sk_g, v_ptr + b * sv_b + g * sv_g
+        ks_base, vs_base = ks_ptr + b * ss_b + g * ss_g, vs_ptr + b * ss_b + g * ss_g
         for lo in range(start, stop, BLOCK):
             slots = lo + tl.arange(0, BLOCK)
             kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
             k = tl.load(k_base + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
+            if KV_FP8:
+                k = k.to(op_t)
             if NATIVE_QK:  # the cache's 16-bit operands, float32 sums: the same products as TF32 on these values
                 scores = tl.dot(q16, tl.trans(k)) * scale
             else:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
+            if KV_FP8:
+                scores = scores * tl.load(ks_base + slots, mask=slots < stop, other=0.0)[None, :]
             scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
+            p_v = p  # the probabilities, with an FP8 cache times each slot's value scale
+            if KV_FP8:
+                p_v = p * tl.load(vs_base + slots, mask=slots < stop, other=0.0)[None, :]
+                v = v.to(op_t)
             if NATIVE_PV:  # probabilities rounded to the cache's dtype (as the matmul path's bmm takes them)
-                pv = tl.dot(p.to(v.dtype), v)
+                pv = tl.dot(p_v.to(v.dtype), v)
             else:
-                pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+                pv = tl.dot(p_v, v.to(tl.float32), input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         if PDL:
@@ -128,10 +174,32 @@ def _kernels():
                 k_new = tl.load(kn_ptr + b * skn_b + g * skn_g + dims, mask=dmask, other=0.0)
                 if ROPE:
                     k_sw = tl.load(kn_ptr + b * skn_b + g * skn_g + swapped, mask=dmask, other=0.0).to(tl.float32)
-                    k_new = (k_new.to(tl.float32) * cos + k_sw * sin).to(k_ptr.dtype.element_ty)
+                    k_new = (k_new.to(tl.float32) * cos + k_sw * sin).to(act_t if KV_FP8 else op_t)
                 v_new = tl.load(vn_ptr + b * svn_b + g * svn_g + dims, mask=dmask, other=0.0)
-                tl.store(k_base + pos * sk_t + dims, k_new, mask=dmask)
-                tl.store(v_base + pos * sv_t + dims, v_new, mask=dmask)
+                if KV_FP8:  # quantized by quantize_fp8's rule (IEEE divisions); attended as later steps read them
+                    k_amax, v_amax = tl.max(tl.abs(k_new.to(tl.float32)), 0), tl.max(tl.abs(v_new.to(tl.float32)), 0)
+                    k_s = tl.where(k_amax > 0, tl.div_rn(k_amax, 448.0), 1.0)
+                    v_s = tl.where(v_amax > 0, tl.div_rn(v_amax, 448.0), 1.0)
+                    k8 = tl.minimum(tl.maximum(tl.div_rn(k_new.to(tl.float32), k_s), -448.0), 448.0)
+                    v8 = tl.minimum(tl.maximum(tl.div_rn(v_new.to(tl.float32), v_s), -448.0), 448.0)
+                    # rounded to e4m3's grid here (to nearest, ties to even: 3 mantissa bits, or steps of 2^-9 below
+                    # 2^-6), so the conversion only relabels; Triton's interpreter rounds wrongly across powers of 2
+                    k_bits, v_bits = k8.to(tl.int32, bitcast=True), v8.to(tl.int32, bitcast=True)
+                    k_bits = (k_bits + 0x7FFFF + ((k_bits >> 20) & 1)) & -0x100000
+                    v_bits = (v_bits + 0x7FFFF + ((v_bits >> 20) & 1)) & -0x100000
+                    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer
+                    k_sub, v_sub = ((k8 * 512.0 + magic) - magic) / 512.0, ((v8 * 512.0 + magic) - magic) / 512.0
+                    k8 = tl.where(tl.abs(k8) >= 0.015625, k_bits.to(tl.float32, bitcast=True), k_sub)
+                    v8 = tl.where(tl.abs(v8) >= 0.015625, v_bits.to(tl.float32, bitcast=True), v_sub)
+                    k8, v8 = k8.to(k_ptr.dtype.element_ty), v8.to(v_ptr.dtype.element_ty)
+                    tl.store(k_base + pos * sk_t + dims, k8, mask=dmask)
+                    tl.store(v_base + pos * sv_t + dims, v8, mask=dmask)
+                    tl.store(ks_base + pos, k_s)
+                    tl.store(vs_base + pos, v_s)
+                    k_new, v_new = k8.to(tl.float32) * k_s, v8.to(tl.float32) * v_s
+                else:
+                    tl.store(k_base + pos * sk_t + dims, k_new, mask=dmask)
+                    tl.store(v_base + pos * sv_t + dims, v_new, mask=dmask)
                 score = tl.sum(q * k_new.to(tl.float32)[None, :], 1) * scale
                 m_new = tl.maximum(m_i, score)
                 alpha = tl.exp(m_i - m_new)
@@ -192,11 +260,12 @@ def decode_attention(
     pos_B: torch.Tensor,
     scale: float,
     splits: int = 1,
-    block: int = BLOCK_N,
+    block: int | None = None,
     num_warps: int = 4,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_stages: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -208,14 +277,34 @@ def decode_attention(
     [B, D] (the step's rows of the engine's tables, last dimension contiguous; sin_signed = [-sin, sin]), q and the
     new key are the un-rotated rows of the qkv projection and the kernel applies megatron's RoPE to both (float32,
     rounded once to the cache's dtype, as the compiled RoPE kernel): the decode step then needs no RoPE kernel
-    either. `rope` needs `new_kv` (the rotated key is only ever written by the kernel)."""
+    either. `rope` needs `new_kv` (the rotated key is only ever written by the kernel).
+
+    An FP8 cache (keys and values float8_e4m3fn, `kv_scales` = (key scales, value scales), each [B, G, T] float32,
+    last dimension contiguous, equal strides: slot t's key is about keys[b, g, t] * key_scales[b, g, t]) is read in
+    the activations' dtype (q's), each slot's scale applied to its score and to its probability; `new_kv` then comes
+    in q's dtype and the kernel quantizes it (quantize_fp8's rule) into the cache and the scales. The result is in
+    q's dtype then."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
     for name, x in (("q", q_BGrD), ("keys", keys_BGTD), ("values", values_BGTD)):
         if x.stride(-1) != 1:
             raise ValueError(f"decode_attention: {name} needs a contiguous last dimension (strides {x.stride()})")
-    out = torch.empty((B, G, r, D), dtype=keys_BGTD.dtype, device=keys_BGTD.device)
+    kv_fp8 = keys_BGTD.dtype == FP8
+    if kv_fp8 != (kv_scales is not None) or values_BGTD.dtype != keys_BGTD.dtype:
+        raise ValueError("decode_attention: kv_scales go with an FP8 cache (float8_e4m3fn keys and values), only")
+    act_dtype = q_BGrD.dtype if kv_fp8 else keys_BGTD.dtype
+    if block is None:  # the slots per inner step: BLOCK_N, FP8_BLOCK_N for an FP8 cache on the GPU
+        block = FP8_BLOCK_N if kv_fp8 and keys_BGTD.device.type == "cuda" else BLOCK_N
+    if kv_fp8:
+        k_s, v_s = kv_scales
+        if k_s.shape != (B, G, T) or k_s.stride() != v_s.stride() or k_s.stride(-1) != 1 or k_s.dtype != torch.float32:
+            raise ValueError(f"decode_attention: kv_scales need shape ({B}, {G}, {T}), float32, equal strides")
+        scale_strides = k_s.stride()[:2]
+    else:
+        k_s = v_s = q_BGrD  # not read
+        scale_strides = (0, 0)
+    out = torch.empty((B, G, r, D), dtype=act_dtype, device=keys_BGTD.device)
     R_PAD, D_PAD = max(16, pow2(r)), max(16, pow2(D))
     split_len = -(-T // splits)
     split_len = -(-split_len // block) * block
@@ -226,8 +315,11 @@ def decode_attention(
         new_strides = (0, 0, 0, 0)
     else:
         k_new, v_new = new_kv
-        if k_new.stride(-1) != 1 or v_new.stride(-1) != 1 or {k_new.dtype, v_new.dtype} != {keys_BGTD.dtype}:
-            raise ValueError("decode_attention: new_kv needs the cache's dtype and a contiguous last dimension")
+        if k_new.stride(-1) != 1 or v_new.stride(-1) != 1 or {k_new.dtype, v_new.dtype} != {act_dtype}:
+            raise ValueError(
+                "decode_attention: new_kv needs the cache's dtype (q's with an FP8 cache) and a contiguous last "
+                "dimension"
+            )
         new_strides = (*k_new.stride()[:2], *v_new.stride()[:2])
     if rope is None:
         cos = sin = q_BGrD  # not read
@@ -239,21 +331,21 @@ def decode_attention(
         if cos.shape != (B, D) or sin.shape != (B, D) or cos.stride(-1) != 1 or cos.stride() != sin.stride():
             raise ValueError(f"decode_attention: rope needs cos and sin of shape ({B}, {D}), equal strides")
         rope_stride = cos.stride(0)
-    native = keys_BGTD.device.type == "cuda" and keys_BGTD.dtype != torch.float32  # the interpreter: float32 only
+    native = keys_BGTD.device.type == "cuda" and act_dtype != torch.float32  # the interpreter: float32 only
     use_pdl = pdl.wanted(keys_BGTD.device, B)
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
-        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV,
+        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8,
     )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
     launch = dict(PDL=use_pdl, launch_pdl=True) if use_pdl else dict(PDL=False)  # the merge kernel: plain
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
-    precision = "ieee" if keys_BGTD.dtype == torch.float32 else "tf32"
+    precision = "ieee" if act_dtype == torch.float32 else "tf32"
     if splits == 1:
         attend[(B, G, 1)](
-            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, *args, *out.stride()[:3],
-            *new_strides, rope_stride, scale,
+            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, k_s, v_s, *args,
+            *out.stride()[:3], *new_strides, rope_stride, *scale_strides, scale,
             BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common, **launch,
         )  # fmt: skip
         return out
@@ -261,8 +353,8 @@ def decode_attention(
     m = torch.empty((B, G, splits, r), dtype=torch.float32, device=out.device)
     l_ = torch.empty_like(m)
     attend[(B, G, splits)](
-        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, *args, 0, 0, 0, *new_strides,
-        rope_stride, scale,
+        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, k_s, v_s, *args, 0, 0, 0,
+        *new_strides, rope_stride, *scale_strides, scale,
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
         **launch,
     )  # fmt: skip
