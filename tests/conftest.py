@@ -25,7 +25,7 @@ FILE_SECONDS = {
     "functional/test_trainer_pipeline.py": 120,
     "functional/test_critic_demo.py": 155,
     "functional/test_generate.py": 110,
-    "unit/test_generation_engine.py": 110,
+    "unit/test_generation_engine.py": 150,
     "functional/test_bench_ppo_step.py": 90,
     "functional/test_launch_actor_mpi.py": 90,
     "functional/test_walkthrough.py": 85,

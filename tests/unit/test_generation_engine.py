@@ -184,6 +184,13 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
     if kv_dtype == "fp8":  # the quantization is real: megatron's forward without it differs
         plain = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, out.response_lengths_B, 1.0, V)
         assert (plain - ref_logp).abs().max() > 1e-3
+        # the scales are released and re-taken with the cache (generation.release_kv_cache), and graphs address them
+        assert "kv_scale" in engine.buffer_data_ptrs()
+        engine.release_memory()
+        assert engine.decoder.kv is None and engine.decoder.kv_scale is None
+        engine.acquire_memory()
+        again = engine.generate(_padded_prompts(), LENGTHS, SamplingParams(greedy=True))
+        assert torch.equal(again.response_tokens_BR, out.response_tokens_BR)
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, QWEN3], ids=["llama", "qwen3"])
