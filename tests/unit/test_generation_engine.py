@@ -491,7 +491,7 @@ def test_flash_and_triton_decode_attention_are_refused_off_cuda(monkeypatch):
     assert engine.decode_gemm == "cublas"
 
 
-def test_fp8_kv_cache_needs_the_triton_kernel():
+def test_fp8_kv_cache_needs_the_triton_kernel(monkeypatch):
     """generation.kv_dtype=fp8: only the Triton decode kernel reads such a cache. Another decode_attention is a config
     mistake named by its key; `auto` where the kernel cannot run (here: the CPU, without the interpreter's explicit
     `triton`) is refused with the reason instead of falling back to a path that cannot read it."""
@@ -502,8 +502,14 @@ def test_fp8_kv_cache_needs_the_triton_kernel():
         with pytest.raises(ConfigError, match=r"generation.kv_dtype.*decode_attention=triton or auto"):
             validate_generation(GenerationConfig(kv_dtype="fp8", decode_attention=attention))
     validate_generation(GenerationConfig(kv_dtype="fp8"))
+    model = _model(LLAMA)
     with pytest.raises(ValueError, match=r"generation.kv_dtype=fp8 is not possible here: .*\(CPU\); use kv_dtype=auto"):
-        build_engine(GenerationConfig(**{**GEN.__dict__, "kv_dtype": "fp8"}), LLAMA, _model(LLAMA))
+        build_engine(GenerationConfig(**{**GEN.__dict__, "kv_dtype": "fp8"}), LLAMA, model)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # an explicit triton where the kernel cannot run
+    with pytest.raises(ValueError, match=r"decode_attention=triton is not possible here: .*; use kv_dtype=auto"):
+        build_engine(
+            GenerationConfig(**{**GEN.__dict__, "kv_dtype": "fp8", "decode_attention": "triton"}), LLAMA, model
+        )
 
 
 def test_prefill_kernels_compile_once_for_every_batch_and_width():

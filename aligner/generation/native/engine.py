@@ -126,7 +126,8 @@ class NativeEngine:
         elif attention == "triton" and gen_cfg.decode_attention == "triton":
             why_not = triton_decode.unavailable(self.device, kv_dtype, layout.head_dim, dtype)
         if why_not is not None:
-            raise ValueError(f"generation.decode_attention={attention} is not possible here: {why_not}; use matmul")
+            fix = "use kv_dtype=auto (only this kernel reads an FP8 cache)" if fp8_cache else "use matmul"
+            raise ValueError(f"generation.decode_attention={attention} is not possible here: {why_not}; {fix}")
         if fp8_cache:
             log.info("generation engine: FP8 KV cache (e4m3 keys and values, a float32 scale per slot and head)")
         decode_fp8 = None
