@@ -11,6 +11,8 @@ def _save_with_rank1_limited(rank, world_size, root):
     import resource
     import signal
 
+    import torch.distributed as dist
+
     from aligner.checkpoint import dist_ckpt
     from aligner.config import ModelConfig
     from aligner.models.gpt import build_gpt
@@ -28,7 +30,9 @@ def _save_with_rank1_limited(rank, world_size, root):
     except dist_ckpt.CheckpointWriteError as exc:
         error = str(exc)
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    dist.barrier()  # both ranks back from the failed save before either looks ...
     left = sorted(os.listdir(root))
+    dist.barrier()  # ... and both looked before either starts the next one (its .tmp-step_000003)
     dist_ckpt.save(root, 3, [model])
     problems = [dist_ckpt.verify(os.path.join(root, f"step_00000{s}")) for s in (1, 3)]
     shutdown()
