@@ -31,6 +31,7 @@ from functools import lru_cache
 import torch
 
 from aligner.generation.native import pdl
+from aligner.generation.native.fp8 import E4M3, E4M3_MAX
 from aligner.parallel.device import triton_kernels_unavailable
 
 BLOCK_N = 32  # cache slots per inner step
@@ -38,14 +39,15 @@ FP8_BLOCK_N = 128  # ... with an FP8 cache on the GPU (fastest there at 64 and 2
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
 NATIVE_PV = True  # probabilities rounded to the cache's 16-bit dtype for the product with V; False: TF32
-FP8 = torch.float8_e4m3fn  # the FP8 cache's element type (generation.kv_dtype: fp8)
-E4M3_MAX = 448.0  # its largest finite value
+FP8 = E4M3  # the FP8 cache's element type (generation.kv_dtype: fp8)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values [..., D] -> (e4m3 values [..., D], float32 scales [...]): each head's row divided by its own
     scale amax(|row|) / 448 (1 for a row of zeros), so its largest entry lands on e4m3's largest value and x is
-    about values * scale. The kernel quantizes the step's own key and value by the same rule."""
+    about values * scale. The kernel quantizes the step's own key and value by the same rule. (fp8.quantize_rows,
+    the decode weights' rule, differs: it divides by a Python scalar, which on the GPU multiplies by a reciprocal,
+    and a zero row's scale is tiny, not 1; the cache's rule must match the kernel's IEEE divisions exactly.)"""
     x = x.float()
     amax = x.abs().amax(-1)
     # tensor by tensor: IEEE division on the GPU too, as the kernel's (PyTorch's CUDA division by a scalar multiplies
