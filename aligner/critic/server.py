@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -296,6 +297,45 @@ class _TritonExited(Exception):
     """Raised in the Triton start thread when tritonserver exited while PyTriton was still waiting for it."""
 
 
+TRITON_EXIT_WAIT_S = 20.0  # tritonserver's exit: up to exit_timeout_secs (3) per wait, with room for a loaded machine
+
+
+def start_failure(
+    exc: Exception,
+    server: CriticServerConfig,
+    triton_log: str | None,
+    tritonserver_running: Callable[[], bool],
+    death_reason: Callable[[], str],
+    exit_wait: float = TRITON_EXIT_WAIT_S,
+) -> Exception:
+    """The error that explains a failed Triton start (`exc`: PyTriton's, or _TritonExited): a port another program
+    took (PortInUseError: the local launcher starts again on other ports), else TritonStartError.
+
+    The ports are checked once our own tritonserver is gone: PyTriton stops it when the start fails, and it keeps
+    its ports while it exits (waiting for open connections), so an earlier check would blame them on another program
+    (seen in CI: an endpoint slow to start on a loaded machine reported as "port ... is already in use")."""
+    deadline = time.monotonic() + exit_wait
+    while tritonserver_running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if tritonserver_running():
+        return TritonStartError(
+            f"Triton failed to start: {exc!r}; tritonserver still ran {exit_wait:g} s later; see {triton_log}"
+        )
+    try:
+        check_ports_free(server)  # taken since the first check? Triton reports that as a misleading 403
+    except PortInUseError as port_exc:
+        return port_exc
+    taken = port_taken_line(triton_log)  # held for a moment only (e.g. an outgoing connection)
+    if taken:
+        return PortInUseError(
+            f"Triton could not bind a port that was free a moment before ({taken}): another program took it."
+            " Start again, or pick other ports with server.port=..."
+        )
+    if isinstance(exc, _TritonExited):
+        return TritonStartError(death_reason())
+    return TritonStartError(f"Triton failed to start: {exc!r}; see {triton_log}")
+
+
 class CriticServer:
     """Rank 0: Triton endpoints -> FIFO queue -> main thread (broadcast, then the service).
 
@@ -495,30 +535,30 @@ class CriticServer:
         self._check_endpoints()
 
     def _start_failure(self, exc: Exception) -> Exception:
-        """The error that explains a failed Triton start (`exc`: PyTriton's, or _TritonExited): a port another
-        program took (PortInUseError: the local launcher starts again on other ports), else TritonStartError."""
-        try:
-            check_ports_free(self.cfg.server)  # taken since the first check? Triton reports that as a misleading 403
-        except PortInUseError as port_exc:
-            return port_exc
-        taken = port_taken_line(self.cfg.triton_log_file)  # held for a moment only (e.g. an outgoing connection)
-        if taken:
-            return PortInUseError(
-                f"Triton could not bind a port that was free a moment before ({taken}): another program took it."
-                " Start again, or pick other ports with server.port=..."
-            )
-        if isinstance(exc, _TritonExited):
-            return TritonStartError(self._triton_death_reason())
-        return TritonStartError(f"Triton failed to start: {exc!r}; see {self.cfg.triton_log_file}")
+        return start_failure(
+            exc, self.cfg.server, self.cfg.triton_log_file, self._tritonserver_running, self._triton_death_reason
+        )
+
+    def _tritonserver_cmd(self):
+        """PyTriton's handle of the tritonserver process (None before it started, or where it cannot be read:
+        PyTriton keeps it private)."""
+        server = getattr(self._triton, "_triton_server", None)
+        return getattr(server, "_tritonserver_running_cmd", None)
 
     def _tritonserver_exited(self) -> bool:
-        """Whether the tritonserver process was started and has exited (best effort: PyTriton keeps its handle
-        private; False where it cannot be read)."""
-        server = getattr(self._triton, "_triton_server", None)
-        running = getattr(server, "_tritonserver_running_cmd", None)
+        """Whether the tritonserver process was started and has exited (best effort: False where unknown)."""
+        running = self._tritonserver_cmd()
         try:
             return running is not None and not running.is_alive()
         except Exception:  # noqa: BLE001 - an internal of PyTriton's that changed: no answer
+            return False
+
+    def _tritonserver_running(self) -> bool:
+        """Whether the tritonserver process was started and still runs (best effort: False where unknown)."""
+        running = self._tritonserver_cmd()
+        try:
+            return running is not None and running.is_alive()
+        except Exception:  # noqa: BLE001 - as in _tritonserver_exited
             return False
 
     def _wait_for_start(self) -> BaseException | None:

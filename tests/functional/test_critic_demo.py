@@ -145,6 +145,8 @@ def test_tritonserver_exiting_before_it_is_ready_fails_the_start_at_once(tmp_pat
             folders |= triton_workspaces(procs)
             for p in procs:
                 if _name(p) == "tritonserver":
+                    # its workspace read again here: the listing above may have met it between fork and exec
+                    folders |= triton_workspaces([p])
                     p.kill()
                     killed = True
             time.sleep(0.05)

@@ -1,5 +1,11 @@
 """A critic port taken between the critic's own check and Triton's start is named as a port in use (the launcher
-then starts the critic again on other ports), from tritonserver's log: a CI run lost a metrics port that way."""
+then starts the critic again on other ports), from tritonserver's log: a CI run lost a metrics port that way. And
+the critic's own tritonserver, still exiting after a failed start, is not taken for another program."""
+
+import subprocess
+import sys
+
+from critic_harness import free_ports
 
 from aligner.critic.server import port_taken_line
 
@@ -28,3 +34,69 @@ def test_a_log_without_it(tmp_path):
     log = tmp_path / "tritonserver.log"
     log.write_text("I1201 started\nE1201 something else failed\n")
     assert port_taken_line(str(log)) is None
+
+
+# -- the error of a failed Triton start (server.start_failure), with real processes holding real ports
+
+
+def _holder(port: int, seconds: float):
+    """A process that listens on `port` for `seconds` (as tritonserver holds its ports while it exits)."""
+    code = (
+        "import socket, sys, time\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('127.0.0.1', {port})); s.listen(); print('bound', flush=True); time.sleep({seconds})\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "bound"
+    return proc
+
+
+def _failure(server, holder, exit_wait=20.0):
+    from aligner.critic.server import start_failure
+
+    def death_reason():
+        return "tritonserver exited"
+
+    return start_failure(
+        TimeoutError("not ready"), server, None, lambda: holder.poll() is None, death_reason, exit_wait=exit_wait
+    )
+
+
+def test_our_exiting_tritonserver_is_not_blamed_on_another_program():
+    """A CI run: an endpoint slow to start on a loaded machine made PyTriton give up and stop tritonserver, which
+    held its ports a few seconds more while it exited; checked at once, they were reported as taken by another
+    program. The ports are checked once it is gone: the error is the start's own."""
+    from aligner.config.critic import CriticServerConfig
+    from aligner.critic.server import TritonStartError
+
+    server = CriticServerConfig(port=free_ports(3))
+    ours = _holder(server.port, 1.5)  # exits on its own, as tritonserver does after its exit timeout
+    try:
+        err = _failure(server, ours)
+    finally:
+        ours.kill()
+        ours.wait()
+    assert isinstance(err, TritonStartError) and "TimeoutError('not ready')" in str(err), err
+    still = _holder(server.port, 60)  # one that does not exit in time: still not a port taken by another program
+    try:
+        err = _failure(server, still, exit_wait=1.0)
+    finally:
+        still.kill()
+        still.wait()
+    assert isinstance(err, TritonStartError) and "still ran 1 s later" in str(err), err
+
+
+def test_a_port_held_by_another_program_is_named():
+    from aligner.config.critic import CriticServerConfig
+    from aligner.critic.server import PortInUseError
+
+    server = CriticServerConfig(port=free_ports(3))
+    other = _holder(server.port + 2, 60)  # the metrics port
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])  # our tritonserver, already exited
+    gone.wait()
+    try:
+        err = _failure(server, gone)
+    finally:
+        other.kill()
+        other.wait()
+    assert isinstance(err, PortInUseError) and f"port {server.port + 2} (metrics)" in str(err), err
