@@ -71,7 +71,7 @@ def _responses(out):
 
 
 def _tp2_body(rank, world_size):
-    from generation_reference import fake_fp8, reference_greedy, training_logprobs
+    from generation_reference import fake_fp8, fp8_kv_cache, reference_greedy, training_logprobs
 
     from aligner.models.gpt import build_gpt
     from aligner.models.training import TrainableModel
@@ -100,6 +100,19 @@ def _tp2_body(rank, world_size):
             again = triton.generate(PROMPTS, LENGTHS, SamplingParams(temperature=0.8, top_p=0.95, seeds=[1, 2, 3]))
             assert _responses(again) == _responses(sampled)
             torch.testing.assert_close(again.logprobs_BR, sampled.logprobs_BR, rtol=0, atol=2e-5)
+            # an FP8 KV cache: each rank quantizes its own KV groups (the scale is per slot and group, so the
+            # sharding changes nothing), against megatron's TP=2 forward attending to the same quantized values
+            fp8kv = GenerationConfig(**{**GEN.__dict__, "decode_attention": "triton", "kv_dtype": "fp8"})
+            fp8_engine = build_engine(fp8kv, cfg, model)
+            assert fp8_engine.decoder.kv.dtype == torch.float8_e4m3fn
+            q = fp8_engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+            with fp8_kv_cache(model):
+                assert _responses(q) == reference_greedy(model, PROMPTS, LENGTHS, 10, V), name
+                ref = training_logprobs(model, PROMPTS, LENGTHS, q.response_tokens_BR, q.response_lengths_B, 1.0, V)
+            torch.testing.assert_close(q.logprobs_BR, ref, rtol=0, atol=2e-5)
+            plain = training_logprobs(model, PROMPTS, LENGTHS, q.response_tokens_BR, q.response_lengths_B, 1.0, V)
+            assert (q.logprobs_BR - plain).abs().max() > 1e-4, "the quantization must matter"
+            seen[f"{name}_fp8kv"] = _responses(q)
         if name == "gpt2":  # FP8 decode weights: each rank's fc2 partial sum dequantized before the all-reduce
             fp8 = build_engine(GenerationConfig(**{**GEN.__dict__, "decode_weights": "fp8"}), cfg, model)
             q = fp8.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
