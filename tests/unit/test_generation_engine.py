@@ -121,6 +121,7 @@ def _responses(out):
         (GPT2, "matmul-splitk"),
         (LLAMA, "triton-fp8kv"),
         (QWEN3, "triton-fp8kv"),
+        (GPT2, "triton-fp8kv"),
     ],
     ids=[
         "llama-matmul",
@@ -137,6 +138,7 @@ def _responses(out):
         "gpt2-matmul-splitk",  # for proj and fc2, with their row biases
         "llama-triton-fp8kv",  # an FP8 KV cache (generation.kv_dtype): RoPE and the cache writes by the kernel
         "qwen3-triton-fp8kv",  # ... the step's key and value from the q/k-norm RoPE kernel, quantized by the kernel
+        "gpt2-triton-fp8kv",  # ... learned positions: no RoPE, the kernel quantizes and writes the projection's rows
     ],
 )
 def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
