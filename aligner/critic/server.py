@@ -311,9 +311,10 @@ def start_failure(
     """The error that explains a failed Triton start (`exc`: PyTriton's, or _TritonExited): a port another program
     took (PortInUseError: the local launcher starts again on other ports), else TritonStartError.
 
-    The ports are checked once our own tritonserver is gone: PyTriton stops it when the start fails, and it keeps
-    its ports while it exits (waiting for open connections), so an earlier check would blame them on another program
-    (seen in CI: an endpoint slow to start on a loaded machine reported as "port ... is already in use")."""
+    The ports are checked once our own tritonserver is gone: after a failed start it is often still exiting (stopped,
+    or signalled with the job) and it keeps its ports while it waits for open connections, so an earlier check would
+    blame them on another program (seen in CI: a start on a loaded machine, ended by a signal while an endpoint was
+    still loading, reported as "port ... is already in use")."""
     deadline = time.monotonic() + exit_wait
     while tritonserver_running() and time.monotonic() < deadline:
         time.sleep(0.1)
