@@ -540,27 +540,20 @@ class CriticServer:
             exc, self.cfg.server, self.cfg.triton_log_file, self._tritonserver_running, self._triton_death_reason
         )
 
-    def _tritonserver_cmd(self):
-        """PyTriton's handle of the tritonserver process (None before it started, or where it cannot be read:
-        PyTriton keeps it private)."""
-        server = getattr(self._triton, "_triton_server", None)
-        return getattr(server, "_tritonserver_running_cmd", None)
+    def _tritonserver_alive(self) -> bool | None:
+        """Whether the tritonserver process runs: None before it started or where PyTriton's private handle cannot
+        be read (best effort)."""
+        running = getattr(getattr(self._triton, "_triton_server", None), "_tritonserver_running_cmd", None)
+        try:
+            return None if running is None else bool(running.is_alive())
+        except Exception:  # noqa: BLE001 - an internal of PyTriton's that changed: no answer
+            return None
 
     def _tritonserver_exited(self) -> bool:
-        """Whether the tritonserver process was started and has exited (best effort: False where unknown)."""
-        running = self._tritonserver_cmd()
-        try:
-            return running is not None and not running.is_alive()
-        except Exception:  # noqa: BLE001 - an internal of PyTriton's that changed: no answer
-            return False
+        return self._tritonserver_alive() is False
 
     def _tritonserver_running(self) -> bool:
-        """Whether the tritonserver process was started and still runs (best effort: False where unknown)."""
-        running = self._tritonserver_cmd()
-        try:
-            return running is not None and running.is_alive()
-        except Exception:  # noqa: BLE001 - as in _tritonserver_exited
-            return False
+        return self._tritonserver_alive() is True
 
     def _wait_for_start(self) -> BaseException | None:
         """Wait for the Triton start thread and return its error (None: started). When tritonserver exits before

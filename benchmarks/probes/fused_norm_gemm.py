@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from aligner.families import family  # noqa: E402
 from aligner.generation.native import fused, pdl, splitk  # noqa: E402
 from benchmarks.decode_kernels import graph_time_us  # noqa: E402
+from benchmarks.ppo_step.workload import write_json  # noqa: E402
 
 LAYERS, HIDDEN, QKV, FFN, EPS = 16, 2048, 4096, 8192, 1e-5  # the 1B model of docs/PERF.md
 
@@ -231,8 +232,7 @@ def main(argv=None) -> dict:
             report.setdefault(name, []).append(round(graph_time_us(chain, calls=2, replays=20) / LAYERS, 2))
     print("chains, us per layer: engine", report["chain_engine"], "fused", report["chain_fused"], flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.out, report)
     return report
 
 

@@ -12,7 +12,6 @@ such kernels), with and without programmatic dependent launch (PDL, aligner.gene
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from benchmarks.decode_kernels import graph_time_us  # noqa: E402
+from benchmarks.ppo_step.workload import write_json  # noqa: E402
 
 
 @triton.jit
@@ -127,8 +127,7 @@ def main(argv=None) -> dict:
             del bufs
         print("best read", mib, best[str(mib)], flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.out, report)
     return report
 
 
