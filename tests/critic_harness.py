@@ -201,7 +201,9 @@ def triton_workspaces(procs) -> set[str]:
     out = set()
     for p in procs:
         try:
-            exe = p.cmdline()[0] if p.cmdline() else ""
+            # the executable's path, not argv[0]: just after exec the name is already the new one while the command
+            # line is still empty (the kernel sets the name first)
+            exe = p.exe()
         except Exception:  # noqa: BLE001 - gone already
             continue
         if exe.endswith("/tritonserver/bin/tritonserver"):

@@ -144,9 +144,9 @@ def test_tritonserver_exiting_before_it_is_ready_fails_the_start_at_once(tmp_pat
             seen.update((p.pid, p) for p in procs)
             folders |= triton_workspaces(procs)
             for p in procs:
-                if _name(p) == "tritonserver":
-                    # its workspace read again here: the listing above may have met it between fork and exec
-                    folders |= triton_workspaces([p])
+                workspace = triton_workspaces([p]) if _name(p) == "tritonserver" else set()
+                if workspace:  # killed once its workspace is known (not in the moment of its exec: next round)
+                    folders |= workspace
                     p.kill()
                     killed = True
             time.sleep(0.05)
