@@ -20,6 +20,7 @@ whether the persistent chain gives the same bits on every replay (a race between
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -41,6 +42,14 @@ def _l2_prefetch(ptrs, nbytes):
         "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r", [ptrs, nbytes],
         dtype=tl.int32, is_pure=False, pack=1,
     )  # fmt: skip
+
+
+@triton.jit
+def _dot(a, b, acc, WIDEN: tl.constexpr):
+    """acc + a @ b^T; WIDEN: in float32 (Triton's interpreter on the CPU multiplies bf16 wrongly)."""
+    if WIDEN:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, tl.trans(b), acc)
 
 
 @triton.jit
@@ -71,13 +80,26 @@ def persistent_mlp(
     x_ptr, parts_in_ptr, g_ptr, w1_ptr, w2_ptr, h_ptr, act_ptr, parts_out_ptr, bar_ptr, M, eps,
     H: tl.constexpr, FF: tl.constexpr, S_IN: tl.constexpr, S_OUT: tl.constexpr, PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
-    PF1: tl.constexpr, PF2: tl.constexpr, WIDEN: tl.constexpr = False,
+    PF1: tl.constexpr, PF2: tl.constexpr, PRELOAD: tl.constexpr = 0, LAST: tl.constexpr = 2,
+    WIDEN: tl.constexpr = False,
 ):  # fmt: skip
     """x += sum(parts_in); h = rmsnorm(x) * g; act = silu(h Wg^T) * (h Wu^T); parts_out[s] = act[:, K_s] W2[:, K_s]^T.
-    x, h [M, H] bf16; parts_in [S_IN, M, H], parts_out [S_OUT, M, H] float32; w1 = [Wg; Wu] [2FF, H]; w2 [H, FF]."""
+    x, h [M, H] bf16; parts_in [S_IN, M, H], parts_out [S_OUT, M, H] float32; w1 = [Wg; Wu] [2FF, H]; w2 [H, FF].
+    PRELOAD (0-2): K blocks of its first tile's weights a program loads into registers before each barrier (one tile
+    per program); LAST: the last stage run (0-2; the time of each stage by difference)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_ok = (rows < M)[:, None]
+    ks1 = tl.arange(0, BK1)
+    ks2 = tl.arange(0, BK2)
+    K2: tl.constexpr = FF // S_OUT
+    if PRELOAD >= 1:
+        n_pre = pid * BN1 + tl.arange(0, BN1)
+        wg_p0 = tl.load(w1_ptr + n_pre[:, None] * H + ks1[None, :])
+        wu_p0 = tl.load(w1_ptr + (FF + n_pre)[:, None] * H + ks1[None, :])
+    if PRELOAD >= 2:
+        wg_p1 = tl.load(w1_ptr + n_pre[:, None] * H + BK1 + ks1[None, :])
+        wu_p1 = tl.load(w1_ptr + (FF + n_pre)[:, None] * H + BK1 + ks1[None, :])
     if PF1 > 0:  # the first fc1 tile's rows, gate and up: their first PF1 bytes
         n = pid * BN1 + tl.arange(0, BN1)
         _l2_prefetch(w1_ptr + n * H, tl.full([BN1], PF1, tl.int32))
@@ -95,41 +117,62 @@ def persistent_mlp(
         scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
         g = tl.load(g_ptr + cols).to(tl.float32)
         tl.store(h_ptr + r * H + cols, (xf * scale * g).to(tl.bfloat16))
-    _grid_barrier(bar_ptr, PROGRAMS)
+    if LAST >= 1:
+        _grid_barrier(bar_ptr, PROGRAMS)
     # stage 1: fc1 and SwiGLU, BN1 columns of FF per tile over the whole H
-    ks1 = tl.arange(0, BK1)
-    for t in range(pid, FF // BN1, PROGRAMS):
+    for t in range(pid, FF // BN1 if LAST >= 1 else 0, PROGRAMS):
         n = t * BN1 + tl.arange(0, BN1)
         acc_g = tl.zeros([BLOCK_M, BN1], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BN1], tl.float32)
-        for k in range(0, H, BK1):
+        k_start = 0
+        if PRELOAD >= 1:
+            hx = tl.load(h_ptr + rows[:, None] * H + ks1[None, :], mask=row_ok, other=0.0)
+            acc_g = _dot(hx, wg_p0, acc_g, WIDEN)
+            acc_u = _dot(hx, wu_p0, acc_u, WIDEN)
+            k_start = BK1
+        if PRELOAD >= 2:
+            hx = tl.load(h_ptr + rows[:, None] * H + BK1 + ks1[None, :], mask=row_ok, other=0.0)
+            acc_g = _dot(hx, wg_p1, acc_g, WIDEN)
+            acc_u = _dot(hx, wu_p1, acc_u, WIDEN)
+            k_start = 2 * BK1
+        for k in range(k_start, H, BK1):
             hx = tl.load(h_ptr + rows[:, None] * H + k + ks1[None, :], mask=row_ok, other=0.0)
             wg = tl.load(w1_ptr + n[:, None] * H + k + ks1[None, :])
             wu = tl.load(w1_ptr + (FF + n)[:, None] * H + k + ks1[None, :])
-            if WIDEN:  # Triton's interpreter (CPU) multiplies bf16 wrongly: float32 there
-                hx, wg, wu = hx.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            acc_g = tl.dot(hx, tl.trans(wg), acc_g)
-            acc_u = tl.dot(hx, tl.trans(wu), acc_u)
+            acc_g = _dot(hx, wg, acc_g, WIDEN)
+            acc_u = _dot(hx, wu, acc_u, WIDEN)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(act_ptr + rows[:, None] * FF + n[None, :], act.to(tl.bfloat16), mask=row_ok)
-    K2: tl.constexpr = FF // S_OUT
+    if PRELOAD >= 1 and LAST >= 2:
+        n2_pre = (pid % (H // BN2)) * BN2 + tl.arange(0, BN2)
+        k0_pre = (pid // (H // BN2)) * K2
+        wv_p0 = tl.load(w2_ptr + n2_pre[:, None] * FF + k0_pre + ks2[None, :])
+    if PRELOAD >= 2 and LAST >= 2:
+        wv_p1 = tl.load(w2_ptr + n2_pre[:, None] * FF + k0_pre + BK2 + ks2[None, :])
     if PF2 > 0:  # the first fc2 tile's weight rows over its K range
         n2 = (pid % (H // BN2)) * BN2 + tl.arange(0, BN2)
         k0 = (pid // (H // BN2)) * K2
         _l2_prefetch(w2_ptr + n2 * FF + k0, tl.full([BN2], PF2, tl.int32))
-    _grid_barrier(bar_ptr, 2 * PROGRAMS)
+    if LAST >= 2:
+        _grid_barrier(bar_ptr, 2 * PROGRAMS)
     # stage 2: fc2, BN2 output columns over one of S_OUT ranges of FF per tile, float32 partial sums
-    ks2 = tl.arange(0, BK2)
-    for t in range(pid, (H // BN2) * S_OUT, PROGRAMS):
+    for t in range(pid, (H // BN2) * S_OUT if LAST >= 2 else 0, PROGRAMS):
         n2 = (t % (H // BN2)) * BN2 + tl.arange(0, BN2)
         k0 = (t // (H // BN2)) * K2
         acc = tl.zeros([BLOCK_M, BN2], tl.float32)
-        for k in range(k0, k0 + K2, BK2):
+        k_start = k0
+        if PRELOAD >= 1:
+            av = tl.load(act_ptr + rows[:, None] * FF + k0 + ks2[None, :], mask=row_ok, other=0.0)
+            acc = _dot(av, wv_p0, acc, WIDEN)
+            k_start = k0 + BK2
+        if PRELOAD >= 2:
+            av = tl.load(act_ptr + rows[:, None] * FF + k0 + BK2 + ks2[None, :], mask=row_ok, other=0.0)
+            acc = _dot(av, wv_p1, acc, WIDEN)
+            k_start = k0 + 2 * BK2
+        for k in range(k_start, k0 + K2, BK2):
             av = tl.load(act_ptr + rows[:, None] * FF + k + ks2[None, :], mask=row_ok, other=0.0)
             wv = tl.load(w2_ptr + n2[:, None] * FF + k + ks2[None, :])
-            if WIDEN:
-                av, wv = av.to(tl.float32), wv.to(tl.float32)
-            acc = tl.dot(av, tl.trans(wv), acc)
+            acc = _dot(av, wv, acc, WIDEN)
         s = t // (H // BN2)
         tl.store(parts_out_ptr + (s * M + rows[:, None]) * H + n2[None, :], acc, mask=row_ok)
     _grid_exit(bar_ptr, PROGRAMS)
@@ -152,7 +195,8 @@ def run_persistent(x, parts_in, g, w1, w2, h, act, parts_out, bar, setting: dict
         x, parts_in, g, w1, w2, h, act, parts_out, bar, M, EPS,
         H=H, FF=FF, S_IN=parts_in.shape[0], S_OUT=setting["s_out"], PROGRAMS=p,
         BLOCK_M=max(16, triton.next_power_of_2(M)), BN1=setting["bn1"], BK1=setting["bk1"], BN2=setting["bn2"],
-        BK2=setting["bk2"], PF1=setting["pf1"], PF2=setting["pf2"],
+        BK2=setting["bk2"], PF1=setting["pf1"], PF2=setting["pf2"], PRELOAD=setting.get("preload", 0),
+        LAST=setting.get("last", 2),
         num_warps=setting["warps"], num_stages=setting["stages"],
     )  # fmt: skip
 
@@ -206,7 +250,8 @@ def main(argv=None) -> dict:
     report["us_per_barrier"] = round((report["barriers_10_us"] - report["barriers_2_us"]) / 8, 3)
     print("barriers", report["barriers_2_us"], report["barriers_10_us"], report["us_per_barrier"], flush=True)
 
-    base = dict(programs=128, bn1=64, bk1=64, bn2=64, bk2=128, s_out=4, pf1=0, pf2=0, warps=4, stages=4)
+    # the nineteenth session's full search found bk1 128, 4 stages, 4 warps, fc2 in 4 K ranges of 64 columns best
+    base = dict(programs=128, bn1=64, bk1=128, bn2=64, bk2=128, s_out=4, pf1=0, pf2=0, warps=4, stages=4)
     settings = [base]
     if not args.quick:
         settings = [
@@ -214,37 +259,50 @@ def main(argv=None) -> dict:
             for bk1 in (64, 128) for st in (3, 4, 5) for w in (4, 8) for bn2 in (64, 32)
         ]  # fmt: skip
 
-    # errors against float32 maths, layer 0, the base setting and the engine's kernels
+    # errors against float32 maths, layer 0: the persistent kernel (each preload) and the engine's kernels
     w0 = W[0]
     ref_x, ref_act, ref_parts = reference(X, P_in, w0["g"], w0["fc1"], w0["fc2"], 4)
-    xp, parts_out = X.clone(), torch.empty(4, B, HIDDEN, device=dev)
-    run_persistent(xp, P_in, w0["g"], w0["fc1"], w0["fc2"], h, act, parts_out, bar, base)
-    report["err_persistent"] = {
-        "x": (xp.float() - ref_x.float()).abs().max().item(),
-        "act": (act.float() - ref_act.float()).abs().max().item(),
-        "fc2": (parts_out.sum(0) - ref_parts.sum(0)).abs().max().item(),
-    }
+
+    def errors(x, a, parts):
+        return {
+            "x": (x.float() - ref_x.float()).abs().max().item(),
+            "act": (a.float() - ref_act.float()).abs().max().item(),
+            "fc2": (parts.sum(0) - ref_parts.sum(0)).abs().max().item(),
+        }
+
+    for preload in (0, 1, 2):
+        xp, parts_out = X.clone(), torch.empty(4, B, HIDDEN, device=dev)
+        run_persistent(xp, P_in, w0["g"], w0["fc1"], w0["fc2"], h, act, parts_out, bar, {**base, "preload": preload})
+        report[f"err_persistent_preload{preload}"] = errors(xp, act, parts_out)
     k = fused.make_kernels(family("llama"), EPS, compile_=True, max_batch=B, pdl_device=dev)
     t_gated, t_fc2 = splitk.gated_tiling_for(B, 2 * FFN, HIDDEN), splitk.tiling_for(B, HIDDEN, FFN)
     xe, he = k.add_parts_norm(X, P_in, None, w0["g"], None)
     ae = splitk.gated_matmul(he, w0["fc1"], t_gated)
-    pe = splitk.matmul(ae, w0["fc2"], t_fc2)
-    report["err_engine"] = {
-        "x": (xe.float() - ref_x.float()).abs().max().item(),
-        "act": (ae.float() - ref_act.float()).abs().max().item(),
-        "fc2": (pe.sum(0) - ref_parts.sum(0)).abs().max().item(),
+    report["err_engine"] = errors(xe, ae, splitk.matmul(ae, w0["fc2"], t_fc2))
+    print("errors", json.dumps({k_: v for k_, v in report.items() if k_.startswith("err")}), flush=True)
+
+    # the engine's kernels alone, 16 layers' weights in turn, us per call
+    pe_out = torch.empty(4, B, HIDDEN, device=dev)
+    layer = itertools.count()
+    report["engine_alone"] = {
+        name: round(graph_time_us(lambda c=call: c(W[next(layer) % LAYERS]), calls=16, replays=20), 2)
+        for name, call in {
+            "add_parts_norm": lambda w: k.add_parts_norm(X, P_in, None, w["g"], None),
+            "fc1_gated": lambda w: splitk.gated_matmul(he, w["fc1"], t_gated, out=act),
+            "fc2_splitk": lambda w: splitk.matmul(ae, w["fc2"], t_fc2, out=pe_out),
+        }.items()
     }
-    print("errors", json.dumps({k_: report[k_] for k_ in ("err_persistent", "err_engine")}), flush=True)
+    print("engine's kernels alone", report["engine_alone"], flush=True)
 
     # the chains over 16 layers, us per layer
     Xc = X.clone()
-    pe_out = torch.empty(4, B, HIDDEN, device=dev)
 
     def engine_chain():
         x = Xc
         for w in W:
             x, hid = k.add_parts_norm(x, P_in, None, w["g"], None)
             splitk.matmul(splitk.gated_matmul(hid, w["fc1"], t_gated), w["fc2"], t_fc2, out=pe_out)
+        return x
 
     def persistent_chain(setting):
         po = torch.empty(setting["s_out"], B, HIDDEN, device=dev)
@@ -255,55 +313,56 @@ def main(argv=None) -> dict:
 
         return chain
 
+    def per_layer(chain) -> float:
+        Xc.copy_(X)
+        return round(graph_time_us(chain, calls=2, replays=20) / LAYERS, 2)
+
     report["chain_engine"] = []
     report["settings"] = {}
     for rep in range(2):
-        Xc.copy_(X)
-        report["chain_engine"].append(round(graph_time_us(engine_chain, calls=2, replays=20) / LAYERS, 2))
+        report["chain_engine"].append(per_layer(engine_chain))
         for setting in settings:
             key = json.dumps(setting, sort_keys=True)
             try:
-                Xc.copy_(X)
-                us = graph_time_us(persistent_chain(setting), calls=2, replays=20) / LAYERS
-                report["settings"].setdefault(key, []).append(round(us, 2))
+                report["settings"].setdefault(key, []).append(per_layer(persistent_chain(setting)))
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile or run is reported, not fatal
                 report.setdefault("failed", {})[key] = f"{type(exc).__name__}: {str(exc)[:120]}"
                 bar.zero_()
         print("pass", rep, "engine", report["chain_engine"][-1], flush=True)
     best_key = min(report["settings"], key=lambda k_: min(report["settings"][k_]))
     best = json.loads(best_key)
-    report["best_no_prefetch"] = [min(report["settings"][best_key]), best]
-    print("best without prefetch", report["best_no_prefetch"], flush=True)
+    report["best"] = [min(report["settings"][best_key]), best]
+    print("best", report["best"], flush=True)
 
-    # the prefetch before each barrier, on the best setting
-    report["prefetch"] = {}
-    for pf1, pf2 in ((0, 0), (1024, 0), (2048, 0), (0, 1024), (1024, 1024), (2048, 2048), (4096, 4096)):
-        setting = {**best, "pf1": pf1, "pf2": min(pf2, FFN // best["s_out"] * 2)}
+    # on the best setting: each stage's time by difference (LAST), the register preload, the L2 prefetch
+    variants = {f"last{last}": {"last": last} for last in (0, 1)}
+    variants.update({f"preload{n}": {"preload": n} for n in (0, 1, 2)})
+    variants.update({f"pf{a},{b}": {"pf1": a, "pf2": b} for a, b in ((1024, 0), (0, 1024), (2048, 2048))})
+    report["variants"] = {}
+    for name, change in variants.items():
         try:
-            times = []
-            for _ in range(2):
-                Xc.copy_(X)
-                times.append(round(graph_time_us(persistent_chain(setting), calls=2, replays=20) / LAYERS, 2))
-            report["prefetch"][f"{pf1},{pf2}"] = times
+            report["variants"][name] = [per_layer(persistent_chain({**best, **change})) for _ in range(2)]
         except Exception as exc:  # noqa: BLE001
-            report.setdefault("failed", {})[f"prefetch {pf1},{pf2}"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            report.setdefault("failed", {})[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
             bar.zero_()
-        print("prefetch", pf1, pf2, report["prefetch"].get(f"{pf1},{pf2}"), flush=True)
+        print(name, report["variants"].get(name), flush=True)
 
-    # the same bits on every run of the persistent chain (a race between stages would show here)
+    # the same bits on every run of the persistent chain (a race between stages would show here), and its result
+    # against the engine's chain from the same start
+    fastest = min(report["variants"], key=lambda n: min(report["variants"][n]) if "last" not in n else 1e9)
+    chain = persistent_chain({**best, **variants[fastest]})
     outs = []
-    fast = persistent_chain(best)
     for _ in range(5):
         Xc.copy_(X)
-        fast()
+        chain()
         outs.append(Xc.clone())
-    torch.cuda.synchronize()
     report["persistent_deterministic"] = all(torch.equal(outs[0], o) for o in outs[1:])
     Xc.copy_(X)
-    engine_chain()
-    report["chain_final_x_diff_vs_engine"] = (outs[0].float() - Xc.float()).abs().max().item()
+    x_engine = engine_chain()
+    report["chain_x_diff_vs_engine"] = (outs[0].float() - x_engine.float()).abs().max().item()
+    report["chain_x_absmax"] = x_engine.float().abs().max().item()
     report["bytes_per_layer_mib"] = round((2 * FFN * HIDDEN + HIDDEN * FFN) * 2 / 2**20, 1)
-    print(json.dumps({k_: v for k_, v in report.items() if k_ not in ("settings",)}), flush=True)
+    print(json.dumps({k_: v for k_, v in report.items() if k_ != "settings"}), flush=True)
     if args.out:
         write_json(args.out, report)
     return report
