@@ -366,7 +366,7 @@ def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     block_k = next((b for b in (128, 64, 32) if k % b == 0), None)
     if block_n is None or block_k is None:
         return None
-    return Tiling(block_n, block_k, 1, num_warps=4 if batch <= 64 else 8, num_stages=4)
+    return Tiling(block_n, block_k, 1, num_warps=4, num_stages=4)
 
 
 def fp8_tiling_for(batch: int, n: int, k: int, block: int) -> Tiling | None:
