@@ -86,33 +86,28 @@ def candidate_mask(logits_BV: torch.Tensor, temperature, top_k: int, top_p: floa
 
 
 @contextlib.contextmanager
-def fake_fp8(model, lengths_B, width: int, fc2_block: int | None = None):
+def fake_fp8(model, lengths_B, width: int):
     """Megatron's forward with the rounding of FP8 decode weights (aligner.generation.native.fp8): fc1, fc2 and the
     output layer compute quantize(input) @ quantize(W)^T (per row, dequantized) at every position past each prompt
     (where decode steps run; prefill stays in the engine's dtype), sequences of `width` tokens. Row-parallel layers
-    sum the ranks' partial products, each in its own scales, as the engine does. `fc2_block`: fc2's input quantized
-    per row and per block of that many columns (the split-K FP8 kernels: splitk.gated_matmul_fp8)."""
+    sum the ranks' partial products, each in its own scales, as the engine does."""
     from aligner.generation.native.fp8 import quantize_rows
 
     decoded_SB1 = (torch.arange(width)[:, None] >= lengths_B[None, :])[..., None]  # megatron's [sequence, batch]
 
-    def q(t, block=None):
-        if block is not None:  # [..., K] as [..., K / block, block]: a scale per block
-            return q(t.unflatten(-1, (-1, block))).flatten(-2)
+    def q(t):
         t8, s = quantize_rows(t)
         return t8.float() * s
 
     def hook(module, args, kwargs, output):
         out, bias = output if isinstance(output, tuple) else (output, None)
         weight = kwargs.get("weight") if kwargs.get("weight") is not None else module.weight  # tied: the embedding
-        block = fc2_block if module in fc2s else None
-        fake = (q(args[0], block) @ q(weight).t()).to(out.dtype)
+        fake = (q(args[0]) @ q(weight).t()).to(out.dtype)
         if getattr(module, "input_is_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(fake, group=ps.get_tensor_model_parallel_group())
         out = torch.where(decoded_SB1, fake, out)
         return (out, bias) if isinstance(output, tuple) else out
 
-    fc2s = [layer.mlp.linear_fc2 for layer in model.decoder.layers]
     mods = [m for layer in model.decoder.layers for m in (layer.mlp.linear_fc1, layer.mlp.linear_fc2)]
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in [*mods, model.output_layer]]
     try:

@@ -53,33 +53,6 @@ def test_fp8_decode_equals_megatron_with_the_same_rounding(cfg):
     assert (out.logprobs_BR[:, 0] - plain[:, 0]).abs().max() < 2e-5  # token 0 comes from prefill: no FP8
 
 
-def test_fp8_decode_by_the_split_k_kernels_equals_megatron_with_their_rounding(monkeypatch):
-    """decode_gemm=splitk (Triton's interpreter): a SwiGLU MLP's fc1, activation and the activation's quantization
-    (per row and block of columns) in one kernel, fc2 from those blocks in another; equal to megatron's forward with
-    that rounding, further from the per-row rounding of the cuBLAS path."""
-    from aligner.generation.native import splitk
-
-    model = _model(LLAMA)
-    engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), LLAMA, model)
-    calls, real = [], splitk.gated_matmul_fp8
-    monkeypatch.setattr(splitk, "gated_matmul_fp8", lambda *a: calls.append(a[4]) or real(*a))
-    out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
-    assert len(calls) == 11 * LLAMA.num_layers  # every decode step (the first token comes from prefill), every layer
-    block = calls[0].block_n
-    assert block < LLAMA.ffn_hidden_size  # more than one scale per row
-    n = out.response_lengths_B
-    width = int((LENGTHS + n).max())
-    gaps = {}
-    for name, fc2_block in (("blocks", block), ("rows", None)):
-        with fake_fp8(model, LENGTHS, width, fc2_block=fc2_block):
-            ref = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
-        valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
-        gaps[name] = (out.logprobs_BR - ref).abs()[valid]
-    assert gaps["blocks"].max() < 2e-3, gaps["blocks"].max()
-    # (measured: 5e-7 against 0.05 nats on average)
-    assert gaps["rows"].mean() > 100 * gaps["blocks"].mean(), (gaps["rows"].mean(), gaps["blocks"].mean())
-
-
 def test_refit_requantizes_into_the_same_buffers():
     model = _model(LLAMA)
     engine = build_engine(replace(GEN, decode_weights="fp8", share_weights="auto"), LLAMA, model)

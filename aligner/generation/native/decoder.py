@@ -230,7 +230,7 @@ class Decoder:
                 post_mlp = (lw["mlp.linear_fc2.bias"], *final)
             if q8 is not None:
                 x, h8, hs = (k.add_parts_norm_q if parts else k.add_norm_q)(x, a, *pre_mlp)
-                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k)
+                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp)
                 continue
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
             m = self._fc1_act(h, lw, k, split_k)
@@ -249,28 +249,17 @@ class Decoder:
             return k.act(self._linear(h, w, b))
         return splitk.gated_matmul(h, w, tiling)
 
-    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp, split_k: bool = False):
+    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp):
         """Layer i's MLP with FP8 weights (fp8.py) from its normed input quantized (h8, scales), and the residual add
-        and norm after it; returns (x, h), h quantized (h8, scales) after the last layer. With `split_k`, a SwiGLU
-        MLP without fc1 bias runs as two Triton kernels where they have tilings for the step's rows
-        (splitk.gated_matmul_fp8: fc1, SwiGLU and the activation's quantization per row and column block;
-        splitk.matmul_fp8: fc2's float32 partial sums, added by the norm kernel after it)."""
+        and norm after it; returns (x, h), h quantized (h8, scales) after the last layer."""
         w1, s1 = q8.layer(i, 1)
-        w2, s2 = q8.layer(i, 2)
-        last = i + 1 == self.lo.num_layers
-        tilings = self._fp8_tilings(h8, w1, w2, lw) if split_k else None
-        if tilings is not None:
-            a8, a_scale = splitk.gated_matmul_fp8(h8, hs, w1, s1, tilings[0])
-            parts = splitk.matmul_fp8(a8, a_scale, w2, s2, tilings[1])
-            if not last:
-                return k.add_parts_norm(x, parts, *post_mlp)
-            x, h8, hs = k.add_parts_norm_q(x, parts, *post_mlp)
-            return x, (h8, hs)
         # fc1's product in the activation dtype (half the bytes into the activation kernel: measured faster), fc2's
         # in float32 until it joins the residual stream
         y1 = fp8.matmul(h8, w1, q8.one, x.dtype)
         m8, ms = k.act_q(y1, hs, s1, lw["mlp.linear_fc1.bias"], x.dtype)
+        w2, s2 = q8.layer(i, 2)
         y = fp8.matmul(m8, w2, q8.one)
+        last = i + 1 == self.lo.num_layers
         if self.lo.tp > 1:  # row-parallel: each rank's partial sum in its own scales, dequantized before the sum
             m = self._all_reduce(k.dq(y, ms, s2, x.dtype))
             if not last:
@@ -281,16 +270,6 @@ class Decoder:
                 return k.dq_add_norm(x, y, ms, s2, *post_mlp)
             x, h8, hs = k.dq_add_norm_q(x, y, ms, s2, *post_mlp)
         return x, (h8, hs)  # the final norm's output, quantized for the FP8 output layer
-
-    def _fp8_tilings(self, h8, w1, w2, lw) -> tuple[splitk.Tiling, splitk.Tiling] | None:
-        """The two FP8 Triton kernels' tilings for this step (decode steps of h8 [B, H], SwiGLU without fc1 bias),
-        or None: cuBLAS and the activation kernel."""
-        fam = self.lo.family
-        if h8.dim() != 2 or not (fam.gated_mlp and fam.activation == "silu") or lw["mlp.linear_fc1.bias"] is not None:
-            return None
-        t1 = splitk.fp8_gated_tiling_for(h8.shape[0], *w1.shape)
-        t2 = None if t1 is None else splitk.fp8_tiling_for(h8.shape[0], *w2.shape, t1.block_n)
-        return None if t2 is None else (t1, t2)
 
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, row0: int = 0) -> torch.Tensor:

@@ -195,128 +195,6 @@ def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Te
     return out
 
 
-@lru_cache(maxsize=1)
-def _fp8_kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gated_fp8_gemm(  # FP8 decode weights (fp8.py): fc1 + SwiGLU, its output quantized per row and column block
-        x8_ptr, xs_ptr, w8_ptr, ws_ptr, a8_ptr, as_ptr, M, K, F, sx_m, sw_n, sa_m, sas_m,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        pid = tl.program_id(0)
-        rows, cols, ks = tl.arange(0, BLOCK_M), pid * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
-        if PDL:  # as in splitk_gemm
-            tl.extra.cuda.gdc_wait()
-        row_ok = rows < M
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            x = tl.load(x8_ptr + rows[:, None] * sx_m + (k + ks)[None, :], mask=row_ok[:, None], other=0.0)
-            g = tl.load(w8_ptr + cols[:, None] * sw_n + (k + ks)[None, :])
-            u = tl.load(w8_ptr + (F + cols)[:, None] * sw_n + (k + ks)[None, :])
-            if WIDEN:  # the interpreter: float32 products of the same e4m3 values
-                x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-            acc_g = tl.dot(x, tl.trans(g), acc_g)
-            acc_u = tl.dot(x, tl.trans(u), acc_u)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
-        gate = acc_g * xs[:, None] * tl.load(ws_ptr + cols)[None, :]
-        up = acc_u * xs[:, None] * tl.load(ws_ptr + F + cols)[None, :]
-        a = gate / (1.0 + tl.exp(-gate)) * up
-        scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0  # fp8.E4M3_MAX, fp8._TINY
-        q = tl.minimum(tl.maximum(a / scale[:, None], -448.0), 448.0)
-        if WIDEN:  # the interpreter's cast loses a value that rounds up to the next power of two: round first
-            mag = tl.abs(q)
-            step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(mag, 1e-30))), -6.0) - 3.0)
-            q = tl.where(q < 0, -1.0, 1.0) * tl.floor(mag / step + 0.5) * step
-        tl.store(a8_ptr + rows[:, None] * sa_m + cols[None, :], q.to(a8_ptr.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(as_ptr + rows * sas_m + pid, scale, mask=row_ok)
-
-    @triton.jit
-    def splitk_fp8_gemm(  # FP8 decode weights: fc2 from gated_fp8_gemm's blocks, float32 partial sums
-        a8_ptr, as_ptr, w8_ptr, ws_ptr, out_ptr, M, K_SPLIT, sa_m, sas_m, sw_n, so_s, so_m,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        n0, s = tl.program_id(0) * BLOCK_N, tl.program_id(1)
-        rows, cols, ks = tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
-        k0 = s * K_SPLIT
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        row_ok = rows < M
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(k0, k0 + K_SPLIT, BLOCK_K):  # one K step = one block of the activation's scales
-            a = tl.load(a8_ptr + rows[:, None] * sa_m + (k + ks)[None, :], mask=row_ok[:, None], other=0.0)
-            w = tl.load(w8_ptr + cols[:, None] * sw_n + (k + ks)[None, :])
-            sa = tl.load(as_ptr + rows * sas_m + k // BLOCK_K, mask=row_ok, other=0.0)
-            if WIDEN:
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            acc += tl.dot(a, tl.trans(w)) * sa[:, None]
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        acc = acc * tl.load(ws_ptr + cols)[None, :]
-        tl.store(out_ptr + s * so_s + rows[:, None] * so_m + cols[None, :], acc, mask=row_ok[:, None])
-
-    return gated_fp8_gemm, splitk_fp8_gemm
-
-
-def _fp8_options(x8: torch.Tensor, tiling: Tiling) -> dict:
-    use_pdl = pdl.wanted(x8.device, x8.shape[0])
-    options = dict(
-        BLOCK_M=max(16, min(128, 1 << (x8.shape[0] - 1).bit_length())), BLOCK_N=tiling.block_n,
-        BLOCK_K=tiling.block_k, WIDEN=x8.device.type != "cuda", PDL=use_pdl,
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-    )  # fmt: skip
-    if use_pdl:
-        options["launch_pdl"] = True
-    return options
-
-
-def gated_matmul_fp8(x8_MK, x_scale_M, w8_2FK, w_scale_2F, tiling: Tiling):
-    """FP8 decode weights (fp8.py): silu(g) * u with g = (x8 @ Wg8^T) * x_scale[row] * w_scale[col] (u likewise from
-    the rows F.. of w8), quantized to e4m3 on the spot with one scale per row and per `tiling.block_n` columns (each
-    program's own tile: no reduction across programs). Returns (a8 [M, F] e4m3, a_scale [M, F / block_n] float32),
-    a ~ a8 * a_scale[row, col // block_n]: the input of matmul_fp8. One program per block_n columns, whole K."""
-    M, K = x8_MK.shape
-    F = w8_2FK.shape[0] // 2
-    if x_scale_M.numel() != M or not x_scale_M.is_contiguous() or w_scale_2F.numel() != 2 * F:
-        raise ValueError("splitk.gated_matmul_fp8: the scales must be contiguous, one per row of x8 and of w8")
-    if w8_2FK.shape != (2 * F, K):
-        raise ValueError(f"splitk.gated_matmul_fp8: x8 {tuple(x8_MK.shape)}, w8 {tuple(w8_2FK.shape)} do not match")
-    if M > 128 or tiling.splits != 1 or not tiling.fits(F, K):
-        raise ValueError(f"splitk.gated_matmul_fp8: M={M}, F={F}, K={K} do not fit {tiling} (one split, <= 128 rows)")
-    a8 = torch.empty((M, F), dtype=x8_MK.dtype, device=x8_MK.device)
-    a_scale = torch.empty((M, F // tiling.block_n), dtype=torch.float32, device=x8_MK.device)
-    _fp8_kernels()[0][(F // tiling.block_n,)](
-        x8_MK, x_scale_M, w8_2FK, w_scale_2F, a8, a_scale, M, K, F, x8_MK.stride(0), w8_2FK.stride(0), a8.stride(0),
-        a_scale.stride(0), **_fp8_options(x8_MK, tiling),
-    )  # fmt: skip
-    return a8, a_scale
-
-
-def matmul_fp8(a8_MK, a_scale, w8_NK, w_scale_N, tiling: Tiling) -> torch.Tensor:
-    """(a8 * a_scale) @ (w8 * w_scale)^T for gated_matmul_fp8's output (its scale blocks `tiling.block_k` wide) and
-    an e4m3 weight with one scale per row: float32 partial sums [splits, M, N], as `matmul` writes them."""
-    M, K = a8_MK.shape
-    N = w8_NK.shape[0]
-    if w8_NK.shape[1] != K or a_scale.shape != (M, K // tiling.block_k) or w_scale_N.numel() != N:
-        raise ValueError(
-            f"splitk.matmul_fp8: a8 {tuple(a8_MK.shape)}, scales {tuple(a_scale.shape)}, w8 {tuple(w8_NK.shape)} "
-            f"do not match {tiling}"
-        )
-    if M > 128 or not tiling.fits(N, K):
-        raise ValueError(f"splitk.matmul_fp8: M={M}, N={N}, K={K} do not fit {tiling} (<= 128 rows)")
-    S = tiling.splits
-    out = torch.empty((S, M, N), dtype=torch.float32, device=a8_MK.device)
-    _fp8_kernels()[1][(N // tiling.block_n, S)](
-        a8_MK, a_scale, w8_NK, w_scale_N, out, M, K // S, a8_MK.stride(0), a_scale.stride(0), w8_NK.stride(0),
-        out.stride(0), out.stride(1), **_fp8_options(a8_MK, tiling),
-    )  # fmt: skip
-    return out
-
-
 MAX_BATCH = 128  # decode steps of more rows keep cuBLAS (measured only up to here: docs/PERF.md)
 
 
@@ -356,35 +234,9 @@ def gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     return Tiling(block_n, block_k, 1, num_warps=4 if batch <= 64 else 8, num_stages=5)
 
 
-def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
-    """The tiling of gated_matmul_fp8 for a decode step of `batch` rows and an e4m3 fc1 [two_f, k] (None: keep cuBLAS
-    and the activation kernel). Its block_n is also the width of the activation's scale blocks."""
-    f = two_f // 2
-    if batch > GATED_MAX_BATCH or two_f % 2:
-        return None
-    block_n = next((b for b in (64, 32, 16) if f % b == 0), None)
-    block_k = next((b for b in (128, 64, 32) if k % b == 0), None)
-    if block_n is None or block_k is None:
-        return None
-    return Tiling(block_n, block_k, 1, num_warps=4, num_stages=4)
-
-
-def fp8_tiling_for(batch: int, n: int, k: int, block: int) -> Tiling | None:
-    """The tiling of matmul_fp8 for an e4m3 fc2 [n, k] after gated_matmul_fp8 with scale blocks `block` wide (its K
-    step), or None."""
-    if batch > MAX_BATCH or k % block:
-        return None
-    block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
-    splits = next((s for s in (4, 3, 2, 1) if k % (s * block) == 0), None)
-    if block_n is None or splits is None:
-        return None
-    return Tiling(block_n, block, splits, num_warps=4, num_stages=5)
-
-
-def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = False) -> str | None:
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the split-K kernel cannot run here (None if it can): Triton, a CUDA device of compute capability 8.0 or
-    newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product; with
-    `fp8_weights` (FP8 decode weights, fp8.py) also the two FP8 kernels, against float32 maths of the same values."""
+    newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product."""
     why_not = triton_kernels_unavailable(device)
     if why_not is not None:
         return why_not
@@ -395,28 +247,6 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
         got = matmul(x, w, Tiling(block_n=32, block_k=32, splits=4)).sum(0)
         if not torch.allclose(got, x.float() @ w.float().t(), atol=1e-2, rtol=1e-3):
             return "the kernel's answer differs from torch's product here"
-        if fp8_weights:
-            return _fp8_unavailable(device)
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
-    return None
-
-
-def _fp8_unavailable(device: torch.device) -> str | None:
-    from aligner.generation.native import fp8
-
-    g = torch.Generator(device=device).manual_seed(1)
-    x8, xs = fp8.quantize_rows(torch.randn(5, 64, generator=g, device=device))
-    w1, s1 = fp8.quantize_rows(torch.randn(128, 64, generator=g, device=device))
-    w2, s2 = fp8.quantize_rows(torch.randn(32, 64, generator=g, device=device))
-    s1, s2 = s1.view(-1), s2.view(-1)
-    a8, a_scale = gated_matmul_fp8(x8, xs.view(-1), w1, s1, Tiling(32, 32, 1))
-    gate, up = ((x8.float() * xs) @ (w1.float() * s1[:, None]).t()).chunk(2, dim=-1)
-    act = gate * torch.sigmoid(gate) * up
-    got = a8.float() * a_scale.repeat_interleave(32, dim=1)
-    if not torch.allclose(got, act, atol=1e-3, rtol=0.13):  # e4m3: 3 mantissa bits (the interpreter truncates)
-        return "the FP8 fc1 kernel's answer differs from float32 maths here"
-    y = matmul_fp8(a8, a_scale, w2, s2, Tiling(32, 32, 2)).sum(0)
-    if not torch.allclose(y, got @ (w2.float() * s2[:, None]).t(), atol=1e-3, rtol=1e-3):
-        return "the FP8 fc2 kernel's answer differs from float32 maths here"
     return None
