@@ -19,7 +19,6 @@ us per layer; errors against float32 maths of the same quantized weights.
     python3 benchmarks/probes/fp8_mlp.py --out result.json     (CUDA, sm_89+; Triton)
 """
 
-import argparse
 import itertools
 import json
 import os
@@ -31,6 +30,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes.common import parse_args, randn  # noqa: E402
 
 LAYERS, HIDDEN, FFN, EPS = 16, 2048, 8192, 1e-5  # the 1B model of docs/PERF.md
 E4M3_MAX = 448.0
@@ -120,10 +121,7 @@ def run_splitk(a8, a_s, w8, ws, out, block_n, block_k, splits, warps, stages, pd
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--out", default=None, help="write the result here as JSON")
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
 
     from aligner.families import family
     from aligner.generation.native import fp8, fused, pdl, splitk
@@ -134,9 +132,7 @@ def main(argv=None) -> dict:
     use_pdl = pdl.wanted(dev, B)
     torch.manual_seed(0)
 
-    def rand(*shape, std=0.02):
-        return torch.randn(*shape, device=dev, dtype=dt) * std
-
+    rand = randn(dev, dt)
     W = []
     for _ in range(LAYERS):
         fc1, fc2 = rand(2 * FFN, HIDDEN), rand(HIDDEN, FFN)

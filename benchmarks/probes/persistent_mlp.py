@@ -19,7 +19,6 @@ whether the persistent chain gives the same bits on every replay (a race between
     python3 benchmarks/probes/persistent_mlp.py --out result.json     (CUDA, sm_90 for the prefetch; Triton)
 """
 
-import argparse
 import itertools
 import json
 import os
@@ -31,6 +30,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes.common import parse_args, randn  # noqa: E402
 
 LAYERS, HIDDEN, FFN, EPS = 16, 2048, 8192, 1e-5  # the 1B model of docs/PERF.md
 
@@ -216,11 +217,7 @@ def reference(x, parts_in, g, w1, w2, s_out):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="a few settings only")
-    parser.add_argument("--out", default=None, help="write the result here as JSON")
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv, quick="a few settings only")
 
     from aligner.families import family
     from aligner.generation.native import fused, splitk
@@ -231,9 +228,7 @@ def main(argv=None) -> dict:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     torch.manual_seed(0)
 
-    def rand(*shape, std=0.02):
-        return torch.randn(*shape, device=dev, dtype=dt) * std
-
+    rand = randn(dev, dt)
     W = [dict(fc1=rand(2 * FFN, HIDDEN), fc2=rand(HIDDEN, FFN), g=1 + rand(HIDDEN, std=0.1)) for _ in range(LAYERS)]
     X = rand(B, HIDDEN, std=1)
     P_in = torch.randn(4, B, HIDDEN, device=dev) * 0.25

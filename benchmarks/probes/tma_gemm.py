@@ -12,7 +12,6 @@ streaming read of each weight both ways, and the largest difference between the 
     python3 benchmarks/probes/tma_gemm.py --out result.json     (CUDA, sm_90; Triton)
 """
 
-import argparse
 import itertools
 import os
 import sys
@@ -24,6 +23,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes.common import parse_args, randn  # noqa: E402
 
 LAYERS, HIDDEN, QKV, FFN = 16, 2048, 4096, 8192  # the 1B model of docs/PERF.md
 
@@ -90,11 +91,7 @@ def stream_rows(w_ptr, w_desc, out_ptr, K, sw_n, BLOCK_N: tl.constexpr, BLOCK_K:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="the engine's tilings only")
-    parser.add_argument("--out", default=None, help="write the result here as JSON")
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv, quick="the engine's tilings only")
 
     from aligner.generation.native import pdl, splitk
     from benchmarks.decode_kernels import graph_time_us
@@ -104,9 +101,7 @@ def main(argv=None) -> dict:
     use_pdl = pdl.wanted(dev, B)
     torch.manual_seed(0)
 
-    def rand(*shape, std=0.02):
-        return torch.randn(*shape, device=dev, dtype=dt) * std
-
+    rand = randn(dev, dt)
     W = [dict(qkv=rand(QKV, HIDDEN), proj=rand(HIDDEN, HIDDEN), fc1=rand(2 * FFN, HIDDEN), fc2=rand(HIDDEN, FFN))
          for _ in range(LAYERS)]  # fmt: skip
     X = {"qkv": rand(B, HIDDEN, std=1), "proj": rand(B, HIDDEN, std=1), "fc1": rand(B, HIDDEN, std=1),
