@@ -53,6 +53,26 @@ def test_fp8_decode_equals_megatron_with_the_same_rounding(cfg):
     assert (out.logprobs_BR[:, 0] - plain[:, 0]).abs().max() < 2e-5  # token 0 comes from prefill: no FP8
 
 
+def test_fp8_fc1_by_the_triton_kernel_equals_megatron_with_the_same_rounding(monkeypatch):
+    """decode_gemm=splitk (Triton's interpreter): a SwiGLU MLP's fc1, its scales and the activation in one kernel
+    (splitk.gated_matmul_fp8), the activation then quantized per row for cuBLAS's fc2: the same rounding as the
+    cuBLAS path, so equal to megatron's forward with it."""
+    from aligner.generation.native import splitk
+
+    model = _model(LLAMA)
+    engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), LLAMA, model)
+    calls, real = [], splitk.gated_matmul_fp8
+    monkeypatch.setattr(splitk, "gated_matmul_fp8", lambda *a: calls.append(a[2].shape) or real(*a))
+    out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    assert len(calls) == 11 * LLAMA.num_layers  # every decode step (the first token comes from prefill), every layer
+    n = out.response_lengths_B
+    with fake_fp8(model, LENGTHS, int((LENGTHS + n).max())):
+        rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
+    valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
+    gap = (out.logprobs_BR - rounded).abs()[valid]
+    assert gap.max() < 2e-3, gap.max()
+
+
 def test_refit_requantizes_into_the_same_buffers():
     model = _model(LLAMA)
     engine = build_engine(replace(GEN, decode_weights="fp8", share_weights="auto"), LLAMA, model)

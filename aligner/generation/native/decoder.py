@@ -230,7 +230,7 @@ class Decoder:
                 post_mlp = (lw["mlp.linear_fc2.bias"], *final)
             if q8 is not None:
                 x, h8, hs = (k.add_parts_norm_q if parts else k.add_norm_q)(x, a, *pre_mlp)
-                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp)
+                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k)
                 continue
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
             m = self._fc1_act(h, lw, k, split_k)
@@ -249,14 +249,22 @@ class Decoder:
             return k.act(self._linear(h, w, b))
         return splitk.gated_matmul(h, w, tiling)
 
-    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp):
+    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp, split_k: bool = False):
         """Layer i's MLP with FP8 weights (fp8.py) from its normed input quantized (h8, scales), and the residual add
-        and norm after it; returns (x, h), h quantized (h8, scales) after the last layer."""
+        and norm after it; returns (x, h), h quantized (h8, scales) after the last layer. With `split_k`, a SwiGLU
+        MLP without fc1 bias runs fc1, its scales and the activation as one Triton kernel (splitk.gated_matmul_fp8)
+        where it has a tiling for the step's rows, then a kernel quantizing the activation per row."""
         w1, s1 = q8.layer(i, 1)
-        # fc1's product in the activation dtype (half the bytes into the activation kernel: measured faster), fc2's
-        # in float32 until it joins the residual stream
-        y1 = fp8.matmul(h8, w1, q8.one, x.dtype)
-        m8, ms = k.act_q(y1, hs, s1, lw["mlp.linear_fc1.bias"], x.dtype)
+        fam = self.lo.family
+        swiglu = fam.gated_mlp and fam.activation == "silu" and lw["mlp.linear_fc1.bias"] is None
+        tiling = splitk.fp8_gated_tiling_for(h8.shape[0], *w1.shape) if split_k and swiglu and h8.dim() == 2 else None
+        if tiling is not None:
+            m8, ms = k.q(splitk.gated_matmul_fp8(h8, hs, w1, s1, tiling, x.dtype))
+        else:
+            # fc1's product in the activation dtype (half the bytes into the activation kernel: measured faster),
+            # fc2's in float32 until it joins the residual stream
+            y1 = fp8.matmul(h8, w1, q8.one, x.dtype)
+            m8, ms = k.act_q(y1, hs, s1, lw["mlp.linear_fc1.bias"], x.dtype)
         w2, s2 = q8.layer(i, 2)
         y = fp8.matmul(m8, w2, q8.one)
         last = i + 1 == self.lo.num_layers

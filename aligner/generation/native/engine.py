@@ -143,7 +143,9 @@ class NativeEngine:
         compile_ = gen_cfg.compile_elementwise == "on" or (
             gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available()
         )
-        self.decode_gemm = decode_gemm = self._choose_decode_gemm(gen_cfg.decode_gemm, tp, dtype)
+        self.decode_gemm = decode_gemm = self._choose_decode_gemm(
+            gen_cfg.decode_gemm, tp, dtype, decode_fp8 is not None
+        )
         self.decoder = Decoder(
             layout,
             self.weights,
@@ -178,10 +180,10 @@ class NativeEngine:
         self._released = False
         self.last_timings: dict[str, float] = {}
 
-    def _choose_decode_gemm(self, setting: str, tp: int, dtype: torch.dtype) -> str:
+    def _choose_decode_gemm(self, setting: str, tp: int, dtype: torch.dtype, fp8_weights: bool = False) -> str:
         """generation.decode_gemm: auto takes the split-K kernel on a GPU at TP=1 with 16-bit weights where its
         start-up check passes (measured faster there: docs/PERF.md), cuBLAS elsewhere; splitk is checked and
-        refused with the reason where it cannot run."""
+        refused with the reason where it cannot run. With FP8 decode weights the check covers the FP8 fc1 kernel."""
         if setting == "cublas" or (
             setting == "auto" and (not self.on_gpu or dtype not in (torch.bfloat16, torch.float16))
         ):
@@ -189,7 +191,7 @@ class NativeEngine:
         if tp > 1:
             why_not = f"it runs at TP=1 only (tensor_model_parallel_size is {tp})"
         else:
-            why_not = splitk.unavailable(self.device, dtype)
+            why_not = splitk.unavailable(self.device, dtype, fp8_weights)
         if setting == "splitk":
             if why_not is not None:
                 raise ValueError(f"generation.decode_gemm=splitk is not possible here: {why_not}; use cublas")

@@ -38,6 +38,7 @@ class Kernels:
     dq: Callable | None = None  # (y, y scales, w scales, dtype) -> y in dtype
     dq_add_norm: Callable | None = None  # (x, y, y scales, w scales, bias, w, b) -> (x, h)
     dq_add_norm_q: Callable | None = None  # (x, y, y scales, w scales, bias, w, b) -> (x, h8, h scales)
+    q: Callable | None = None  # (m) -> (m8, m scales): the activation of splitk.gated_matmul_fp8, quantized per row
     # A row-parallel projection's float32 partial sums [S, ..., H] from the split-K GEMM (splitk.py), summed and
     # rounded to x's dtype on the way in (where cuBLAS rounds its product): add_norm's and add_norm_q's results
     add_parts_norm: Callable | None = None  # (x, parts, bias, w, b) -> (x, h)
@@ -117,7 +118,7 @@ def make_kernels(
     if not prefill:
         plain.update(
             add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm, dq_add_norm_q=dq_add_norm_q,
-            add_parts_norm=add_parts_norm, add_parts_norm_q=add_parts_norm_q,
+            add_parts_norm=add_parts_norm, add_parts_norm_q=add_parts_norm_q, q=quantize_rows,
         )  # fmt: skip
     if not compile_:
         return Kernels(**plain)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from aligner.generation.native import pdl
 from aligner.parallel.device import triton_kernels_unavailable
@@ -195,6 +196,74 @@ def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Te
     return out
 
 
+@lru_cache(maxsize=1)
+def _gated_fp8_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gated_fp8_gemm(  # FP8 decode weights (fp8.py): gated_gemm's work on FP8 tensor cores
+        x8_ptr, xs_ptr, w8_ptr, ws_ptr, out_ptr, M, K, F, sx_m, sw_n, so_m,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        rows, cols, ks = (
+            tl.arange(0, BLOCK_M),
+            tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N),
+            tl.arange(0, BLOCK_K),
+        )
+        if PDL:  # as in splitk_gemm
+            tl.extra.cuda.gdc_wait()
+        row_ok = rows < M
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x8_ptr + rows[:, None] * sx_m + (k + ks)[None, :], mask=row_ok[:, None], other=0.0)
+            g = tl.load(w8_ptr + cols[:, None] * sw_n + (k + ks)[None, :])
+            u = tl.load(w8_ptr + (F + cols)[:, None] * sw_n + (k + ks)[None, :])
+            if WIDEN:  # the interpreter: float32 products of the same e4m3 values
+                x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            acc_g = tl.dot(x, tl.trans(g), acc_g)
+            acc_u = tl.dot(x, tl.trans(u), acc_u)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        xs = tl.load(xs_ptr + rows, mask=row_ok, other=0.0)
+        gate = acc_g * xs[:, None] * tl.load(ws_ptr + cols)[None, :]
+        up = acc_u * xs[:, None] * tl.load(ws_ptr + F + cols)[None, :]
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    return gated_fp8_gemm
+
+
+def gated_matmul_fp8(x8_MK, x_scale_M, w8_2FK, w_scale_2F, tiling: Tiling, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 decode weights (fp8.py): silu(g) * u in `dtype` [M, F], g = (x8 @ Wg8^T) * x_scale[row] * w_scale[col]
+    and u likewise from the rows F.. of w8 = [Wg8; Wu8] [2F, K], from float32 sums rounded once (gated_matmul on FP8
+    tensor cores: fc1, its scales and the SwiGLU in one kernel, where cuBLAS's FP8 GEMM and the activation kernel
+    were two). One program per `tiling.block_n` columns over the whole K; up to 128 rows."""
+    M, K = x8_MK.shape
+    F = w8_2FK.shape[0] // 2
+    if w8_2FK.shape != (2 * F, K) or x_scale_M.numel() != M or w_scale_2F.numel() != 2 * F:
+        raise ValueError(
+            f"splitk.gated_matmul_fp8: x8 {tuple(x8_MK.shape)}, w8 {tuple(w8_2FK.shape)} and the scales do not match"
+        )
+    if not (x_scale_M.is_contiguous() and w_scale_2F.is_contiguous()):
+        raise ValueError("splitk.gated_matmul_fp8: the scales must be contiguous")
+    if M > 128 or tiling.splits != 1 or not tiling.fits(F, K):
+        raise ValueError(f"splitk.gated_matmul_fp8: M={M}, F={F}, K={K} do not fit {tiling} (one split, <= 128 rows)")
+    out = torch.empty((M, F), dtype=dtype, device=x8_MK.device)
+    use_pdl = pdl.wanted(x8_MK.device, M)
+    options = dict(
+        BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+        WIDEN=x8_MK.device.type != "cuda", PDL=use_pdl, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )  # fmt: skip
+    if use_pdl:
+        options["launch_pdl"] = True
+    _gated_fp8_kernel()[(F // tiling.block_n,)](
+        x8_MK, x_scale_M, w8_2FK, w_scale_2F, out, M, K, F, x8_MK.stride(0), w8_2FK.stride(0), out.stride(0), **options
+    )
+    return out
+
+
 MAX_BATCH = 128  # decode steps of more rows keep cuBLAS (measured only up to here: docs/PERF.md)
 
 
@@ -234,9 +303,24 @@ def gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     return Tiling(block_n, block_k, 1, num_warps=4 if batch <= 64 else 8, num_stages=5)
 
 
-def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
+    """The tiling of gated_matmul_fp8 for a decode step of `batch` rows and an e4m3 fc1 [two_f, k] (None: keep cuBLAS
+    and the activation kernel). Measured on the H200 at the 1B model's fc1 at 64 rows (benchmarks/probes/fp8_mlp.py,
+    docs/PERF.md): 64 columns of each half per program, 128-wide K steps, five stages, four warps."""
+    f = two_f // 2
+    if batch > GATED_MAX_BATCH or two_f % 2:
+        return None
+    block_n = next((b for b in (64, 32, 16) if f % b == 0), None)
+    block_k = next((b for b in (128, 64, 32) if k % b == 0), None)
+    if block_n is None or block_k is None:
+        return None
+    return Tiling(block_n, block_k, 1, num_warps=4 if batch <= 64 else 8, num_stages=5)
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = False) -> str | None:
     """Why the split-K kernel cannot run here (None if it can): Triton, a CUDA device of compute capability 8.0 or
-    newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product."""
+    newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product; with
+    `fp8_weights` (FP8 decode weights, fp8.py) also gated_matmul_fp8, against float32 maths of the same values."""
     why_not = triton_kernels_unavailable(device)
     if why_not is not None:
         return why_not
@@ -247,6 +331,15 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         got = matmul(x, w, Tiling(block_n=32, block_k=32, splits=4)).sum(0)
         if not torch.allclose(got, x.float() @ w.float().t(), atol=1e-2, rtol=1e-3):
             return "the kernel's answer differs from torch's product here"
+        if fp8_weights:
+            from aligner.generation.native import fp8
+
+            x8, xs = fp8.quantize_rows(torch.randn(5, 64, generator=g, device=device))
+            w8, ws = fp8.quantize_rows(torch.randn(64, 64, generator=g, device=device))
+            got = gated_matmul_fp8(x8, xs, w8, ws, Tiling(block_n=32, block_k=32, splits=1), torch.float32)
+            gate, up = ((x8.float() * xs) @ (w8.float() * ws).t()).chunk(2, dim=-1)
+            if not torch.allclose(got, F.silu(gate) * up, atol=1e-3, rtol=1e-3):
+                return "the FP8 fc1 kernel's answer differs from float32 maths here"
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
     return None
