@@ -53,18 +53,25 @@ def test_fp8_decode_equals_megatron_with_the_same_rounding(cfg):
     assert (out.logprobs_BR[:, 0] - plain[:, 0]).abs().max() < 2e-5  # token 0 comes from prefill: no FP8
 
 
-def test_fp8_fc1_by_the_triton_kernel_equals_megatron_with_the_same_rounding(monkeypatch):
+def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(monkeypatch):
     """decode_gemm=splitk (Triton's interpreter): a SwiGLU MLP's fc1, its scales and the activation in one kernel
-    (splitk.gated_matmul_fp8), the activation then quantized per row for cuBLAS's fc2: the same rounding as the
-    cuBLAS path, so equal to megatron's forward with it."""
+    (splitk.gated_matmul_fp8), the activation then quantized per row, fc2 by the split-K kernel on FP8 operands
+    (splitk.matmul_fp8): the same rounding as the cuBLAS path, so equal to megatron's forward with it."""
     from aligner.generation.native import splitk
 
-    model = _model(LLAMA)
-    engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), LLAMA, model)
-    calls, real = [], splitk.gated_matmul_fp8
-    monkeypatch.setattr(splitk, "gated_matmul_fp8", lambda *a: calls.append(a[2].shape) or real(*a))
+    cfg = replace(LLAMA, ffn_hidden_size=128)  # fc2's K fits the split-K tiling (4 ranges of 32)
+    model = _model(cfg)
+    engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
+    calls = {"gated_matmul_fp8": [], "matmul_fp8": []}
+    for name, seen in calls.items():
+        real = getattr(splitk, name)
+        monkeypatch.setattr(splitk, name, lambda *a, r=real, c=seen: c.append(a[2].shape) or r(*a))
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
-    assert len(calls) == 11 * LLAMA.num_layers  # every decode step (the first token comes from prefill), every layer
+    # every decode step (the first token comes from prefill), every layer
+    assert {name: len(seen) for name, seen in calls.items()} == {
+        "gated_matmul_fp8": 11 * cfg.num_layers,
+        "matmul_fp8": 11 * cfg.num_layers,
+    }, {name: len(seen) for name, seen in calls.items()}
     n = out.response_lengths_B
     with fake_fp8(model, LENGTHS, int((LENGTHS + n).max())):
         rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)

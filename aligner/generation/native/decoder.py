@@ -254,7 +254,8 @@ class Decoder:
         """Layer i's MLP with FP8 weights (fp8.py) from its normed input quantized (h8, scales), and the residual add
         and norm after it; returns (x, h), h quantized (h8, scales) after the last layer. With `split_k`, a SwiGLU
         MLP without fc1 bias runs fc1, its scales and the activation as one Triton kernel (splitk.gated_matmul_fp8)
-        where it has a tiling for the step's rows, then a kernel quantizing the activation per row."""
+        where it has a tiling for the step's rows, then a kernel quantizing the activation per row; and fc2 runs by
+        the split-K kernel on FP8 tensor cores (splitk.matmul_fp8) where it has a tiling."""
         w1, s1 = q8.layer(i, 1)
         fam = self.lo.family
         swiglu = fam.gated_mlp and fam.activation == "silu" and lw["mlp.linear_fc1.bias"] is None
@@ -267,8 +268,15 @@ class Decoder:
             y1 = fp8.matmul(h8, w1, q8.one, x.dtype)
             m8, ms = k.act_q(y1, hs, s1, lw["mlp.linear_fc1.bias"], x.dtype)
         w2, s2 = q8.layer(i, 2)
-        y = fp8.matmul(m8, w2, q8.one)
         last = i + 1 == self.lo.num_layers
+        t2 = splitk.tiling_for(m8.shape[0], *w2.shape) if split_k and m8.dim() == 2 else None
+        if t2 is not None:  # fc2 on FP8 tensor cores by K ranges: float32 partial sums, added by the norm kernel
+            parts = splitk.matmul_fp8(m8, ms, w2, s2, t2)
+            if not last:
+                return k.add_parts_norm(x, parts, *post_mlp)
+            x, h8, hs = k.add_parts_norm_q(x, parts, *post_mlp)
+            return x, (h8, hs)
+        y = fp8.matmul(m8, w2, q8.one)
         if self.lo.tp > 1:  # row-parallel: each rank's partial sum in its own scales, dequantized before the sum
             m = self._all_reduce(k.dq(y, ms, s2, x.dtype))
             if not last:

@@ -235,6 +235,71 @@ def _gated_fp8_kernel():
     return gated_fp8_gemm
 
 
+@lru_cache(maxsize=1)
+def _fp8_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitk_fp8_gemm(  # FP8 decode weights (fp8.py): splitk_gemm's work on FP8 tensor cores, scales at the end
+        x8_ptr, xs_ptr, w8_ptr, ws_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        n0, s = tl.program_id(0) * BLOCK_N, tl.program_id(1)
+        rows, cols, ks = tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+        k0 = s * K_SPLIT
+        if PDL:  # as in splitk_gemm
+            tl.extra.cuda.gdc_wait()
+        row_ok = rows < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(k0, k0 + K_SPLIT, BLOCK_K):
+            x = tl.load(x8_ptr + rows[:, None] * sx_m + (k + ks)[None, :], mask=row_ok[:, None], other=0.0)
+            w = tl.load(w8_ptr + cols[:, None] * sw_n + (k + ks)[None, :])
+            if WIDEN:  # the interpreter: float32 products of the same e4m3 values
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = acc * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] * tl.load(ws_ptr + cols)[None, :]
+        tl.store(out_ptr + s * so_s + rows[:, None] * so_m + cols[None, :], acc, mask=row_ok[:, None])
+
+    return splitk_fp8_gemm
+
+
+def matmul_fp8(x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling) -> torch.Tensor:
+    """FP8 decode weights (fp8.py): (x8 * x_scale[row]) @ (w8 * w_scale[row of w8])^T as float32 partial sums
+    [splits, M, N] (as `matmul` writes them: the norm kernel after it adds them up), both scales applied to each
+    partial's float32 sums; up to 128 rows."""
+    M, K = x8_MK.shape
+    N = w8_NK.shape[0]
+    if w8_NK.shape[1] != K or x_scale_M.numel() != M or w_scale_N.numel() != N:
+        raise ValueError(
+            f"splitk.matmul_fp8: x8 {tuple(x8_MK.shape)}, w8 {tuple(w8_NK.shape)} and the scales do not match"
+        )
+    if not (x_scale_M.is_contiguous() and w_scale_N.is_contiguous()):
+        raise ValueError("splitk.matmul_fp8: the scales must be contiguous")
+    if M > 128 or not tiling.fits(N, K):
+        raise ValueError(f"splitk.matmul_fp8: M={M}, N={N}, K={K} do not fit {tiling} (<= 128 rows)")
+    S = tiling.splits
+    out = torch.empty((S, M, N), dtype=torch.float32, device=x8_MK.device)
+    _fp8_kernel()[(N // tiling.block_n, S)](
+        x8_MK, x_scale_M, w8_NK, w_scale_N, out, M, K // S, x8_MK.stride(0), w8_NK.stride(0), out.stride(0),
+        out.stride(1), **_fp8_options(M, x8_MK.device, tiling),
+    )  # fmt: skip
+    return out
+
+
+def _fp8_options(M: int, device: torch.device, tiling: Tiling) -> dict:
+    use_pdl = pdl.wanted(device, M)
+    options = dict(
+        BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+        WIDEN=device.type != "cuda", PDL=use_pdl, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+    )  # fmt: skip
+    if use_pdl:
+        options["launch_pdl"] = True
+    return options
+
+
 def gated_matmul_fp8(x8_MK, x_scale_M, w8_2FK, w_scale_2F, tiling: Tiling, dtype: torch.dtype) -> torch.Tensor:
     """FP8 decode weights (fp8.py): silu(g) * u in `dtype` [M, F], g = (x8 @ Wg8^T) * x_scale[row] * w_scale[col]
     and u likewise from the rows F.. of w8 = [Wg8; Wu8] [2F, K], from float32 sums rounded once (gated_matmul on FP8
@@ -251,16 +316,10 @@ def gated_matmul_fp8(x8_MK, x_scale_M, w8_2FK, w_scale_2F, tiling: Tiling, dtype
     if M > 128 or tiling.splits != 1 or not tiling.fits(F, K):
         raise ValueError(f"splitk.gated_matmul_fp8: M={M}, F={F}, K={K} do not fit {tiling} (one split, <= 128 rows)")
     out = torch.empty((M, F), dtype=dtype, device=x8_MK.device)
-    use_pdl = pdl.wanted(x8_MK.device, M)
-    options = dict(
-        BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-        WIDEN=x8_MK.device.type != "cuda", PDL=use_pdl, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-    )  # fmt: skip
-    if use_pdl:
-        options["launch_pdl"] = True
     _gated_fp8_kernel()[(F // tiling.block_n,)](
-        x8_MK, x_scale_M, w8_2FK, w_scale_2F, out, M, K, F, x8_MK.stride(0), w8_2FK.stride(0), out.stride(0), **options
-    )
+        x8_MK, x_scale_M, w8_2FK, w_scale_2F, out, M, K, F, x8_MK.stride(0), w8_2FK.stride(0), out.stride(0),
+        **_fp8_options(M, x8_MK.device, tiling),
+    )  # fmt: skip
     return out
 
 
@@ -340,6 +399,9 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
             gate, up = ((x8.float() * xs) @ (w8.float() * ws).t()).chunk(2, dim=-1)
             if not torch.allclose(got, F.silu(gate) * up, atol=1e-3, rtol=1e-3):
                 return "the FP8 fc1 kernel's answer differs from float32 maths here"
+            y = matmul_fp8(x8, xs, w8, ws, Tiling(block_n=32, block_k=32, splits=2)).sum(0)
+            if not torch.allclose(y, (x8.float() * xs) @ (w8.float() * ws).t(), atol=1e-3, rtol=1e-3):
+                return "the FP8 split-K kernel's answer differs from float32 maths here"
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
     return None
