@@ -37,7 +37,8 @@ row-parallel projections (proj, fc2) as one Triton kernel each whose float32 par
 else (prefill, qkv, the output layer, larger batches).
 FP8 decode weights (`decode_fp8`, fp8.py): decode steps run fc1, fc2 and the output layer as FP8 GEMMs, their inputs
 quantized per row by the compiled kernel before and their results scaled by the one after (Kernels.*_q, dq*); with
-split-K GEMMs a SwiGLU fc1, its scales and the activation are one Triton kernel (splitk.gated_matmul_fp8).
+split-K GEMMs a SwiGLU fc1, its scales and the activation are one Triton kernel (splitk.gated_matmul_fp8) and fc2
+runs by the split-K kernel on e4m3 operands (splitk.matmul_fp8).
 """
 
 from __future__ import annotations
