@@ -7,8 +7,9 @@ the engine's own weights (shared with the policy or copied), into the same buffe
 A decode step then quantizes the GEMM's input per row (x ~ x8 * s_x[row], in the compiled kernel that produces x),
 multiplies x8 by w8^T in one cuBLAS FP8 GEMM with unit scales and a float32 result, and applies s_x[row] * s_w[col]
 in the compiled kernel that consumes the result (at decode_gemm=splitk: a SwiGLU fc1's product, both scales and the
-activation in one Triton kernel, splitk.gated_matmul_fp8, and fc2 by the split-K kernel, splitk.matmul_fp8). Prefill, attention and the qkv/proj projections
-stay in the engine's dtype (prefill is compute-bound; qkv/proj gain little: docs/PERF.md).
+activation in one Triton kernel, splitk.gated_matmul_fp8, and fc2 by the split-K kernel, splitk.matmul_fp8).
+Prefill, attention and the qkv/proj projections stay in the engine's dtype (prefill is compute-bound; qkv/proj gain
+little: docs/PERF.md).
 
 What it changes: the tokens are drawn from a policy whose MLP and output weights and MLP/output inputs are rounded to
 e4m3 (3 mantissa bits): a rollout slightly off the trained policy. The engine's log-probs move further from
