@@ -53,14 +53,21 @@ def test_fp8_decode_equals_megatron_with_the_same_rounding(cfg):
     assert (out.logprobs_BR[:, 0] - plain[:, 0]).abs().max() < 2e-5  # token 0 comes from prefill: no FP8
 
 
-def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(monkeypatch, arch):
     """decode_gemm=splitk (Triton's interpreter): a SwiGLU MLP's fc1, its scales and the activation in one kernel
     (splitk.gated_matmul_fp8), the activation then quantized per row, fc2 by the split-K kernel on FP8 operands
-    (splitk.matmul_fp8): the same rounding as the cuBLAS path, so equal to megatron's forward with it."""
+    (splitk.matmul_fp8): the same rounding as the cuBLAS path, so equal to megatron's forward with it. GPT-2 (GELU,
+    biases): fc1 stays with cuBLAS and the activation kernel, fc2 by the split-K kernel with its bias after it."""
     from aligner.generation.native import splitk
 
-    cfg = replace(LLAMA, ffn_hidden_size=128)  # fc2's K fits the split-K tiling (4 ranges of 32)
+    # fc2's K fits the split-K tiling (4 ranges of 32)
+    cfg = replace(LLAMA, ffn_hidden_size=128) if arch == "llama" else replace(GPT2, ffn_hidden_size=128)
     model = _model(cfg)
+    with torch.no_grad():  # megatron builds biases as zeros: make each count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
     calls = {"gated_matmul_fp8": [], "matmul_fp8": []}
     for name, seen in calls.items():
@@ -69,7 +76,7 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
     # every decode step (the first token comes from prefill), every layer
     assert {name: len(seen) for name, seen in calls.items()} == {
-        "gated_matmul_fp8": 11 * cfg.num_layers,
+        "gated_matmul_fp8": 11 * cfg.num_layers if arch == "llama" else 0,
         "matmul_fp8": 11 * cfg.num_layers,
     }, {name: len(seen) for name, seen in calls.items()}
     n = out.response_lengths_B
