@@ -284,19 +284,15 @@ def matmul_fp8(x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling) -> torch.Tens
     out = torch.empty((S, M, N), dtype=torch.float32, device=x8_MK.device)
     _fp8_kernel()[(N // tiling.block_n, S)](
         x8_MK, x_scale_M, w8_NK, w_scale_N, out, M, K // S, x8_MK.stride(0), w8_NK.stride(0), out.stride(0),
-        out.stride(1), **_fp8_options(M, x8_MK.device, tiling),
+        out.stride(1), **_fp8_options(x8_MK, tiling),
     )  # fmt: skip
     return out
 
 
-def _fp8_options(M: int, device: torch.device, tiling: Tiling) -> dict:
-    use_pdl = pdl.wanted(device, M)
-    options = dict(
-        BLOCK_M=max(16, 1 << (M - 1).bit_length()), BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-        WIDEN=device.type != "cuda", PDL=use_pdl, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
-    )  # fmt: skip
-    if use_pdl:
-        options["launch_pdl"] = True
+def _fp8_options(x8_MK: torch.Tensor, tiling: Tiling) -> dict:
+    """_launch_options for the FP8 kernels (no swapped form; their products are FP8)."""
+    _, options = _launch_options(x8_MK, tiling)
+    del options["SWAP"], options["PRECISION"]
     return options
 
 
@@ -318,7 +314,7 @@ def gated_matmul_fp8(x8_MK, x_scale_M, w8_2FK, w_scale_2F, tiling: Tiling, dtype
     out = torch.empty((M, F), dtype=dtype, device=x8_MK.device)
     _gated_fp8_kernel()[(F // tiling.block_n,)](
         x8_MK, x_scale_M, w8_2FK, w_scale_2F, out, M, K, F, x8_MK.stride(0), w8_2FK.stride(0), out.stride(0),
-        **_fp8_options(M, x8_MK.device, tiling),
+        **_fp8_options(x8_MK, tiling),
     )  # fmt: skip
     return out
 
@@ -352,11 +348,16 @@ def gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     cuBLAS and the activation kernel). Measured on the H200 at the 1B model's fc1 [16384, 2048]
     (scripts/bench_decode_kernels.py --gated; docs/PERF.md): 64 columns of each half per program, 64-wide K steps,
     five pipeline stages; eight warps above 64 rows."""
+    return _gated_tiling(batch, two_f, k, block_ks=(64, 32, 16))
+
+
+def _gated_tiling(batch: int, two_f: int, k: int, block_ks: tuple[int, ...]) -> Tiling | None:
+    """One program per 64 (or 32, 16) columns of each half over the whole K, the widest of `block_ks` dividing K."""
     f = two_f // 2
     if batch > GATED_MAX_BATCH or two_f % 2:
         return None
     block_n = next((b for b in (64, 32, 16) if f % b == 0), None)
-    block_k = next((b for b in (64, 32, 16) if k % b == 0), None)
+    block_k = next((b for b in block_ks if k % b == 0), None)
     if block_n is None or block_k is None:
         return None
     return Tiling(block_n, block_k, 1, num_warps=4 if batch <= 64 else 8, num_stages=5)
@@ -365,15 +366,9 @@ def gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
 def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     """The tiling of gated_matmul_fp8 for a decode step of `batch` rows and an e4m3 fc1 [two_f, k] (None: keep cuBLAS
     and the activation kernel). Measured on the H200 at the 1B model's fc1 at 64 rows (benchmarks/probes/fp8_mlp.py,
-    docs/PERF.md): 64 columns of each half per program, 128-wide K steps, five stages, four warps."""
-    f = two_f // 2
-    if batch > GATED_MAX_BATCH or two_f % 2:
-        return None
-    block_n = next((b for b in (64, 32, 16) if f % b == 0), None)
-    block_k = next((b for b in (128, 64, 32) if k % b == 0), None)
-    if block_n is None or block_k is None:
-        return None
-    return Tiling(block_n, block_k, 1, num_warps=4 if batch <= 64 else 8, num_stages=5)
+    docs/PERF.md): 64 columns of each half per program, 128-wide K steps (half the bytes of bf16's 64), five stages,
+    four warps (eight above 64 rows)."""
+    return _gated_tiling(batch, two_f, k, block_ks=(128, 64, 32))
 
 
 def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = False) -> str | None:
