@@ -63,6 +63,42 @@ def test_strided_rows_and_a_preallocated_output():
     torch.testing.assert_close(out.sum(0), x @ w.t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_weights_scaled_per_row_times_16_bit_rows(splits):
+    """FP8 decode weights (fp8.py) for qkv and proj: an e4m3 W with one float32 scale per row against x in bf16 (not
+    quantized): float32 sums of exact products, the scales at the end; one split writes the product in bf16."""
+    from aligner.generation.native import fp8
+
+    g = torch.Generator().manual_seed(splits)
+    x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
+    w8, ws = fp8.quantize_rows(torch.randn(64, 512, generator=g) * torch.linspace(0.1, 10, 64)[:, None])
+    ws = ws.view(-1)
+    exact = x.double() @ (w8.double() * ws.double()[:, None]).t()
+    out = splitk.matmul(x, w8, splitk.Tiling(32, 64, splits), w_scale_N=ws)
+    if splits == 1:
+        assert out.dtype == torch.bfloat16 and out.shape == (8, 64)
+        assert ((out.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
+    else:
+        assert out.dtype == torch.float32 and out.shape == (splits, 8, 64)
+        assert (out.sum(0).double() - exact).abs().max() < 1e-3 * exact.abs().max()
+    with pytest.raises(ValueError, match="w_scale needs 64"):
+        splitk.matmul(x, w8, splitk.Tiling(32, 64, splits), w_scale_N=ws[:32])
+
+
+def test_fp8_product_in_one_split_is_written_in_the_asked_dtype():
+    from aligner.generation.native import fp8
+
+    g = torch.Generator().manual_seed(1)
+    x8, xs = fp8.quantize_rows(torch.randn(5, 256, generator=g))
+    w8, ws = fp8.quantize_rows(torch.randn(96, 256, generator=g))
+    exact = (x8.double() * xs.double()) @ (w8.double() * ws.double()).t()
+    out = splitk.matmul_fp8(x8, xs.view(-1), w8, ws.view(-1), splitk.Tiling(32, 64, 1), torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (5, 96)
+    assert ((out.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
+    parts = splitk.matmul_fp8(x8, xs.view(-1), w8, ws.view(-1), splitk.Tiling(32, 64, 2), torch.bfloat16)
+    assert parts.dtype == torch.float32 and parts.shape == (2, 5, 96)  # partial sums stay float32
+
+
 def test_shapes_that_do_not_fit_are_refused():
     t = splitk.Tiling(64, 128, 4)
     with pytest.raises(ValueError, match="do not fit"):

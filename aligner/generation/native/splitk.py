@@ -50,10 +50,12 @@ def _kernel():
 
     @triton.jit
     def splitk_gemm(  # "gemm" in the name: profiles count it with the GEMMs (aligner.utils.profiling.kind_of)
-        x_ptr, w_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
+        x_ptr, w_ptr, ws_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-        PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
+        PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr, W_SCALED: tl.constexpr,
     ):  # fmt: skip
+        # W_SCALED: w holds e4m3 values, each row of w scaled by ws[row] (FP8 decode weights, fp8.py): each tile is
+        # widened to x's dtype (exact) before the product, the scales are applied to the float32 sums at the end
         n0, s, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1), tl.program_id(2) * BLOCK_M
         rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
         k0 = s * K_SPLIT
@@ -71,6 +73,8 @@ def _kernel():
             w = tl.load(w_tile)
             if WIDEN:  # Triton's interpreter multiplies 16-bit operands wrongly: widen them (exact) first
                 x, w = x.to(tl.float32), w.to(tl.float32)
+            elif W_SCALED:
+                w = w.to(x.dtype)
             if SWAP:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
             else:
@@ -81,6 +85,8 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
         if SWAP:
             acc = tl.trans(acc)
+        if W_SCALED:
+            acc = acc * tl.load(ws_ptr + cols)[None, :]
         dst = out_ptr + s * so_s + rows[:, None] * so_m + cols[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -173,25 +179,35 @@ def _launch_options(x_MK: torch.Tensor, tiling: Tiling) -> tuple[int, dict]:
     return block_m, options
 
 
-def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(
+    x_MK: torch.Tensor,
+    w_NK: torch.Tensor,
+    tiling: Tiling,
+    out: torch.Tensor | None = None,
+    w_scale_N: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T: float32 partial sums [splits, M, N] (their sum over the first dimension is the
     product), or with one split the product [M, N] in x's dtype. Both operands need a contiguous last dimension;
-    N and K must fit the tiling (Tiling.fits). `out`: where to write (the shape and dtype above)."""
+    N and K must fit the tiling (Tiling.fits). `out`: where to write (the shape and dtype above).
+    `w_scale_N`: w is an FP8 decode weight (fp8.py: e4m3, w ~ w8 * w_scale[row]); x stays in its own dtype."""
     M, K = x_MK.shape
     N = w_NK.shape[0]
     if x_MK.stride(-1) != 1 or w_NK.stride(-1) != 1 or w_NK.shape[1] != K:
         raise ValueError(f"splitk.matmul: x {tuple(x_MK.shape)} and w {tuple(w_NK.shape)} need [M, K] and [N, K]")
     if not tiling.fits(N, K):
         raise ValueError(f"splitk.matmul: N={N}, K={K} do not fit {tiling}")
+    if w_scale_N is not None and (w_scale_N.numel() != N or not w_scale_N.is_contiguous()):
+        raise ValueError(f"splitk.matmul: w_scale needs {N} contiguous values, has {tuple(w_scale_N.shape)}")
     S = tiling.splits
     if out is None:
         shape, dtype = ((M, N), x_MK.dtype) if S == 1 else ((S, M, N), torch.float32)
         out = torch.empty(shape, dtype=dtype, device=x_MK.device)
     block_m, options = _launch_options(x_MK, tiling)
     grid = (N // tiling.block_n, S, -(-M // block_m))
+    scaled = w_scale_N is not None
     _kernel()[grid](
-        x_MK, w_NK, out, M, K // S, x_MK.stride(0), w_NK.stride(0), out.stride(0) if S > 1 else 0, out.stride(-2),
-        **options,
+        x_MK, w_NK, w_scale_N if scaled else w_NK, out, M, K // S, x_MK.stride(0), w_NK.stride(0),
+        out.stride(0) if S > 1 else 0, out.stride(-2), W_SCALED=scaled, **options,
     )  # fmt: skip
     return out
 
@@ -261,15 +277,16 @@ def _fp8_kernel():
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         acc = acc * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] * tl.load(ws_ptr + cols)[None, :]
-        tl.store(out_ptr + s * so_s + rows[:, None] * so_m + cols[None, :], acc, mask=row_ok[:, None])
+        dst = out_ptr + s * so_s + rows[:, None] * so_m + cols[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     return splitk_fp8_gemm
 
 
-def matmul_fp8(x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling) -> torch.Tensor:
+def matmul_fp8(x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling, dtype: torch.dtype = torch.float32):
     """FP8 decode weights (fp8.py): (x8 * x_scale[row]) @ (w8 * w_scale[row of w8])^T as float32 partial sums
     [splits, M, N] (as `matmul` writes them: the norm kernel after it adds them up), both scales applied to each
-    partial's float32 sums; up to 128 rows."""
+    partial's float32 sums; with one split the product [M, N] in `dtype`. Up to 128 rows."""
     M, K = x8_MK.shape
     N = w8_NK.shape[0]
     if w8_NK.shape[1] != K or x_scale_M.numel() != M or w_scale_N.numel() != N:
@@ -281,12 +298,12 @@ def matmul_fp8(x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling) -> torch.Tens
     if M > 128 or not tiling.fits(N, K):
         raise ValueError(f"splitk.matmul_fp8: M={M}, N={N}, K={K} do not fit {tiling} (<= 128 rows)")
     S = tiling.splits
-    out = torch.empty((S, M, N), dtype=torch.float32, device=x8_MK.device)
+    out = torch.empty((S, M, N), dtype=torch.float32 if S > 1 else dtype, device=x8_MK.device)
     _fp8_kernel()[(N // tiling.block_n, S)](
         x8_MK, x_scale_M, w8_NK, w_scale_N, out, M, K // S, x8_MK.stride(0), w8_NK.stride(0), out.stride(0),
         out.stride(1), **_fp8_options(x8_MK, tiling),
     )  # fmt: skip
-    return out
+    return out if S > 1 else out[0]
 
 
 def _fp8_options(x8_MK: torch.Tensor, tiling: Tiling) -> dict:
