@@ -1,16 +1,16 @@
-"""Probe (issue 17, twenty-first session): FP8 decode weights (`generation.decode_weights: fp8`) for qkv, proj and
-the output layer, by the split-K kernels.
+"""Probe (issue 17, twenty-first session): FP8 decode weights (`generation.decode_weights: fp8`) for qkv and the
+output layer, by the split-K module's FP8 kernel.
 
 With FP8 decode weights a B=64 decode step of the 1B model still reads qkv (16 MiB) and proj (8 MiB) in bf16 per
 layer, and the output layer (62.5 MiB of e4m3) by cuBLAS's FP8 GEMM followed by a dequantizing kernel. Here, each
 against the engine's form, 16 layers' distinct weights in one CUDA graph, us per call, tilings searched:
 
-- qkv: cuBLAS bf16 (the engine) / `splitk.matmul` on the e4m3 weight widened to bf16 in the kernel, x in bf16
-  (weight-only FP8: no input quantization), one K range, bf16 out / `splitk.matmul_fp8` from x quantized per row;
-- proj: the engine's bf16 split-K kernel / the same on the e4m3 weight (float32 partial sums, as now);
-- output layer [V, H]: cuBLAS FP8 + dequantize (the engine) / `splitk.matmul_fp8`, one K range, bf16 out.
+- qkv: cuBLAS bf16 (the engine before) / `splitk.matmul_fp8` from x quantized per row, one K range, bf16 out;
+- output layer [V, H]: cuBLAS FP8 + dequantize (the engine before) / `splitk.matmul_fp8`, one K range, bf16 out.
 
-Errors against float32 maths of the same quantized values.
+Errors against float32 maths of the same quantized values. (At 4fbfff6 the probe also ran weight-only FP8 for qkv,
+proj and the output layer, the e4m3 tile widened to bf16 inside the split-K kernel and x left in bf16: slower than
+bf16 weights at both 64 and 128 rows, docs/PERF.md; that kernel form was not kept.)
 
     python3 benchmarks/probes/fp8_attention_gemms.py --out result.json     (CUDA, sm_89+; Triton)
 """
@@ -32,7 +32,8 @@ LAYERS, HIDDEN, QKV, VOCAB = 16, 2048, 4096, 32000  # the 1B model of docs/PERF.
 def main(argv=None) -> dict:
     args = parse_args(__doc__, argv)
 
-    from aligner.generation.native import fp8, splitk
+    from aligner.families import family
+    from aligner.generation.native import fp8, fused, pdl, splitk
     from benchmarks.decode_kernels import graph_time_us
     from benchmarks.ppo_step.workload import write_json
 
@@ -42,8 +43,8 @@ def main(argv=None) -> dict:
     W = []
     for _ in range(LAYERS):
         qkv, proj = rand(QKV, HIDDEN), rand(HIDDEN, HIDDEN)
-        (q8, qs), (p8, ps) = fp8.quantize_rows(qkv), fp8.quantize_rows(proj)
-        W.append(dict(qkv=qkv, proj=proj, q8=q8, qs=qs.view(-1), p8=p8, ps=ps.view(-1)))
+        q8, qs = fp8.quantize_rows(qkv)
+        W.append(dict(qkv=qkv, proj=proj, q8=q8, qs=qs.view(-1)))
     out_w = rand(VOCAB, HIDDEN)
     o8, os_ = fp8.quantize_rows(out_w)
     os_ = os_.view(-1)
@@ -51,23 +52,20 @@ def main(argv=None) -> dict:
     h8, hs = fp8.quantize_rows(h)
     hs = hs.view(-1).contiguous()
     one = torch.ones((), device=dev)
-    report = {"device": torch.cuda.get_device_name(dev), "batch": B}
+    k = fused.make_kernels(family("llama"), 1e-5, compile_=True, max_batch=B, pdl_device=dev)
+    report = {"device": torch.cuda.get_device_name(dev), "batch": B, "pdl": pdl.wanted(dev, B)}
 
     def err(got, ref):
         return round((got.float() - ref).abs().max().item(), 5)
 
     w = W[0]
-    ref_qkv = h.float() @ (w["q8"].float() * w["qs"][:, None]).t()
     ref_qkv_q = (h8.float() * hs[:, None]) @ (w["q8"].float() * w["qs"][:, None]).t()
-    ref_proj = h.float() @ (w["p8"].float() * w["ps"][:, None]).t()
     ref_out = (h8.float() * hs[:, None]) @ (o8.float() * os_[:, None]).t()
     t1 = splitk.Tiling(32, 128, 1, 4, 4)
     report["err"] = {
-        "qkv_w8": err(splitk.matmul(h, w["q8"], t1, w_scale_N=w["qs"]), ref_qkv),
         "qkv_fp8": err(splitk.matmul_fp8(h8, hs, w["q8"], w["qs"], t1, dt), ref_qkv_q),
         "qkv_cublas_bf16_vs_unquantized": err(h @ w["qkv"].t(), h.float() @ w["qkv"].float().t()),
-        "qkv_absmax": round(ref_qkv.abs().max().item(), 4),
-        "proj_w8": err(splitk.matmul(h, w["p8"], splitk.Tiling(64, 128, 4), w_scale_N=w["ps"]).sum(0), ref_proj),
+        "qkv_absmax": round(ref_qkv_q.abs().max().item(), 4),
         "out_fp8": err(splitk.matmul_fp8(h8, hs, o8, os_, splitk.Tiling(64, 128, 1), dt), ref_out),
         "out_cublas": err(fp8.dequantize(fp8.matmul(h8, o8, one), hs[:, None], os_, dt), ref_out),
         "out_absmax": round(ref_out.abs().max().item(), 4),
@@ -97,17 +95,14 @@ def main(argv=None) -> dict:
     report["engine"] = {
         "qkv_cublas_bf16": timed(lambda: torch.matmul(h, nxt()["qkv"].t())),
         "proj_splitk_bf16": timed(lambda: splitk.matmul(h, nxt()["proj"], splitk.tiling_for(B, HIDDEN, HIDDEN))),
-        "out_cublas_fp8_dq": timed(lambda: fp8.dequantize(fp8.matmul(h8, o8, one), hs[:, None], os_, dt)),
+        "out_cublas_fp8_dq": timed(lambda: k.dq(fp8.matmul(h8, o8, one), hs[:, None], os_, dt)),  # the compiled kernel
         "out_cublas_fp8_only": timed(lambda: fp8.matmul(h8, o8, one)),
         "out_cublas_bf16": timed(lambda: torch.matmul(h, out_w.t())),
     }
     print("engine", report["engine"], flush=True)
     narrow = ((16, 32, 64), (128, 256), (1,))
-    search("qkv_w8", lambda t: splitk.matmul(h, nxt()["q8"], t, w_scale_N=W[0]["qs"]), *narrow)
     search("qkv_fp8", lambda t: splitk.matmul_fp8(h8, hs, nxt()["q8"], W[0]["qs"], t, dt), *narrow)
-    search("proj_w8", lambda t: splitk.matmul(h, nxt()["p8"], t, w_scale_N=W[0]["ps"]), (32, 64), (128, 256), (2, 4))
     search("out_fp8", lambda t: splitk.matmul_fp8(h8, hs, o8, os_, t, dt), (32, 64, 128), (128, 256), (1,))
-    search("out_w8", lambda t: splitk.matmul(h, o8, t, w_scale_N=os_), (32, 64, 128), (128, 256), (1,))
     if args.out:
         write_json(args.out, report)
     return report

@@ -57,8 +57,10 @@ def test_fp8_decode_equals_megatron_with_the_same_rounding(cfg):
 def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(monkeypatch, arch):
     """decode_gemm=splitk (Triton's interpreter): a SwiGLU MLP's fc1, its scales and the activation in one kernel
     (splitk.gated_matmul_fp8), the activation then quantized per row, fc2 by the split-K kernel on FP8 operands
-    (splitk.matmul_fp8): the same rounding as the cuBLAS path, so equal to megatron's forward with it. GPT-2 (GELU,
-    biases): fc1 stays with cuBLAS and the activation kernel, fc2 by the split-K kernel with its bias after it."""
+    (splitk.matmul_fp8), qkv (its input quantized by the norm before it) and the output layer by that kernel in one K
+    range: the same rounding as megatron's forward with FP8 qkv, MLP and output layer. GPT-2 (GELU, biases): fc1
+    stays with cuBLAS and the activation kernel, fc2 by the split-K kernel with its bias after it, qkv's bias after
+    the kernel's product. Without FP8 qkv in the reference the engine is far off: qkv's rounding shows."""
     from aligner.generation.native import splitk
 
     # fc2's K fits the split-K tiling (4 ranges of 32)
@@ -74,17 +76,20 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
         real = getattr(splitk, name)
         monkeypatch.setattr(splitk, name, lambda *a, r=real, c=seen: c.append(a[2].shape) or r(*a))
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
-    # every decode step (the first token comes from prefill), every layer
+    # every decode step (the first token comes from prefill), every layer: fc2 and qkv, and the output layer
     assert {name: len(seen) for name, seen in calls.items()} == {
         "gated_matmul_fp8": 11 * cfg.num_layers if arch == "llama" else 0,
-        "matmul_fp8": 11 * cfg.num_layers,
+        "matmul_fp8": 11 * (2 * cfg.num_layers + 1),
     }, {name: len(seen) for name, seen in calls.items()}
     n = out.response_lengths_B
-    with fake_fp8(model, LENGTHS, int((LENGTHS + n).max())):
-        rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
     valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
-    gap = (out.logprobs_BR - rounded).abs()[valid]
-    assert gap.max() < 2e-3, gap.max()
+    gaps = {}
+    for qkv in (True, False):
+        with fake_fp8(model, LENGTHS, int((LENGTHS + n).max()), qkv=qkv):
+            rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
+        gaps[qkv] = (out.logprobs_BR - rounded).abs()[valid]
+    assert gaps[True].max() < 2e-3, gaps[True].max()
+    assert gaps[False].mean() > 5 * gaps[True].mean(), gaps
 
 
 def test_refit_requantizes_into_the_same_buffers():

@@ -63,28 +63,6 @@ def test_strided_rows_and_a_preallocated_output():
     torch.testing.assert_close(out.sum(0), x @ w.t(), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_fp8_weights_scaled_per_row_times_16_bit_rows(splits):
-    """FP8 decode weights (fp8.py) for qkv and proj: an e4m3 W with one float32 scale per row against x in bf16 (not
-    quantized): float32 sums of exact products, the scales at the end; one split writes the product in bf16."""
-    from aligner.generation.native import fp8
-
-    g = torch.Generator().manual_seed(splits)
-    x = torch.randn(8, 512, generator=g).to(torch.bfloat16)
-    w8, ws = fp8.quantize_rows(torch.randn(64, 512, generator=g) * torch.linspace(0.1, 10, 64)[:, None])
-    ws = ws.view(-1)
-    exact = x.double() @ (w8.double() * ws.double()[:, None]).t()
-    out = splitk.matmul(x, w8, splitk.Tiling(32, 64, splits), w_scale_N=ws)
-    if splits == 1:
-        assert out.dtype == torch.bfloat16 and out.shape == (8, 64)
-        assert ((out.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-3).all()
-    else:
-        assert out.dtype == torch.float32 and out.shape == (splits, 8, 64)
-        assert (out.sum(0).double() - exact).abs().max() < 1e-3 * exact.abs().max()
-    with pytest.raises(ValueError, match="w_scale needs 64"):
-        splitk.matmul(x, w8, splitk.Tiling(32, 64, splits), w_scale_N=ws[:32])
-
-
 def test_fp8_product_in_one_split_is_written_in_the_asked_dtype():
     from aligner.generation.native import fp8
 
@@ -165,6 +143,18 @@ def test_gated_tilings_the_engine_picks():
     assert splitk.gated_tiling_for(129, 16384, 2048) is None
     assert splitk.gated_tiling_for(4, 2 * 96, 48) == splitk.Tiling(32, 16, 1, num_warps=4, num_stages=5)
     assert splitk.gated_tiling_for(4, 2 * 40, 64) is None  # F=40: no block divides it
+
+
+def test_fp8_product_tilings_the_engine_picks():
+    # the 1B model's qkv [4096, 2048] and output layer [32000, 2048]: the measured tilings (docs/PERF.md)
+    assert splitk.fp8_product_tiling_for(64, 4096, 2048) == splitk.Tiling(32, 256, 1, num_warps=4, num_stages=5)
+    assert splitk.fp8_product_tiling_for(128, 4096, 2048) == splitk.Tiling(32, 256, 1, num_warps=4, num_stages=4)
+    assert splitk.fp8_product_tiling_for(64, 32000, 2048) == splitk.Tiling(128, 128, 1, num_warps=4, num_stages=3)
+    assert splitk.fp8_product_tiling_for(129, 4096, 2048) is None  # larger batches keep cuBLAS
+    # small models: the narrowest dividing block (most programs); none where no block divides n or K
+    assert splitk.fp8_product_tiling_for(4, 192, 64) == splitk.Tiling(16, 64, 1, num_warps=4, num_stages=5)
+    assert splitk.fp8_product_tiling_for(4, 200, 64) is None
+    assert splitk.fp8_product_tiling_for(4, 192, 40) is None
 
 
 def test_available_under_the_interpreter():

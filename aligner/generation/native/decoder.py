@@ -37,8 +37,9 @@ row-parallel projections (proj, fc2) as one Triton kernel each whose float32 par
 else (prefill, qkv, the output layer, larger batches).
 FP8 decode weights (`decode_fp8`, fp8.py): decode steps run fc1, fc2 and the output layer as FP8 GEMMs, their inputs
 quantized per row by the compiled kernel before and their results scaled by the one after (Kernels.*_q, dq*); with
-split-K GEMMs a SwiGLU fc1, its scales and the activation are one Triton kernel (splitk.gated_matmul_fp8) and fc2
-runs by the split-K kernel on e4m3 operands (splitk.matmul_fp8).
+split-K GEMMs a SwiGLU fc1, its scales and the activation are one Triton kernel (splitk.gated_matmul_fp8), fc2
+runs by the split-K kernel on e4m3 operands (splitk.matmul_fp8), and qkv and the output layer by that kernel in one
+K range, writing the engine's dtype (every norm before qkv then quantizes its output).
 """
 
 from __future__ import annotations
@@ -207,17 +208,19 @@ class Decoder:
 
     def _stack(self, x, attend, k, q8: fp8.DecodeFp8 | None = None, split_k: bool = False):
         """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states (with
-        `q8`, FP8 MLP weights: quantized per row, (h8, scales), for the FP8 output layer). `split_k`: proj and fc2
-        by the split-K kernel where it has a tiling for them (decode steps of x [B, H]: splitk.tiling_for).
+        `q8`, FP8 decode weights: quantized per row, (h8, scales), for the FP8 output layer). `split_k`: proj and fc2
+        by the split-K kernel where it has a tiling for them (decode steps of x [B, H]: splitk.tiling_for); with `q8`
+        holding qkv copies, also qkv on FP8 tensor cores (its input norms then quantize their outputs).
 
         Each residual add is fused with the norm that follows it (the next layer's input norm, or the final norm).
         """
         lo = self.lo
         lw = self.w.layer(0)
-        h = k.norm(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
+        qkv_tiling = self._fp8_qkv_tiling(x, q8, split_k)  # None: qkv in the engine's dtype
+        h = (k.norm if qkv_tiling is None else k.norm_q)(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
         for i in range(lo.num_layers):
             lw = self.w.layer(i)
-            qkv = self._linear(h, lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"])
+            qkv = self._qkv(h, i, lw, q8, qkv_tiling)
             a, parts = self._row_parallel(attend(i, qkv, lw), lw["self_attention.linear_proj.weight"], split_k)
             pre_mlp = (
                 lw["self_attention.linear_proj.bias"],
@@ -232,13 +235,31 @@ class Decoder:
                 post_mlp = (lw["mlp.linear_fc2.bias"], *final)
             if q8 is not None:
                 x, h8, hs = (k.add_parts_norm_q if parts else k.add_norm_q)(x, a, *pre_mlp)
-                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k)
+                quantize_h = qkv_tiling is not None or i + 1 == lo.num_layers  # for FP8 qkv or the output layer
+                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k, quantize_h)
                 continue
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
             m = self._fc1_act(h, lw, k, split_k)
             m, parts = self._row_parallel(m, lw["mlp.linear_fc2.weight"], split_k)
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, m, *post_mlp)
         return h
+
+    def _fp8_qkv_tiling(self, x, q8: fp8.DecodeFp8 | None, split_k: bool) -> splitk.Tiling | None:
+        """The tiling of an FP8 qkv (splitk.matmul_fp8 in one K range) for a decode step of x [B, H], where the FP8
+        decode weights include qkv and split-K GEMMs run (None: qkv in the engine's dtype)."""
+        if q8 is None or not q8.has_qkv or not split_k or x.dim() != 2:
+            return None
+        return splitk.fp8_product_tiling_for(x.shape[0], *q8.layer(0, "qkv")[0].shape)
+
+    def _qkv(self, h, i, lw, q8, tiling):
+        """Layer i's qkv projection from its normed input h, or with `tiling` from h quantized, (h8, scales), by the
+        FP8 kernel on its e4m3 copy (the product rounded once to the engine's dtype); then the bias, if any."""
+        w, b = lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"]
+        if tiling is None:
+            return self._linear(h, w, b)
+        h8, hs = h
+        y = splitk.matmul_fp8(h8, hs, *q8.layer(i, "qkv"), tiling, self.w.dtype)
+        return y if b is None else y + b
 
     def _fc1_act(self, h, lw, k, split_k: bool):
         """fc1 and its activation; with `split_k`, a SwiGLU MLP without fc1 bias (Llama, Qwen) runs both as one
@@ -251,9 +272,10 @@ class Decoder:
             return k.act(self._linear(h, w, b))
         return splitk.gated_matmul(h, w, tiling)
 
-    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp, split_k: bool = False):
+    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp, split_k: bool = False, quantize_h: bool = False):
         """Layer i's MLP with FP8 weights (fp8.py) from its normed input quantized (h8, scales), and the residual add
-        and norm after it; returns (x, h), h quantized (h8, scales) after the last layer. With `split_k`, a SwiGLU
+        and norm after it; returns (x, h), h quantized (h8, scales) with `quantize_h` (for the FP8 output layer after
+        the last layer, or the next layer's FP8 qkv). With `split_k`, a SwiGLU
         MLP without fc1 bias runs fc1, its scales and the activation as one Triton kernel (splitk.gated_matmul_fp8)
         where it has a tiling for the step's rows, then a kernel quantizing the activation per row; and fc2 runs by
         the split-K kernel on FP8 tensor cores (splitk.matmul_fp8) where it has a tiling."""
@@ -269,25 +291,24 @@ class Decoder:
             y1 = fp8.matmul(h8, w1, q8.one, x.dtype)
             m8, ms = k.act_q(y1, hs, s1, lw["mlp.linear_fc1.bias"], x.dtype)
         w2, s2 = q8.layer(i, 2)
-        last = i + 1 == self.lo.num_layers
         t2 = splitk.tiling_for(m8.shape[0], *w2.shape) if split_k and m8.dim() == 2 else None
         if t2 is not None:  # fc2 on FP8 tensor cores by K ranges: float32 partial sums, added by the norm kernel
             parts = splitk.matmul_fp8(m8, ms, w2, s2, t2)
-            if not last:
+            if not quantize_h:
                 return k.add_parts_norm(x, parts, *post_mlp)
             x, h8, hs = k.add_parts_norm_q(x, parts, *post_mlp)
             return x, (h8, hs)
         y = fp8.matmul(m8, w2, q8.one)
         if self.lo.tp > 1:  # row-parallel: each rank's partial sum in its own scales, dequantized before the sum
             m = self._all_reduce(k.dq(y, ms, s2, x.dtype))
-            if not last:
+            if not quantize_h:
                 return k.add_norm(x, m, *post_mlp)
             x, h8, hs = k.add_norm_q(x, m, *post_mlp)
         else:
-            if not last:
+            if not quantize_h:
                 return k.dq_add_norm(x, y, ms, s2, *post_mlp)
             x, h8, hs = k.dq_add_norm_q(x, y, ms, s2, *post_mlp)
-        return x, (h8, hs)  # the final norm's output, quantized for the FP8 output layer
+        return x, (h8, hs)
 
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, row0: int = 0) -> torch.Tensor:
@@ -427,6 +448,9 @@ class Decoder:
             return self._linear(self._stack(x, attend, kernels, split_k=split_k), self.w.output_weight)
         h8, hs = self._stack(x, attend, kernels, self.fp8, split_k)
         w_out, s_out = self.fp8.output
+        tiling = splitk.fp8_product_tiling_for(B, *w_out.shape) if split_k else None
+        if tiling is not None:  # the logits in the engine's dtype, scales applied, by the FP8 kernel in one K range
+            return splitk.matmul_fp8(h8, hs, w_out, s_out, tiling, x.dtype)
         return kernels.dq(fp8.matmul(h8, w_out, self.fp8.one), hs, s_out, x.dtype)
 
     def decode_weight_bytes(self) -> int:

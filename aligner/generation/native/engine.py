@@ -130,22 +130,23 @@ class NativeEngine:
             raise ValueError(f"generation.decode_attention={attention} is not possible here: {why_not}; {fix}")
         if fp8_cache:
             log.info("generation engine: FP8 KV cache (e4m3 keys and values, a float32 scale per slot and head)")
-        decode_fp8 = None
-        if gen_cfg.decode_weights == "fp8":
+        fp8_weights = gen_cfg.decode_weights == "fp8"
+        if fp8_weights:
             why_not = fp8.unavailable(self.device)
             if why_not is not None:
                 raise ValueError(f"generation.decode_weights=fp8 is not possible here: {why_not}; use same")
-            decode_fp8 = fp8.DecodeFp8(self.weights, self.device)
-            log.info(
-                "generation engine: decode steps read FP8 copies of the MLP and output weights (%.2f GiB)",
-                decode_fp8.nbytes() / 2**30,
-            )
         compile_ = gen_cfg.compile_elementwise == "on" or (
             gen_cfg.compile_elementwise == "auto" and self.on_gpu and triton_available()
         )
-        self.decode_gemm = decode_gemm = self._choose_decode_gemm(
-            gen_cfg.decode_gemm, tp, dtype, decode_fp8 is not None
-        )
+        self.decode_gemm = decode_gemm = self._choose_decode_gemm(gen_cfg.decode_gemm, tp, dtype, fp8_weights)
+        decode_fp8 = None
+        if fp8_weights:  # with split-K GEMMs qkv too, by the FP8 kernel (fp8.py)
+            decode_fp8 = fp8.DecodeFp8(self.weights, self.device, qkv=decode_gemm == "splitk")
+            log.info(
+                "generation engine: decode steps read FP8 copies of the MLP%s and output weights (%.2f GiB)",
+                ", qkv" if decode_fp8.has_qkv else "",
+                decode_fp8.nbytes() / 2**30,
+            )
         self.decoder = Decoder(
             layout,
             self.weights,

@@ -1,4 +1,4 @@
-"""FP8 weights for the decode step's MLP and output layer (`generation.decode_weights: fp8`).
+"""FP8 weights for the decode step's MLP, qkv and output layer (`generation.decode_weights: fp8`).
 
 At batch 64 a decode step of the 1B benchmark model spends half its time in weight GEMMs that read each weight once
 (memory-bound); the MLP's two projections and the output layer are most of those bytes. With `fp8` the engine keeps
@@ -6,13 +6,17 @@ an e4m3 copy of these weights, one float32 scale per output row (w ~ w8 * s_w[ro
 the engine's own weights (shared with the policy or copied), into the same buffers (captured graphs stay valid).
 A decode step then quantizes the GEMM's input per row (x ~ x8 * s_x[row], in the compiled kernel that produces x),
 multiplies x8 by w8^T in one cuBLAS FP8 GEMM with unit scales and a float32 result, and applies s_x[row] * s_w[col]
-in the compiled kernel that consumes the result (at decode_gemm=splitk: a SwiGLU fc1's product, both scales and the
-activation in one Triton kernel, splitk.gated_matmul_fp8, and fc2 by the split-K kernel, splitk.matmul_fp8).
-Prefill, attention and the qkv/proj projections stay in the engine's dtype (prefill is compute-bound; qkv/proj gain
-little: docs/PERF.md).
+in the compiled kernel that consumes the result. At decode_gemm=splitk (TP=1, up to 128 rows) Triton kernels on
+FP8 tensor cores do more of it: a SwiGLU fc1's product, both scales and the activation in one kernel
+(splitk.gated_matmul_fp8), fc2 by the split-K kernel (splitk.matmul_fp8), and also qkv and the output layer, each
+written in the engine's dtype with its scales applied (splitk.matmul_fp8, one K range; the norm before qkv then
+quantizes its output too).
+Prefill, attention and proj stay in the engine's dtype (prefill is compute-bound; proj's input, the attention's
+output, would need a quantization kernel of its own, and weights widened from e4m3 inside the kernel ran slower than
+bf16: docs/PERF.md).
 
-What it changes: the tokens are drawn from a policy whose MLP and output weights and MLP/output inputs are rounded to
-e4m3 (3 mantissa bits): a rollout slightly off the trained policy. The engine's log-probs move further from
+What it changes: the tokens are drawn from a policy whose MLP, qkv and output weights and their inputs are rounded
+to e4m3 (3 mantissa bits): a rollout slightly off the trained policy. The engine's log-probs move further from
 training's (the benchmark reports both); PPO's ratio uses the training forward's own log-probs, as always.
 """
 
@@ -64,22 +68,27 @@ def matmul(x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor, out_dtype=torc
     return torch._scaled_mm(x8, w8.t(), one, one, out_dtype=out_dtype)
 
 
-class DecodeFp8:
-    """The e4m3 copies of every layer's fc1 and fc2 and of the output layer, with their row scales; fixed buffers."""
+_LAYER_WEIGHTS = {1: "mlp.linear_fc1.weight", 2: "mlp.linear_fc2.weight", "qkv": "self_attention.linear_qkv.weight"}
 
-    def __init__(self, weights, device: torch.device):
+
+class DecodeFp8:
+    """The e4m3 copies of every layer's fc1 and fc2 (with `qkv`, also linear_qkv) and of the output layer, with their
+    row scales; fixed buffers."""
+
+    def __init__(self, weights, device: torch.device, qkv: bool = False):
         self.one = torch.ones((), device=device)
-        self.names = [
-            f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for i in range(weights.num_layers) for j in (1, 2)
-        ] + ["output"]
+        self.has_qkv = qkv
+        parts = (1, 2, "qkv") if qkv else (1, 2)
+        # the names of each layer's copies by part (1, 2: fc1, fc2; "qkv")
+        layer_names = [{j: f"decoder.layers.{i}.{_LAYER_WEIGHTS[j]}" for j in parts} for i in range(weights.num_layers)]
+        self.names = [n for names in layer_names for n in names.values()] + ["output"]
         self.w8, self.scale = {}, {}
         for name in self.names:
             w = self._source(weights, name)
             self.w8[name] = torch.empty(w.shape, dtype=E4M3, device=device)
             self.scale[name] = torch.empty(w.shape[0], dtype=torch.float32, device=device)
-        # (w8, scales) of fc1 and fc2 per layer, looked up once: decode steps ask for them layer by layer
-        fc = [{j: f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for j in (1, 2)} for i in range(weights.num_layers)]
-        self._layers = [{j: (self.w8[n], self.scale[n]) for j, n in names.items()} for names in fc]
+        # (w8, scales) per layer and part, looked up once: decode steps ask for them layer by layer
+        self._layers = [{j: (self.w8[n], self.scale[n]) for j, n in names.items()} for names in layer_names]
         self.requantize(weights)
 
     @staticmethod
@@ -96,8 +105,8 @@ class DecodeFp8:
                 w8[r : r + _ROWS_PER_CHUNK].copy_(q)
                 scale[r : r + _ROWS_PER_CHUNK].copy_(s.view(-1))
 
-    def layer(self, i: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w8, row scales) of layer i's fc{j}."""
+    def layer(self, i: int, j: int | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w8, row scales) of layer i's fc{j} (j = 1, 2), or with j = "qkv" its linear_qkv (built with `qkv`)."""
         return self._layers[i][j]
 
     @property

@@ -33,6 +33,7 @@ class Kernels:
     rope_split: Callable
     # FP8 decode weights (aligner.generation.native.fp8): the same pieces with the GEMM input quantized per row on
     # the way out (`_q`: (..., x8, row scales)) or an FP8 GEMM's float32 result dequantized on the way in (`dq_`).
+    norm_q: Callable | None = None  # (x, w, b) -> (h8, h scales)
     add_norm_q: Callable | None = None  # (x, a, bias, w, b) -> (x, h8, h scales)
     act_q: Callable | None = None  # (y, y scales, w scales, fc1 bias, dtype) -> (m8, m scales)
     dq: Callable | None = None  # (y, y scales, w scales, dtype) -> y in dtype
@@ -93,6 +94,9 @@ def make_kernels(
         q = qk[..., :r, :]
         return q.contiguous() if prefill else q, torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
 
+    def norm_q(x, w, b):
+        return quantize_rows(norm(x, w, b))
+
     def add_norm_q(x, a, bias, w, b):
         x, h = add_norm(x, a, bias, w, b)
         return (x, *quantize_rows(h))
@@ -117,8 +121,9 @@ def make_kernels(
     plain = dict(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
     if not prefill:
         plain.update(
-            add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm, dq_add_norm_q=dq_add_norm_q,
-            add_parts_norm=add_parts_norm, add_parts_norm_q=add_parts_norm_q, q=quantize_rows,
+            norm_q=norm_q, add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm,
+            dq_add_norm_q=dq_add_norm_q, add_parts_norm=add_parts_norm, add_parts_norm_q=add_parts_norm_q,
+            q=quantize_rows,
         )  # fmt: skip
     if not compile_:
         return Kernels(**plain)

@@ -50,12 +50,10 @@ def _kernel():
 
     @triton.jit
     def splitk_gemm(  # "gemm" in the name: profiles count it with the GEMMs (aligner.utils.profiling.kind_of)
-        x_ptr, w_ptr, ws_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
+        x_ptr, w_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-        PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr, W_SCALED: tl.constexpr,
+        PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        # W_SCALED: w holds e4m3 values, each row of w scaled by ws[row] (FP8 decode weights, fp8.py): each tile is
-        # widened to x's dtype (exact) before the product, the scales are applied to the float32 sums at the end
         n0, s, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1), tl.program_id(2) * BLOCK_M
         rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
         k0 = s * K_SPLIT
@@ -73,8 +71,6 @@ def _kernel():
             w = tl.load(w_tile)
             if WIDEN:  # Triton's interpreter multiplies 16-bit operands wrongly: widen them (exact) first
                 x, w = x.to(tl.float32), w.to(tl.float32)
-            elif W_SCALED:
-                w = w.to(x.dtype)
             if SWAP:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
             else:
@@ -85,8 +81,6 @@ def _kernel():
             tl.extra.cuda.gdc_launch_dependents()
         if SWAP:
             acc = tl.trans(acc)
-        if W_SCALED:
-            acc = acc * tl.load(ws_ptr + cols)[None, :]
         dst = out_ptr + s * so_s + rows[:, None] * so_m + cols[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -179,35 +173,25 @@ def _launch_options(x_MK: torch.Tensor, tiling: Tiling) -> tuple[int, dict]:
     return block_m, options
 
 
-def matmul(
-    x_MK: torch.Tensor,
-    w_NK: torch.Tensor,
-    tiling: Tiling,
-    out: torch.Tensor | None = None,
-    w_scale_N: torch.Tensor | None = None,
-) -> torch.Tensor:
+def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T: float32 partial sums [splits, M, N] (their sum over the first dimension is the
     product), or with one split the product [M, N] in x's dtype. Both operands need a contiguous last dimension;
-    N and K must fit the tiling (Tiling.fits). `out`: where to write (the shape and dtype above).
-    `w_scale_N`: w is an FP8 decode weight (fp8.py: e4m3, w ~ w8 * w_scale[row]); x stays in its own dtype."""
+    N and K must fit the tiling (Tiling.fits). `out`: where to write (the shape and dtype above)."""
     M, K = x_MK.shape
     N = w_NK.shape[0]
     if x_MK.stride(-1) != 1 or w_NK.stride(-1) != 1 or w_NK.shape[1] != K:
         raise ValueError(f"splitk.matmul: x {tuple(x_MK.shape)} and w {tuple(w_NK.shape)} need [M, K] and [N, K]")
     if not tiling.fits(N, K):
         raise ValueError(f"splitk.matmul: N={N}, K={K} do not fit {tiling}")
-    if w_scale_N is not None and (w_scale_N.numel() != N or not w_scale_N.is_contiguous()):
-        raise ValueError(f"splitk.matmul: w_scale needs {N} contiguous values, has {tuple(w_scale_N.shape)}")
     S = tiling.splits
     if out is None:
         shape, dtype = ((M, N), x_MK.dtype) if S == 1 else ((S, M, N), torch.float32)
         out = torch.empty(shape, dtype=dtype, device=x_MK.device)
     block_m, options = _launch_options(x_MK, tiling)
     grid = (N // tiling.block_n, S, -(-M // block_m))
-    scaled = w_scale_N is not None
     _kernel()[grid](
-        x_MK, w_NK, w_scale_N if scaled else w_NK, out, M, K // S, x_MK.stride(0), w_NK.stride(0),
-        out.stride(0) if S > 1 else 0, out.stride(-2), W_SCALED=scaled, **options,
+        x_MK, w_NK, out, M, K // S, x_MK.stride(0), w_NK.stride(0), out.stride(0) if S > 1 else 0, out.stride(-2),
+        **options,
     )  # fmt: skip
     return out
 
@@ -388,10 +372,33 @@ def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     return _gated_tiling(batch, two_f, k, block_ks=(128, 64, 32))
 
 
+def fp8_product_tiling_for(batch: int, n: int, k: int) -> Tiling | None:
+    """The tiling of matmul_fp8 in one K range (the product written in the engine's dtype: qkv and the output layer
+    with FP8 decode weights) for a decode step of `batch` rows and an e4m3 W [n, k] (None: keep cuBLAS). Measured on
+    the H200 at the 1B model's qkv [4096, 2048] and output layer [32000, 2048], 64 and 128 rows
+    (benchmarks/probes/fp8_attention_gemms.py, docs/PERF.md): the widest of 128, 64, 32 columns per program that
+    still makes >= 128 programs, 256-wide K steps in 5 stages for 32 columns (4 above 64 rows), 128-wide in 3 stages
+    for wider blocks. Smaller models (tests): the narrowest block dividing n, as many programs as it can."""
+    if batch > MAX_BATCH:
+        return None
+    dividing = [b for b in (128, 64, 32, 16) if n % b == 0]
+    if not dividing:
+        return None
+    block_n = next((b for b in dividing if n // b >= 128), dividing[-1])
+    block_k = 256 if block_n <= 32 else 128
+    while block_k > 16 and k % block_k:
+        block_k //= 2
+    if k % block_k:
+        return None
+    stages = 3 if block_n >= 64 else (5 if batch <= 64 else 4)
+    return Tiling(block_n, block_k, 1, num_warps=4, num_stages=stages)
+
+
 def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = False) -> str | None:
     """Why the split-K kernel cannot run here (None if it can): Triton, a CUDA device of compute capability 8.0 or
     newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product; with
-    `fp8_weights` (FP8 decode weights, fp8.py) also gated_matmul_fp8, against float32 maths of the same values."""
+    `fp8_weights` (FP8 decode weights, fp8.py) also gated_matmul_fp8 and matmul_fp8, against float32 maths of the
+    same values."""
     why_not = triton_kernels_unavailable(device)
     if why_not is not None:
         return why_not
@@ -411,9 +418,13 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
             gate, up = ((x8.float() * xs) @ (w8.float() * ws).t()).chunk(2, dim=-1)
             if not torch.allclose(got, F.silu(gate) * up, atol=1e-3, rtol=1e-3):
                 return "the FP8 fc1 kernel's answer differs from float32 maths here"
+            ref = (x8.float() * xs) @ (w8.float() * ws).t()
             y = matmul_fp8(x8, xs, w8, ws, Tiling(block_n=32, block_k=32, splits=2)).sum(0)
-            if not torch.allclose(y, (x8.float() * xs) @ (w8.float() * ws).t(), atol=1e-3, rtol=1e-3):
+            if not torch.allclose(y, ref, atol=1e-3, rtol=1e-3):
                 return "the FP8 split-K kernel's answer differs from float32 maths here"
+            y = matmul_fp8(x8, xs, w8, ws, Tiling(block_n=32, block_k=32, splits=1), torch.float32)
+            if not torch.allclose(y, ref, atol=1e-3, rtol=1e-3):
+                return "the FP8 kernel's one-range product differs from float32 maths here"
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
     return None
