@@ -58,10 +58,12 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
     """decode_gemm=splitk (Triton's interpreter): a SwiGLU MLP's fc1, its scales and the activation in one kernel
     (splitk.gated_matmul_fp8), the activation then quantized per row, fc2 by the split-K kernel on FP8 operands
     (splitk.matmul_fp8), qkv (its input quantized by the norm before it) and the output layer by that kernel in one K
-    range: the same rounding as megatron's forward with FP8 qkv, MLP and output layer. GPT-2 (GELU, biases): fc1
+    range, the add+norm+quantize after proj and fc2 and the activation's quantization by the row kernels (rows.py):
+    the same rounding as megatron's forward with FP8 qkv, MLP and output layer. GPT-2 (GELU, biases, LayerNorm): fc1
     stays with cuBLAS and the activation kernel, fc2 by the split-K kernel with its bias after it, qkv's bias after
-    the kernel's product. Without FP8 qkv in the reference the engine is far off: qkv's rounding shows."""
-    from aligner.generation.native import splitk
+    the kernel's product, the norms compiled. Without FP8 qkv in the reference the engine is far off: qkv's rounding
+    shows."""
+    from aligner.generation.native import rows, splitk
 
     # fc2's K fits the split-K tiling (4 ranges of 32)
     cfg = replace(LLAMA, ffn_hidden_size=128) if arch == "llama" else replace(GPT2, ffn_hidden_size=128)
@@ -71,15 +73,20 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
             if name.endswith("bias"):
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
-    calls = {"gated_matmul_fp8": [], "matmul_fp8": []}
+    calls = {"gated_matmul_fp8": [], "matmul_fp8": [], "add_parts_norm": [], "quantize_rows": []}
     for name, seen in calls.items():
-        real = getattr(splitk, name)
-        monkeypatch.setattr(splitk, name, lambda *a, r=real, c=seen: c.append(a[2].shape) or r(*a))
+        module = rows if name in ("add_parts_norm", "quantize_rows") else splitk
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, r=real, c=seen, **kw: c.append(a[0].shape) or r(*a, **kw))
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
-    # every decode step (the first token comes from prefill), every layer: fc2 and qkv, and the output layer
+    # every decode step (the first token comes from prefill), every layer: fc2 and qkv, and the output layer; with
+    # RMSNorm the two add+norm+quantize kernels of a layer and the activation's quantization by rows.py's kernels
+    llama = arch == "llama"
     assert {name: len(seen) for name, seen in calls.items()} == {
-        "gated_matmul_fp8": 11 * cfg.num_layers if arch == "llama" else 0,
+        "gated_matmul_fp8": 11 * cfg.num_layers if llama else 0,
         "matmul_fp8": 11 * (2 * cfg.num_layers + 1),
+        "add_parts_norm": 11 * 2 * cfg.num_layers if llama else 0,
+        "quantize_rows": 11 * cfg.num_layers if llama else 0,
     }, {name: len(seen) for name, seen in calls.items()}
     n = out.response_lengths_B
     valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]

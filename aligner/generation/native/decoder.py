@@ -44,14 +44,14 @@ K range, writing the engine's dtype (every norm before qkv then quantizes its ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from aligner.families import FamilySpec
-from aligner.generation.native import fp8, pdl, splitk, triton_decode
+from aligner.generation.native import fp8, pdl, rows, splitk, triton_decode
 from aligner.generation.native.fused import make_kernels
 
 
@@ -126,6 +126,14 @@ class Decoder:
         if compile_elementwise and pdl.inductor_options(device):
             self.k_pdl = make_kernels(fam, eps, True, qk_norm, max_batch=max_batch, pdl_device=torch.device(device))
         self.k_prefill = make_kernels(fam, eps, compile_elementwise, qk_norm, prefill=True)
+        if decode_fp8 is not None and decode_gemm == "splitk" and fam.normalization == "RMSNorm":
+            # After the Triton GEMMs, the add+norm+quantize and the activation's quantization by one-program-per-row
+            # Triton kernels (rows.py: faster than the compiled looped reductions at these widths)
+            def add_parts_norm_q(x, parts, bias, w, b):
+                return rows.add_parts_norm(x, parts, bias, w, eps, quantize=True)
+
+            row_kernels = dict(add_parts_norm_q=add_parts_norm_q, q=lambda m: rows.quantize_rows(m))
+            self.k, self.k_pdl = replace(self.k, **row_kernels), replace(self.k_pdl, **row_kernels)
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)

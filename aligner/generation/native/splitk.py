@@ -398,7 +398,7 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
     """Why the split-K kernel cannot run here (None if it can): Triton, a CUDA device of compute capability 8.0 or
     newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product; with
     `fp8_weights` (FP8 decode weights, fp8.py) also gated_matmul_fp8 and matmul_fp8, against float32 maths of the
-    same values."""
+    same values, and the row quantization kernel after them (rows.py) against fp8.quantize_rows."""
     why_not = triton_kernels_unavailable(device)
     if why_not is not None:
         return why_not
@@ -410,9 +410,10 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
         if not torch.allclose(got, x.float() @ w.float().t(), atol=1e-2, rtol=1e-3):
             return "the kernel's answer differs from torch's product here"
         if fp8_weights:
-            from aligner.generation.native import fp8
+            from aligner.generation.native import fp8, rows
 
-            x8, xs = fp8.quantize_rows(torch.randn(5, 64, generator=g, device=device))
+            x32 = torch.randn(5, 64, generator=g, device=device)
+            x8, xs = fp8.quantize_rows(x32)
             w8, ws = fp8.quantize_rows(torch.randn(64, 64, generator=g, device=device))
             got = gated_matmul_fp8(x8, xs, w8, ws, Tiling(block_n=32, block_k=32, splits=1), torch.float32)
             gate, up = ((x8.float() * xs) @ (w8.float() * ws).t()).chunk(2, dim=-1)
@@ -425,6 +426,9 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
             y = matmul_fp8(x8, xs, w8, ws, Tiling(block_n=32, block_k=32, splits=1), torch.float32)
             if not torch.allclose(y, ref, atol=1e-3, rtol=1e-3):
                 return "the FP8 kernel's one-range product differs from float32 maths here"
+            m8, ms = rows.quantize_rows(x32)
+            if not (torch.equal(ms, xs) and torch.equal(m8.float(), x8.float())):
+                return "the row quantization kernel's answer differs from torch's here"
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
     return None
