@@ -7,6 +7,7 @@ training-side log-probs go through `aligner.models.logprobs.vocab_parallel_logpr
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -87,11 +88,11 @@ def candidate_mask(logits_BV: torch.Tensor, temperature, top_k: int, top_p: floa
 
 @contextlib.contextmanager
 def fake_fp8(model, lengths_B, width: int, qkv: bool = False):
-    """Megatron's forward with the rounding of FP8 decode weights (aligner.generation.native.fp8): fc1, fc2 and the
-    output layer (with `qkv`, linear_qkv too: the engine's split-K path) compute quantize(input) @ quantize(W)^T (per
-    row, dequantized) at every position past each prompt (where decode steps run; prefill stays in the engine's
-    dtype), sequences of `width` tokens. Row-parallel layers sum the ranks' partial products, each in its own scales,
-    as the engine does."""
+    """Megatron's forward with the rounding of FP8 decode weights (aligner.generation.native.fp8): fc1 and fc2 compute
+    quantize(input) @ quantize(W)^T (per row, dequantized) at every position (decode steps and prefill), the output
+    layer (with `qkv`, linear_qkv too: the engine's split-K path) at every position past each prompt (decode steps;
+    prefill's stay in the engine's dtype), sequences of `width` tokens. Row-parallel layers sum the ranks' partial
+    products, each in its own scales, as the engine does."""
     from aligner.generation.native.fp8 import quantize_rows
 
     decoded_SB1 = (torch.arange(width)[:, None] >= lengths_B[None, :])[..., None]  # megatron's [sequence, batch]
@@ -100,7 +101,7 @@ def fake_fp8(model, lengths_B, width: int, qkv: bool = False):
         t8, s = quantize_rows(t)
         return t8.float() * s
 
-    def hook(module, args, kwargs, output):
+    def hook(module, args, kwargs, output, everywhere: bool = False):
         out, bias = output if isinstance(output, tuple) else (output, None)
         weight = kwargs.get("weight") if kwargs.get("weight") is not None else module.weight  # tied: the embedding
         fake = (q(args[0]) @ q(weight).t()).to(out.dtype)
@@ -108,13 +109,15 @@ def fake_fp8(model, lengths_B, width: int, qkv: bool = False):
             fake = fake + module.bias  # a bias the layer added to its own output (linear_qkv)
         if getattr(module, "input_is_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(fake, group=ps.get_tensor_model_parallel_group())
-        out = torch.where(decoded_SB1, fake, out)
+        out = fake if everywhere else torch.where(decoded_SB1, fake, out)
         return (out, bias) if isinstance(output, tuple) else out
 
-    mods = [m for layer in model.decoder.layers for m in (layer.mlp.linear_fc1, layer.mlp.linear_fc2)]
+    mlps = [m for layer in model.decoder.layers for m in (layer.mlp.linear_fc1, layer.mlp.linear_fc2)]
+    decoded = [model.output_layer]
     if qkv:
-        mods += [layer.self_attention.linear_qkv for layer in model.decoder.layers]
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in [*mods, model.output_layer]]
+        decoded += [layer.self_attention.linear_qkv for layer in model.decoder.layers]
+    handles = [m.register_forward_hook(functools.partial(hook, everywhere=True), with_kwargs=True) for m in mlps]
+    handles += [m.register_forward_hook(hook, with_kwargs=True) for m in decoded]
     try:
         yield
     finally:

@@ -39,7 +39,9 @@ FP8 decode weights (`decode_fp8`, fp8.py): decode steps run fc1, fc2 and the out
 quantized per row by the compiled kernel before and their results scaled by the one after (Kernels.*_q, dq*); with
 split-K GEMMs a SwiGLU fc1, its scales and the activation are one Triton kernel (splitk.gated_matmul_fp8), fc2
 runs by the split-K kernel on e4m3 operands (splitk.matmul_fp8), and qkv and the output layer by that kernel in one
-K range, writing the engine's dtype (every norm before qkv then quantizes its output).
+K range, writing the engine's dtype (every norm before qkv then quantizes its output); with RMSNorm the norms after
+the split-K GEMMs and the activation's quantization are row kernels (rows.py). Prefill runs its MLPs on the same
+FP8 copies by cuBLAS.
 """
 
 from __future__ import annotations
@@ -214,9 +216,10 @@ class Decoder:
             return self._all_reduce(self._linear(x, weight)), False
         return splitk.matmul(x, weight, tiling), True
 
-    def _stack(self, x, attend, k, q8: fp8.DecodeFp8 | None = None, split_k: bool = False):
+    def _stack(self, x, attend, k, q8: fp8.DecodeFp8 | None = None, split_k: bool = False, fp8_output: bool = True):
         """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states (with
-        `q8`, FP8 decode weights: quantized per row, (h8, scales), for the FP8 output layer). `split_k`: proj and fc2
+        `q8`, FP8 weights: the MLPs on their FP8 copies, and with `fp8_output` the result quantized per row, (h8,
+        scales), for the FP8 output layer). `split_k`: proj and fc2
         by the split-K kernel where it has a tiling for them (decode steps of x [B, H]: splitk.tiling_for); with `q8`
         holding qkv copies, also qkv on FP8 tensor cores (its input norms then quantize their outputs).
 
@@ -243,7 +246,8 @@ class Decoder:
                 post_mlp = (lw["mlp.linear_fc2.bias"], *final)
             if q8 is not None:
                 x, h8, hs = (k.add_parts_norm_q if parts else k.add_norm_q)(x, a, *pre_mlp)
-                quantize_h = qkv_tiling is not None or i + 1 == lo.num_layers  # for FP8 qkv or the output layer
+                # quantized for the next FP8 qkv or the FP8 output layer
+                quantize_h = qkv_tiling is not None or (fp8_output and i + 1 == lo.num_layers)
                 x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k, quantize_h)
                 continue
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
@@ -345,7 +349,9 @@ class Decoder:
             )
             return out.transpose(1, 2).reshape(B, T, lo.heads * lo.head_dim)
 
-        h = self._stack(x, attend, self.k_prefill)
+        # FP8 weights: the MLPs by cuBLAS's FP8 GEMMs too (compute-bound here: FP8 tensor cores' rate), qkv, proj and
+        # the output layer (one row per prompt) in the engine's dtype
+        h = self._stack(x, attend, self.k_prefill, self.fp8, fp8_output=False)
         last = h[self.rows[:B], lengths_B - 1]  # [B, H]
         return self._linear(last, self.w.output_weight)
 

@@ -10,7 +10,8 @@ in the compiled kernel that consumes the result. At decode_gemm=splitk (TP=1, up
 FP8 tensor cores do more of it: a SwiGLU fc1's product, both scales and the activation in one kernel
 (splitk.gated_matmul_fp8), fc2 by the split-K kernel (splitk.matmul_fp8), and also qkv and the output layer, each
 written in the engine's dtype with its scales applied (splitk.matmul_fp8, one K range; the norm before qkv then
-quantizes its output too).
+quantizes its output too); with RMSNorm the add+norm+quantize kernels after the split-K GEMMs and the activation's
+quantization are rows.py's.
 Prefill, attention and proj stay in the engine's dtype (prefill is compute-bound; proj's input, the attention's
 output, would need a quantization kernel of its own, and weights widened from e4m3 inside the kernel ran slower than
 bf16: docs/PERF.md).
@@ -64,8 +65,11 @@ def unavailable(device: torch.device) -> str | None:
 
 
 def matmul(x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
-    """x8 [M, K] @ w8 [N, K]^T, unit scales (the scales are applied by the next kernel: dequantize)."""
-    return torch._scaled_mm(x8, w8.t(), one, one, out_dtype=out_dtype)
+    """x8 [..., K] @ w8 [N, K]^T, unit scales (the scales are applied by the next kernel: dequantize)."""
+    if x8.dim() == 2:
+        return torch._scaled_mm(x8, w8.t(), one, one, out_dtype=out_dtype)
+    y = torch._scaled_mm(x8.reshape(-1, x8.shape[-1]), w8.t(), one, one, out_dtype=out_dtype)
+    return y.view(*x8.shape[:-1], w8.shape[0])
 
 
 _LAYER_WEIGHTS = {1: "mlp.linear_fc1.weight", 2: "mlp.linear_fc2.weight", "qkv": "self_attention.linear_qkv.weight"}

@@ -118,12 +118,14 @@ def make_kernels(
     def add_parts_norm_q(x, parts, bias, w, b):
         return add_norm_q(x, parts.sum(0).to(x.dtype), bias, w, b)
 
-    plain = dict(norm=norm, add_norm=add_norm, act=act, rope_split=rope_split)
+    plain = dict(
+        norm=norm, add_norm=add_norm, act=act, rope_split=rope_split,
+        add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm,  # FP8 MLP (prefill too)
+    )  # fmt: skip
     if not prefill:
         plain.update(
-            norm_q=norm_q, add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm,
-            dq_add_norm_q=dq_add_norm_q, add_parts_norm=add_parts_norm, add_parts_norm_q=add_parts_norm_q,
-            q=quantize_rows,
+            norm_q=norm_q, dq_add_norm_q=dq_add_norm_q, add_parts_norm=add_parts_norm,
+            add_parts_norm_q=add_parts_norm_q, q=quantize_rows,
         )  # fmt: skip
     if not compile_:
         return Kernels(**plain)
