@@ -24,7 +24,9 @@ from aligner.generation.native import fp8, pdl
 
 
 @lru_cache(maxsize=1)
-def _round_kernel():
+def _helpers():
+    """The kernels' rounding helpers, made module globals: a jit function calls another through its module's
+    globals."""
     import triton
     import triton.language as tl
 
@@ -38,7 +40,19 @@ def _round_kernel():
             return bits.to(tl.float32, bitcast=True)
         return v.to(dtype).to(tl.float32)
 
-    return rounded
+    @triton.jit
+    def e4m3_grid(v):
+        """float32 v (|v| <= 448) rounded to e4m3's grid (to nearest, ties to even: 3 mantissa bits, steps of 2^-9
+        below 2^-6), as torch's cast rounds: the cast after only relabels. Triton's own cast did not give torch's
+        values on the H200 (the engine's start-up check failed), nor under the interpreter."""
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer
+        small = ((v * 512.0 + magic) - magic) / 512.0
+        return tl.where(tl.abs(v) >= 0.015625, bits.to(tl.float32, bitcast=True), small)
+
+    global _rounded, _e4m3_grid
+    _rounded, _e4m3_grid = rounded, e4m3_grid
 
 
 @lru_cache(maxsize=1)
@@ -46,8 +60,7 @@ def _add_norm_kernel():
     import triton
     import triton.language as tl
 
-    global _rounded  # a jit function calls another through its module's globals
-    _rounded = _round_kernel()
+    _helpers()
 
     @triton.jit
     def add_norm_rows(
@@ -73,10 +86,11 @@ def _add_norm_kernel():
             tl.extra.cuda.gdc_launch_dependents()
         tl.store(x_out_ptr + row * H + cols, x.to(dtype), mask=ok)
         h = _rounded(x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps) * w, dtype, EMULATE)
-        if QUANTIZE:  # h_ptr: e4m3, or float32 under the interpreter (the caller casts: its own casts are off);
-            # divisions rounded as IEEE's (Triton's "/" on float32 is an approximation on the GPU), as torch's
+        if QUANTIZE:  # fp8.quantize_rows's rule, divisions rounded as IEEE's (Triton's "/" on float32 is an
+            # approximation on the GPU) and the values put on e4m3's grid by hand
             scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=0), tiny), e4m3_max)
-            tl.store(h_ptr + row * H + cols, tl.math.div_rn(h, scale).to(h_ptr.dtype.element_ty), mask=ok)
+            h8 = _e4m3_grid(tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -e4m3_max), e4m3_max))
+            tl.store(h_ptr + row * H + cols, h8.to(h_ptr.dtype.element_ty), mask=ok)
             tl.store(hs_ptr + row, scale)
         else:
             tl.store(h_ptr + row * H + cols, h.to(dtype), mask=ok)
@@ -88,6 +102,8 @@ def _add_norm_kernel():
 def _quantize_kernel():
     import triton
     import triton.language as tl
+
+    _helpers()
 
     @triton.jit
     def quantize_rows_k(
@@ -126,7 +142,8 @@ def _options(x: torch.Tensor, width: int, num_warps: int | None) -> dict:
 
 
 def _fp8_out(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """Where a kernel writes its quantized values: e4m3 on the GPU, float32 under Triton's interpreter (cast after)."""
+    """Where a kernel writes its quantized values: e4m3 on the GPU, float32 under Triton's interpreter, whose casts to
+    e4m3 change some values on e4m3's grid (128 became 64): the caller casts them."""
     return torch.empty(shape, dtype=fp8.E4M3 if x.device.type == "cuda" else torch.float32, device=x.device)
 
 
