@@ -63,6 +63,7 @@ class BenchArgs:
     decode_weights: str = "same"  # generation.decode_weights (fp8: FP8 MLP/output weights in decode steps)
     decode_gemm: str = "auto"  # generation.decode_gemm (splitk: decode's proj/fc2 by the split-K Triton kernel)
     kv_dtype: str = "auto"  # generation.kv_dtype (fp8: an e4m3 KV cache)
+    token_choice: str = "auto"  # generation.token_choice (triton: greedy / plain sampling by two Triton kernels)
     ragged: bool = False  # prompt lengths drawn from [prompt_len / 4, prompt_len] (native engine only)
 
 
@@ -174,6 +175,7 @@ def run(args: BenchArgs) -> dict:
         decode_weights=args.decode_weights,
         decode_gemm=args.decode_gemm,
         kv_dtype=args.kv_dtype,
+        token_choice=args.token_choice,
     )
     engine = build_engine(gen, cfg, policy)
     bw = copy_bandwidth(device)
@@ -204,6 +206,7 @@ def run(args: BenchArgs) -> dict:
         "decode_weights": args.decode_weights,
         "kv_dtype": str(engine.decoder.kv_dtype),
         "decode_gemm": engine.decode_gemm,
+        "token_choice": engine.token_choice,
         "cuda_graphs": engine.use_graphs,
         "prompt_len": args.prompt_len,
         "ragged": args.ragged,
@@ -296,6 +299,7 @@ def format_table(report: dict) -> str:
             f"decode weights {report.get('decode_weights', 'same')}, "
             f"KV cache {report.get('kv_dtype', 'in the engine dtype')}, "
             f"decode GEMMs {report.get('decode_gemm', 'cublas')}, "
+            f"token choice {report.get('token_choice', 'torch')}, "
             f"prompt {'up to ' if report.get('ragged') else ''}{report['prompt_len']} + {report['new_tokens']} new "
             f"tokens{' (ragged prompt lengths)' if report.get('ragged') else ''}"
         ),

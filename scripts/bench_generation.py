@@ -55,6 +55,12 @@ def main(argv=None) -> int:
         default="auto",
         help="generation.decode_gemm: splitk = decode's proj and fc2 by the split-K Triton kernel (auto: on GPUs)",
     )
+    parser.add_argument(
+        "--token-choice",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="generation.token_choice: triton = greedy / plain sampling by two Triton kernels (auto: on GPUs)",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)
     if a.ragged and not a.skip_hf:
@@ -71,6 +77,7 @@ def main(argv=None) -> int:
         decode_weights=a.decode_weights,
         kv_dtype=a.kv_dtype,
         decode_gemm=a.decode_gemm,
+        token_choice=a.token_choice,
         ragged=a.ragged,
     )
     try:

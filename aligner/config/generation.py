@@ -29,6 +29,7 @@ class GenerationConfig:
     decode_attention: Literal["auto", "matmul", "sdpa", "flash", "triton"] = "auto"  # auto: triton on GPU, else matmul
     decode_weights: Literal["same", "fp8"] = "same"  # fp8: decode's MLP/output GEMMs in FP8 (off-policy; GENERATION.md)
     decode_gemm: Literal["auto", "cublas", "splitk"] = "auto"  # splitk: Triton proj/fc2 in decode (auto: GPU, TP=1)
+    token_choice: Literal["auto", "torch", "triton"] = "auto"  # triton: greedy/plain sampling in 2 kernels (auto: GPU)
     kv_block: int = 64  # matmul/sdpa/flash attend over the cache up to a multiple of this (a graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
     check_done_every: int = 16  # decode steps between host checks of "every sample ended" (each check syncs)
@@ -56,6 +57,11 @@ def validate_generation(gen: GenerationConfig, model=None, prefix: str = "genera
         gen.decode_gemm != "splitk" or gen.backend == "native",
         f"{prefix}.decode_gemm",
         "splitk is a setting of the native engine: use backend=native (or decode_gemm=auto)",
+    )
+    check(
+        gen.token_choice != "triton" or gen.backend == "native",
+        f"{prefix}.token_choice",
+        "triton is a setting of the native engine: use backend=native (or token_choice=auto)",
     )
     check(
         gen.kv_dtype != "fp8" or (gen.backend == "native" and gen.decode_attention in ("auto", "triton")),

@@ -259,6 +259,43 @@ def test_eos_stop_tokens_min_new_and_length_limit():
     assert out.response_lengths_B.tolist() == [12] * 4 and not out.ended_B.any()
 
 
+def test_triton_token_choice_records_what_torch_records(monkeypatch):
+    """generation.token_choice=triton (choice.py's two kernels; Triton's interpreter here): the same tokens, lengths,
+    ends and log-probs as torch's function, for greedy choice with an end token banned before min_new_tokens and for
+    plain sampling; a top-k step keeps torch's function. Refused with the reason where the kernels cannot run; auto
+    takes torch's function on the CPU."""
+    pytest.importorskip("triton")
+    from aligner.generation.native import choice
+
+    model = _model(LLAMA)
+    plain = build_engine(GEN, LLAMA, model)
+    assert plain.token_choice == "torch"
+    engine = build_engine(GenerationConfig(**{**GEN.__dict__, "token_choice": "triton"}), LLAMA, model)
+    assert engine.token_choice == "triton"
+    calls, real = [], choice.choose_and_record
+    monkeypatch.setattr(choice, "choose_and_record", lambda *a, **k: calls.append(k["greedy"]) or real(*a, **k))
+    eos = _responses(plain.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True)))[0][2]
+    cases = [
+        SamplingParams(greedy=True, eos_token_id=eos, min_new_tokens=3, pad_token_id=V - 1),
+        SamplingParams(greedy=True, eos_token_id=eos, pad_token_id=V - 1),
+        SamplingParams(temperature=0.7, seeds=[1, 2, 3, 4], eos_token_id=eos),
+        SamplingParams(temperature=1.3, top_k=20, seed=4),
+    ]
+    for sp in cases:
+        before = len(calls)
+        want, got = plain.generate(PROMPTS, LENGTHS, sp), engine.generate(PROMPTS, LENGTHS, sp)
+        assert torch.equal(got.response_tokens_BR, want.response_tokens_BR), sp
+        assert torch.equal(got.response_lengths_B, want.response_lengths_B) and torch.equal(got.ended_B, want.ended_B)
+        torch.testing.assert_close(got.logprobs_BR, want.logprobs_BR, rtol=0, atol=2e-5)
+        assert (len(calls) > before) == (sp.top_k == 0), "the kernels run for greedy and plain sampling only"
+        if sp is cases[1]:
+            assert got.ended_B[0] and got.response_lengths_B[0] == 3, "sample 0 reaches the end token at step 2"
+    assert True in calls and False in calls
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"generation.token_choice=triton is not possible here: (it needs|Tri)"):
+        build_engine(GenerationConfig(**{**GEN.__dict__, "token_choice": "triton"}), LLAMA, model)
+
+
 def test_seeds_make_samples_independent_of_batch_composition():
     model = _model(LLAMA)
     engine = build_engine(GEN, LLAMA, model)

@@ -31,7 +31,7 @@ import torch
 from aligner.config.generation import GenerationConfig
 from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
-from aligner.generation.native import fp8, pdl, splitk, triton_decode
+from aligner.generation.native import choice, fp8, pdl, splitk, triton_decode
 from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unavailable
 from aligner.generation.native.sampling import choose_and_record, keys_for_seeds, uniforms_for_seeds
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
@@ -170,6 +170,8 @@ class NativeEngine:
             options = pdl.inductor_options(self.device)
             if options:
                 self._choose_pdl = torch.compile(choose_and_record, dynamic=False, fullgraph=True, options=options)
+        # ... or, for greedy choice and plain sampling, by two Triton kernels (choice.py)
+        self.token_choice = self._choose_token_choice(gen_cfg.token_choice)
         self.tp_group, self.tp = group, tp
         # Ranks that must draw identical tokens: the TP group, and with PP > 1 the whole model-parallel group.
         self.seed_group = mp_group if mp_group is not None else (group if tp > 1 else None)
@@ -202,6 +204,20 @@ class NativeEngine:
             return "cublas"
         return "splitk"
 
+    def _choose_token_choice(self, setting: str) -> str:
+        """generation.token_choice: auto takes the Triton kernels on a GPU where their start-up check passes, torch's
+        function (compiled where the elementwise kernels are) elsewhere; triton is checked and refused with the
+        reason where it cannot run."""
+        if setting == "torch" or (setting == "auto" and not self.on_gpu):
+            return "torch"
+        why_not = choice.unavailable(self.device)
+        if setting == "triton" and why_not is not None:
+            raise ValueError(f"generation.token_choice=triton is not possible here: {why_not}; use torch")
+        if why_not is not None:
+            log.warning("generation.token_choice=auto takes torch's function: the Triton kernels fail (%s)", why_not)
+            return "torch"
+        return "triton"
+
     # -- static state ----------------------------------------------------------------------------------------
     def _alloc_state(self):
         Bm, R, dev = self.max_batch, self.max_new, self.device
@@ -225,6 +241,8 @@ class NativeEngine:
         """Draw token `step_t` for every sample and update the state; device-only (graph-safe)."""
         greedy, top_k, use_top_p = mode
         choose = self._choose_pdl if B <= pdl.MAX_BATCH else self._choose
+        if self.token_choice == "triton" and not (top_k or use_top_p):
+            choose = choice.choose_and_record
         choose(
             self.decoder.gather_vocab(logits_local_BV),
             self.layout.vocab_size,
