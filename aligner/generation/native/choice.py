@@ -4,16 +4,17 @@ sampling.choose_and_record, compiled by torch.compile, is eleven kernels at 64 r
 a reduction over [B, V] for the argmax, a split reduction for the log-sum-exp, and one small kernel for each piece of
 the step's state; about 31 us of a 1.02 ms FP8 decode step on the H200 (docs/PERF.md, "Twenty-second session").
 Here:
-- `choice_parts`, one program per (row, vocabulary chunk): the chunk's winner of the race (its largest
+- `choice_parts`, one program per (row, BLOCK-wide vocabulary chunk): the chunk's winner of the race (its largest
   logits / T, plus the Gumbel noise of sampling.gumbel_noise when sampling; end tokens banned before min_new_t) with
   its first index, and the chunk's log-sum-exp of logits / T as (max, sum of exponentials);
 - `choice_merge`, one program for all rows: the row's winner (the first chunk holding the largest value: torch's
   argmax, the first index of the maximum), its log-prob against the merged log-sum-exp, and the step written into
   the engine's state as choose_and_record writes it.
-The values are choose_and_record's: logits / T by an IEEE division, the argmax's ties to the first index; the noise
-from the same hash with log1p computed from log (Goldberg's form: a unit or two off torch's log1p, which moves a
-draw only where two tokens' race values lie that close); the log-sum-exp summed in another order (float32
-rounding). Top-k and top-p keep the compiled function.
+The values are those of the compiled function the engine runs otherwise: logits / T by Triton's float32 division
+(as inductor writes it; IEEE's under the interpreter), the argmax's ties to the first index; the noise from the
+same hash with log1p computed from log (Goldberg's form: a unit or two off torch's log1p, which moves a draw only
+where two tokens' race values lie that close); the log-sum-exp summed in another order (float32 rounding). Top-k
+and top-p keep the compiled function.
 Runs on CUDA with Triton; on the CPU only under Triton's interpreter (TRITON_INTERPRET=1, as the tests run it).
 """
 
@@ -26,9 +27,8 @@ import torch
 from aligner.generation.native import pdl, sampling
 from aligner.parallel.device import triton_kernels_unavailable
 
-BLOCK = 1024  # vocabulary entries per inner step of a chunk
-PROGRAMS_PER_SM = 4  # chunks per row: enough (row, chunk) programs for about this many per SM
-MAX_CHUNKS = 32
+BLOCK = 4096  # vocabulary entries per program of choice_parts (one load each; 8 chunks per row at 32,000 tokens)
+NUM_WARPS = 4
 MERGE_ROWS = 128  # rows per inner step of the merge program
 
 
@@ -71,47 +71,31 @@ def _kernels():
 
     @triton.jit
     def choice_parts(
-        logits_ptr, s_lb, V, CHUNK, temp_ptr, key_ptr, step_ptr, min_new_ptr, end_ptr,
-        best_ptr, arg_ptr, m_ptr, l_ptr, S,
+        logits_ptr, s_lb, V, temp_ptr, key_ptr, step_ptr, min_new_ptr, end_ptr, best_ptr, arg_ptr, m_ptr, l_ptr, S,
         BLOCK: tl.constexpr, GREEDY: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         c = tl.program_id(1)
-        start = c * CHUNK
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < V
         if PDL:  # launched early (pdl.py): wait for the kernel that wrote the logits
             tl.extra.cuda.gdc_wait()
-        temp = tl.load(temp_ptr)
         step = tl.load(step_ptr)
-        banning = step < tl.load(min_new_ptr)
-        row_hash = tl.zeros((), tl.uint32)
-        if not GREEDY:  # this sample's stream at this step, as sampling.gumbel_noise derives it
-            k = (step + 1).to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)
-            row_hash = _mix32(tl.load(key_ptr + b).to(tl.uint32) ^ k)
-        best = tl.full((), float("-inf"), tl.float32)
-        arg = start
-        m = tl.full((), float("-inf"), tl.float32)
-        total = tl.zeros((), tl.float32)
-        for off in range(start, start + CHUNK, BLOCK):
-            cols = off + tl.arange(0, BLOCK)
-            ok = cols < V
-            s = tl.math.div_rn(tl.load(logits_ptr + b * s_lb + cols, mask=ok, other=float("-inf")).to(tl.float32), temp)
-            race = tl.where(banning & (tl.load(end_ptr + cols, mask=ok, other=0) != 0), float("-inf"), s)
-            if not GREEDY:
-                race = race + _gumbel(row_hash, cols)
-            top = tl.max(race, axis=0)
-            where = tl.argmax(race, axis=0, tie_break_left=True) + off
-            arg = tl.where(top > best, where, arg)
-            best = tl.maximum(best, top)
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            total = total * tl.exp(m - m_safe) + tl.sum(tl.exp(s - m_safe), axis=0)
-            m = m_new
+        s = tl.load(logits_ptr + b * s_lb + cols, mask=ok, other=float("-inf")).to(tl.float32) / tl.load(temp_ptr)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        tl.store(best_ptr + b * S + c, best)
-        tl.store(arg_ptr + b * S + c, arg)
-        tl.store(m_ptr + b * S + c, m)
-        tl.store(l_ptr + b * S + c, total)
+        race = s
+        if step < tl.load(min_new_ptr):  # end tokens banned
+            race = tl.where(tl.load(end_ptr + cols, mask=ok, other=0) != 0, float("-inf"), s)
+        if not GREEDY:  # this sample's stream at this step, as sampling.gumbel_noise derives it, and its noise
+            k = (step + 1).to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)
+            race = race + _gumbel(_mix32(tl.load(key_ptr + b).to(tl.uint32) ^ k), cols)
+        m = tl.max(s, axis=0)
+        at = b * S + c
+        tl.store(best_ptr + at, tl.max(race, axis=0))
+        tl.store(arg_ptr + at, c * BLOCK + tl.argmax(race, axis=0, tie_break_left=True))
+        tl.store(m_ptr + at, m)
+        tl.store(l_ptr + at, tl.sum(tl.exp(s - m), axis=0))
 
     @triton.jit
     def choice_merge(
@@ -137,7 +121,7 @@ def _kernels():
             m = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
             mx = tl.max(m, axis=1)
             total = tl.sum(tl.load(l_ptr + at, mask=ok, other=0.0) * tl.exp(m - mx[:, None]), axis=1)
-            picked = tl.math.div_rn(tl.load(logits_ptr + rows * s_lb + tok, mask=rok, other=0.0).to(tl.float32), temp)
+            picked = tl.load(logits_ptr + rows * s_lb + tok, mask=rok, other=0.0).to(tl.float32) / temp
             logp = picked - (mx + tl.log(total))
             ended = tl.load(ended_ptr + rows, mask=rok, other=1) != 0
             active = ~ended
@@ -153,16 +137,6 @@ def _kernels():
         tl.store(step_ptr, step + 1)
 
     return choice_parts, choice_merge
-
-
-def _chunks(B: int, V: int, device: torch.device) -> tuple[int, int]:
-    """(chunk width, chunks per row): about PROGRAMS_PER_SM programs per SM over the B rows (8 SMs' worth off CUDA,
-    so that the tests' small vocabularies still split), in whole BLOCKs."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, min(MAX_CHUNKS, -(-PROGRAMS_PER_SM * sms // B)))
-    per_chunk = -(-V // want)
-    chunk = -(-per_chunk // BLOCK) * BLOCK
-    return chunk, -(-V // chunk)
 
 
 def choose_and_record(
@@ -196,7 +170,7 @@ def choose_and_record(
     for name, t in (("logits_BV", logits_BV), ("out_tokens_BR", out_tokens_BR), ("out_logp_BR", out_logp_BR)):
         if t.stride(-1) != 1:
             raise ValueError(f"choice.choose_and_record: {name} needs a contiguous last dimension")
-    chunk, S = _chunks(B, vocab_size, logits_BV.device)
+    S = -(-vocab_size // BLOCK)
     best = torch.empty((B, S), dtype=torch.float32, device=logits_BV.device)
     arg = torch.empty((B, S), dtype=torch.int32, device=logits_BV.device)
     m, total = torch.empty_like(best), torch.empty_like(best)
@@ -205,8 +179,8 @@ def choose_and_record(
     end_V, ended = end_mask_V.view(torch.uint8), ended_B.view(torch.uint8)
     parts, merge = _kernels()
     parts[(B, S)](
-        logits_BV, logits_BV.stride(0), vocab_size, chunk, temperature, key_B, step_t, min_new_t, end_V,
-        best, arg, m, total, S, BLOCK=BLOCK, GREEDY=greedy, PDL=use_pdl, num_warps=4, **launch,
+        logits_BV, logits_BV.stride(0), vocab_size, temperature, key_B, step_t, min_new_t, end_V, best, arg, m,
+        total, S, BLOCK=BLOCK, GREEDY=greedy, PDL=use_pdl, num_warps=NUM_WARPS, **launch,
     )  # fmt: skip
     merge[(1,)](
         best, arg, m, total, S, B, logits_BV, logits_BV.stride(0), temperature, step_t, end_V, ended, pad_t,
