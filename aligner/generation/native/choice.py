@@ -27,8 +27,11 @@ import torch
 from aligner.generation.native import pdl, sampling
 from aligner.parallel.device import triton_kernels_unavailable
 
-BLOCK = 4096  # vocabulary entries per program of choice_parts (one load each; 8 chunks per row at 32,000 tokens)
-NUM_WARPS = 4
+# vocabulary entries per program of choice_parts (one load each: 4 chunks per row at 32,000 tokens) and its warps,
+# greedy / sampling: the fastest of 2048-8192 entries and 4 or 8 warps at 64-256 rows on the H200 (docs/PERF.md,
+# "Twenty-second session"; benchmarks/probes/token_choice.py)
+BLOCK = 8192
+NUM_WARPS = {True: 4, False: 8}
 MERGE_ROWS = 128  # rows per inner step of the merge program
 
 
@@ -180,7 +183,7 @@ def choose_and_record(
     parts, merge = _kernels()
     parts[(B, S)](
         logits_BV, logits_BV.stride(0), vocab_size, temperature, key_B, step_t, min_new_t, end_V, best, arg, m,
-        total, S, BLOCK=BLOCK, GREEDY=greedy, PDL=use_pdl, num_warps=NUM_WARPS, **launch,
+        total, S, BLOCK=BLOCK, GREEDY=greedy, PDL=use_pdl, num_warps=NUM_WARPS[greedy], **launch,
     )  # fmt: skip
     merge[(1,)](
         best, arg, m, total, S, B, logits_BV, logits_BV.stride(0), temperature, step_t, end_V, ended, pad_t,
