@@ -60,8 +60,8 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
     """decode_gemm=splitk (Triton's interpreter): a SwiGLU MLP's fc1, its scales and the activation in one kernel
     (splitk.gated_matmul_fp8), the activation then quantized per row, fc2 by the split-K kernel on FP8 operands
     (splitk.matmul_fp8), qkv (its input quantized by the norm before it) and the output layer by that kernel in one K
-    range, the add+norm+quantize after proj and fc2 and the activation's quantization by the row kernels (rows.py),
-    prefill's SwiGLU and its quantization by rows.swiglu_quantize: the same rounding as megatron's forward with FP8 qkv, MLP and output layer. GPT-2 (GELU, biases, LayerNorm): fc1
+    range, the add+norm+quantize after proj and fc2 and the activation's quantization by the row kernels (rows.py):
+    the same rounding as megatron's forward with FP8 qkv, MLP and output layer. GPT-2 (GELU, biases, LayerNorm): fc1
     stays with cuBLAS and the activation kernel, fc2 by the split-K kernel with its bias after it, qkv's bias after
     the kernel's product, the norms compiled. Without FP8 qkv in the reference the engine is far off: qkv's rounding
     shows."""
@@ -75,9 +75,9 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
             if name.endswith("bias"):
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
-    calls = {"gated_matmul_fp8": [], "matmul_fp8": [], "add_parts_norm": [], "quantize_rows": [], "swiglu_quantize": []}
+    calls = {"gated_matmul_fp8": [], "matmul_fp8": [], "add_parts_norm": [], "quantize_rows": []}
     for name, seen in calls.items():
-        module = rows if name in ("add_parts_norm", "quantize_rows", "swiglu_quantize") else splitk
+        module = rows if name in ("add_parts_norm", "quantize_rows") else splitk
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, r=real, c=seen, **kw: c.append(a[0].shape) or r(*a, **kw))
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
@@ -89,7 +89,6 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
         "matmul_fp8": 11 * (2 * cfg.num_layers + 1),
         "add_parts_norm": 11 * 2 * cfg.num_layers if llama else 0,
         "quantize_rows": 11 * cfg.num_layers if llama else 0,
-        "swiglu_quantize": cfg.num_layers if llama else 0,  # prefill's activation (one prefill chunk)
     }, {name: len(seen) for name, seen in calls.items()}
     n = out.response_lengths_B
     valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]

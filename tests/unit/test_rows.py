@@ -75,22 +75,6 @@ def test_quantize_rows_is_fp8_quantize_rows(dtype):
     assert torch.all(got[0][2].float() == 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_swiglu_quantize_is_the_eager_act_q(dtype):
-    """Prefill's activation after its FP8 fc1: fp8.dequantize, silu(gate) * up and the row quantization, as the eager
-    pieces round each (prompts [B, T, 2N]; a row of zeros gets the scale's floor). 16-bit activations, as the
-    engine's on GPUs: silu's exp (numpy's here, torch's in the eager piece) may differ in float32's last bit, which
-    the rounding to 16 bits hides."""
-    g = torch.Generator().manual_seed(1)
-    y = (3 * torch.randn(2, 5, 96, generator=g)).to(dtype)
-    y[1, 2] = 0
-    y_scale, w_scale = torch.rand(2, 5, 1, generator=g) + 0.1, torch.rand(96, generator=g) + 0.1
-    prefill = make_kernels(family("llama"), 1e-5, compile_=False, prefill=True)
-    got = rows.swiglu_quantize(y, y_scale, w_scale)
-    _same(got, prefill.act_q(y, y_scale, w_scale, None, dtype))
-    assert got[0].shape == (2, 5, 48) and got[1].shape == (2, 5, 1) and torch.all(got[0][1, 2].float() == 0)
-
-
 def test_what_the_kernels_do_not_take_is_named():
     x, parts, w, _ = _inputs(4, 64, torch.bfloat16, 0)
     with pytest.raises(ValueError, match="partials"):
@@ -99,5 +83,3 @@ def test_what_the_kernels_do_not_take_is_named():
         rows.quantize_rows(x.t())
     with pytest.raises(ValueError, match="contiguous rows"):
         rows.quantize_rows(torch.zeros(2, rows.MAX_WIDTH + 1))
-    with pytest.raises(ValueError, match="swiglu_quantize"):
-        rows.swiglu_quantize(torch.zeros(2, 95), torch.ones(2, 1), torch.ones(95))

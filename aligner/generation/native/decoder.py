@@ -136,15 +136,6 @@ class Decoder:
 
             row_kernels = dict(add_parts_norm_q=add_parts_norm_q, q=lambda m: rows.quantize_rows(m))
             self.k, self.k_pdl = replace(self.k, **row_kernels), replace(self.k_pdl, **row_kernels)
-            if fam.gated_mlp and fam.activation == "silu":  # prefill's SwiGLU + quantization too (rows.py)
-                act_q = self.k_prefill.act_q
-
-                def swiglu_q(y, y_scale, w_scale, bias, dtype):
-                    if bias is not None or y.shape[-1] > rows.MAX_WIDTH:
-                        return act_q(y, y_scale, w_scale, bias, dtype)
-                    return rows.swiglu_quantize(y, y_scale, w_scale)
-
-                self.k_prefill = replace(self.k_prefill, act_q=swiglu_q)
         self.kv: torch.Tensor | None = None
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)

@@ -136,38 +136,6 @@ def _quantize_kernel():
     return quantize_rows_k
 
 
-@lru_cache(maxsize=1)
-def _swiglu_quantize_kernel():
-    import triton
-    import triton.language as tl
-
-    _helpers()
-
-    @triton.jit
-    def swiglu_quantize_k(
-        y_ptr, ys_ptr, ws_ptr, q_ptr, s_ptr, N, sy_m, tiny, e4m3_max,
-        BLOCK: tl.constexpr, EMULATE: tl.constexpr, RECIPROCAL: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < N
-        dtype = y_ptr.dtype.element_ty
-        ys = tl.load(ys_ptr + row)
-        y = y_ptr + row * sy_m + cols
-        # fp8.dequantize's (y * row scale * column scale) in float32, rounded to the activation dtype; then the
-        # SwiGLU as eager torch rounds it (silu's result, then the product)
-        gate = tl.load(y, mask=ok, other=0.0).to(tl.float32) * ys * tl.load(ws_ptr + cols, mask=ok, other=0.0)
-        up = tl.load(y + N, mask=ok, other=0.0).to(tl.float32) * ys * tl.load(ws_ptr + N + cols, mask=ok, other=0.0)
-        gate, up = _rounded(gate, dtype, EMULATE), _rounded(up, dtype, EMULATE)
-        act = _rounded(_rounded(gate / (1.0 + tl.exp(-gate)), dtype, EMULATE) * up, dtype, EMULATE)
-        scale = _scale(tl.max(tl.abs(act), axis=0), tiny, e4m3_max, RECIPROCAL)  # as in add_norm_rows
-        q = _e4m3_grid(tl.minimum(tl.maximum(tl.math.div_rn(act, scale), -e4m3_max), e4m3_max))
-        tl.store(q_ptr + row * N + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + row, scale)
-
-    return swiglu_quantize_k
-
-
 MAX_WIDTH = 16384  # widest row a program holds (values); wider rows keep the compiled pieces
 
 
@@ -225,26 +193,3 @@ def quantize_rows(x_MN: torch.Tensor, num_warps: int | None = None) -> tuple[tor
 def _emulate(x: torch.Tensor) -> bool:
     """Whether the kernel rounds to bfloat16 by hand: under Triton's interpreter (off CUDA), whose casts truncate."""
     return x.device.type != "cuda" and x.dtype == torch.bfloat16
-
-
-def swiglu_quantize(y: torch.Tensor, y_scale: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill's activation after its FP8 fc1 (fused.py's act_q for a SwiGLU MLP without fc1 bias): y [..., 2N] the
-    FP8 product with unit scales in the activation dtype, y_scale [..., 1] its rows' scales, w_scale [2N] fc1's
-    weight rows' scales; returns silu(gate) * up quantized per row, (m8 e4m3 [..., N], scales float32 [..., 1]),
-    rounded as the eager pieces round. One program per row, the row read once (the compiled kernel reads it twice:
-    its amax, then its quantization)."""
-    width = y.shape[-1]
-    if y.stride(-1) != 1 or width % 2 or width > MAX_WIDTH or w_scale.shape != (width,):
-        raise ValueError(f"rows.swiglu_quantize: y {tuple(y.shape)}, w_scale {tuple(w_scale.shape)}")
-    lead, N = y.shape[:-1], width // 2
-    y2 = y.reshape(-1, width)
-    M = y2.shape[0]
-    q = _fp8_out(y2, (M, N))
-    s = torch.empty((M, 1), dtype=torch.float32, device=y.device)
-    options = _options(y2, N, None)
-    options.pop("PDL"), options.pop("launch_pdl", None)  # (prefill: thousands of rows, never PDL)
-    _swiglu_quantize_kernel()[(M,)](
-        y2, y_scale.reshape(M).float(), w_scale.float(), q, s, N, y2.stride(0), fp8._TINY, fp8.E4M3_MAX,
-        EMULATE=_emulate(y2), **options,
-    )  # fmt: skip
-    return q.to(fp8.E4M3).view(*lead, N), s.view(*lead, 1)
