@@ -36,25 +36,7 @@ def main(argv=None) -> dict:
     report = {"device": torch.cuda.get_device_name(dev), "vocab": VOCAB, "us": {}, "same_tokens": {}}
 
     def state(B, seed=0):
-        g = torch.Generator(device=dev).manual_seed(seed)
-        return dict(
-            logits_BV=(3 * torch.randn(B, VOCAB_PAD, generator=g, device=dev)).bfloat16(),
-            vocab_size=VOCAB,
-            temperature=torch.full((), 1.0, device=dev),
-            u_BR=torch.zeros(B, STEPS, device=dev),
-            key_B=sampling.keys_for_seeds(range(B)).to(dev),
-            step_t=torch.zeros(1, dtype=torch.long, device=dev),
-            min_new_t=torch.zeros(1, dtype=torch.long, device=dev),
-            top_p=torch.ones((), device=dev),
-            end_mask_V=torch.zeros(VOCAB, dtype=torch.bool, device=dev),
-            ended_B=torch.zeros(B, dtype=torch.bool, device=dev),
-            pad_t=torch.zeros((), dtype=torch.long, device=dev),
-            out_tokens_BR=torch.zeros(B, STEPS, dtype=torch.long, device=dev),
-            out_logp_BR=torch.zeros(B, STEPS, device=dev),
-            lengths_B=torch.zeros(B, dtype=torch.long, device=dev),
-            cur_tok_B=torch.zeros(B, dtype=torch.long, device=dev),
-            pos_B=torch.zeros(B, dtype=torch.long, device=dev),
-        )
+        return choice.random_step_state(B, VOCAB, VOCAB_PAD, STEPS, dev, seed)
 
     def timed(fn, B, greedy) -> float:
         s = state(B)

@@ -55,8 +55,8 @@ def _both(greedy, B, V, V_pad, seed, **kw):
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
 @pytest.mark.parametrize(
     "B, V, V_pad, block",
-    [(6, 60, 64, 16), (3, 5000, 5008, None), (130, 40, 48, 64)],
-    ids=["4-chunks", "2-chunks-4096", "130-rows"],  # the last: one chunk, the merge's rows in two steps
+    [(6, 60, 64, 16), (3, 10000, 10016, None), (130, 40, 48, 64)],
+    ids=["4-chunks", "2-chunks-8192", "130-rows"],  # the last: one chunk, the merge's rows in two steps
 )
 def test_the_kernels_record_what_the_function_records(greedy, B, V, V_pad, block, monkeypatch):
     if block is not None:  # narrow inner steps: several chunks from a small vocabulary

@@ -195,6 +195,37 @@ def choose_and_record(
     )  # fmt: skip
 
 
+def random_step_state(
+    B: int, V: int, V_pad: int, steps: int, device: torch.device, seed: int = 0, temperature: float = 1.0, step: int = 0
+) -> dict:
+    """The keyword arguments of choose_and_record (either one's, modes aside) for a step of B rows: random bf16
+    logits [B, V_pad] of spread 3 over a V-token vocabulary, the samples' keys from seeds 0..B-1, nothing banned or
+    ended, fresh output buffers of `steps` columns (the start-up check's and benchmarks/probes/token_choice.py's)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def zeros(*shape, dtype=torch.long):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return dict(
+        logits_BV=(3 * torch.randn(B, V_pad, generator=g, device=device)).bfloat16(),
+        vocab_size=V,
+        temperature=torch.full((), temperature, device=device),
+        u_BR=zeros(B, steps, dtype=torch.float32),
+        key_B=sampling.keys_for_seeds(range(B)).to(device),
+        step_t=torch.full((1,), step, dtype=torch.long, device=device),
+        min_new_t=zeros(1),
+        top_p=torch.ones((), device=device),
+        end_mask_V=zeros(V, dtype=torch.bool),
+        ended_B=zeros(B, dtype=torch.bool),
+        pad_t=zeros(),
+        out_tokens_BR=zeros(B, steps),
+        out_logp_BR=zeros(B, steps, dtype=torch.float32),
+        lengths_B=zeros(B),
+        cur_tok_B=zeros(B),
+        pos_B=zeros(B),
+    )
+
+
 def unavailable(device: torch.device) -> str | None:
     """Why the kernels cannot run here (None if they can): Triton on a CUDA device of compute capability 8.0 or newer
     (or Triton's interpreter), and a tiny step of each mode that must record what sampling.choose_and_record
@@ -204,31 +235,13 @@ def unavailable(device: torch.device) -> str | None:
         return why_not
     try:
         for greedy in (True, False):
-            g = torch.Generator(device=device).manual_seed(0)
-            B, V, R = 4, 3000, 3
-            want = dict(
-                logits_BV=(3 * torch.randn(B, V + 8, generator=g, device=device)).bfloat16(),
-                vocab_size=V,
-                temperature=torch.full((), 0.7, device=device),
-                u_BR=torch.zeros(B, R, device=device),
-                key_B=sampling.keys_for_seeds(range(B)).to(device),
-                step_t=torch.ones(1, dtype=torch.long, device=device),
-                min_new_t=torch.zeros(1, dtype=torch.long, device=device),
-                top_p=torch.ones((), device=device),
-                end_mask_V=torch.zeros(V, dtype=torch.bool, device=device),
-                ended_B=torch.zeros(B, dtype=torch.bool, device=device),
-                pad_t=torch.zeros((), dtype=torch.long, device=device),
-                out_tokens_BR=torch.zeros(B, R, dtype=torch.long, device=device),
-                out_logp_BR=torch.zeros(B, R, device=device),
-                lengths_B=torch.zeros(B, dtype=torch.long, device=device),
-                cur_tok_B=torch.zeros(B, dtype=torch.long, device=device),
-                pos_B=torch.zeros(B, dtype=torch.long, device=device),
-            )
+            want = random_step_state(4, 3000, 3008, 3, device, temperature=0.7, step=1)
             got = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in want.items()}
             sampling.choose_and_record(**want, greedy=greedy, top_k=0, use_top_p=False)
             choose_and_record(**got, greedy=greedy, top_k=0, use_top_p=False)
             same = all(
-                torch.equal(got[k], want[k]) for k in ("out_tokens_BR", "step_t", "pos_B", "cur_tok_B", "lengths_B")
+                torch.equal(got[k], want[k])
+                for k in ("out_tokens_BR", "step_t", "pos_B", "cur_tok_B", "lengths_B", "ended_B")
             )
             if not same or not torch.allclose(got["out_logp_BR"], want["out_logp_BR"], rtol=0, atol=1e-4):
                 return f"the kernels' {'greedy' if greedy else 'sampled'} step differs from torch's here"
