@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
             compiled(**want, greedy=greedy, top_k=0, use_top_p=False)
             for block in (2048, 4096, 8192):
                 for warps in (4, 8):
-                    choice.BLOCK, choice.NUM_WARPS = block, warps
+                    choice.BLOCK, choice.NUM_WARPS = block, {greedy: warps}
                     name = f"B={B} {mode} triton block {block} warps {warps}"
                     report["us"][name] = timed(choice.choose_and_record, B, greedy)
                     got = state(B, 1)
