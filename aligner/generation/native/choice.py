@@ -176,9 +176,8 @@ def choose_and_record(
         if t.stride(-1) != 1:
             raise ValueError(f"choice.choose_and_record: {name} needs a contiguous last dimension")
     S = -(-vocab_size // BLOCK)
-    best = torch.empty((B, S), dtype=torch.float32, device=logits_BV.device)
+    best, m, total = torch.empty((3, B, S), dtype=torch.float32, device=logits_BV.device)  # each chunk's partials
     arg = torch.empty((B, S), dtype=torch.int32, device=logits_BV.device)
-    m, total = torch.empty_like(best), torch.empty_like(best)
     use_pdl = pdl.wanted(logits_BV.device, B)
     launch = {"launch_pdl": True} if use_pdl else {}
     end_V, ended = end_mask_V.view(torch.uint8), ended_B.view(torch.uint8)
