@@ -88,10 +88,10 @@ def candidate_mask(logits_BV: torch.Tensor, temperature, top_k: int, top_p: floa
 
 @contextlib.contextmanager
 def fake_fp8(model, lengths_B, width: int, qkv: bool = False):
-    """Megatron's forward with the rounding of FP8 decode weights (aligner.generation.native.fp8): fc1 and fc2 compute
-    quantize(input) @ quantize(W)^T (per row, dequantized) at every position (decode steps and prefill), the output
-    layer (with `qkv`, linear_qkv too: the engine's split-K path) at every position past each prompt (decode steps;
-    prefill's stay in the engine's dtype), sequences of `width` tokens. Row-parallel layers sum the ranks' partial
+    """Megatron's forward with the rounding of FP8 decode weights (aligner.generation.native.fp8): fc1 and fc2 (with
+    `qkv`, linear_qkv too: the engine's split-K path) compute quantize(input) @ quantize(W)^T (per row, dequantized)
+    at every position (decode steps and prefill), the output layer at every position past each prompt (decode steps;
+    prefill's stays in the engine's dtype), sequences of `width` tokens. Row-parallel layers sum the ranks' partial
     products, each in its own scales, as the engine does."""
     from aligner.generation.native.fp8 import quantize_rows
 
@@ -112,12 +112,11 @@ def fake_fp8(model, lengths_B, width: int, qkv: bool = False):
         out = fake if everywhere else torch.where(decoded_SB1, fake, out)
         return (out, bias) if isinstance(output, tuple) else out
 
-    mlps = [m for layer in model.decoder.layers for m in (layer.mlp.linear_fc1, layer.mlp.linear_fc2)]
-    decoded = [model.output_layer]
+    everywhere = [m for layer in model.decoder.layers for m in (layer.mlp.linear_fc1, layer.mlp.linear_fc2)]
     if qkv:
-        decoded += [layer.self_attention.linear_qkv for layer in model.decoder.layers]
-    handles = [m.register_forward_hook(functools.partial(hook, everywhere=True), with_kwargs=True) for m in mlps]
-    handles += [m.register_forward_hook(hook, with_kwargs=True) for m in decoded]
+        everywhere += [layer.self_attention.linear_qkv for layer in model.decoder.layers]
+    handles = [m.register_forward_hook(functools.partial(hook, everywhere=True), with_kwargs=True) for m in everywhere]
+    handles.append(model.output_layer.register_forward_hook(hook, with_kwargs=True))
     try:
         yield
     finally:

@@ -63,9 +63,10 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
     range, the add+norm+quantize after proj and fc2 and the activation's quantization by the row kernels (rows.py):
     the same rounding as megatron's forward with FP8 qkv, MLP and output layer. GPT-2 (GELU, biases, LayerNorm): fc1
     stays with cuBLAS and the activation kernel, fc2 by the split-K kernel with its bias after it, qkv's bias after
-    the kernel's product, the norms compiled. Without FP8 qkv in the reference the engine is far off: qkv's rounding
-    shows."""
-    from aligner.generation.native import rows, splitk
+    the kernel's product, the norms compiled. Prefill's qkv on the FP8 copies too (cuBLAS's row-wise scaled FP8
+    GEMM), so the first token's log-prob has qkv's rounding. Without FP8 qkv in the reference the engine is far off:
+    qkv's rounding shows."""
+    from aligner.generation.native import fp8, rows, splitk
 
     # fc2's K fits the split-K tiling (4 ranges of 32)
     cfg = replace(LLAMA, ffn_hidden_size=128) if arch == "llama" else replace(GPT2, ffn_hidden_size=128)
@@ -75,9 +76,9 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
             if name.endswith("bias"):
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
-    calls = {"gated_matmul_fp8": [], "matmul_fp8": [], "add_parts_norm": [], "quantize_rows": []}
+    calls = {"gated_matmul_fp8": [], "matmul_fp8": [], "add_parts_norm": [], "quantize_rows": [], "matmul_rowwise": []}
     for name, seen in calls.items():
-        module = rows if name in ("add_parts_norm", "quantize_rows") else splitk
+        module = rows if name in ("add_parts_norm", "quantize_rows") else fp8 if name == "matmul_rowwise" else splitk
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, r=real, c=seen, **kw: c.append(a[0].shape) or r(*a, **kw))
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
@@ -89,16 +90,19 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
         "matmul_fp8": 11 * (2 * cfg.num_layers + 1),
         "add_parts_norm": 11 * 2 * cfg.num_layers if llama else 0,
         "quantize_rows": 11 * cfg.num_layers if llama else 0,
+        "matmul_rowwise": cfg.num_layers,  # prefill's qkv: one call, every layer
     }, {name: len(seen) for name, seen in calls.items()}
     n = out.response_lengths_B
     valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
-    gaps = {}
+    gaps, first = {}, {}
     for qkv in (True, False):
         with fake_fp8(model, LENGTHS, int((LENGTHS + n).max()), qkv=qkv):
             rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
         gaps[qkv] = (out.logprobs_BR - rounded).abs()[valid]
+        first[qkv] = (out.logprobs_BR[:, 0] - rounded[:, 0]).abs().max()  # token 0: prefill's
     assert gaps[True].max() < 2e-3, gaps[True].max()
     assert gaps[False].mean() > 5 * gaps[True].mean(), gaps
+    assert first[True] < 2e-5 and first[False] > 1e-4, first
 
 
 def test_refit_requantizes_into_the_same_buffers():

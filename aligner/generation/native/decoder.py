@@ -41,7 +41,7 @@ split-K GEMMs a SwiGLU fc1, its scales and the activation are one Triton kernel 
 runs by the split-K kernel on e4m3 operands (splitk.matmul_fp8), and qkv and the output layer by that kernel in one
 K range, writing the engine's dtype (every norm before qkv then quantizes its output); with RMSNorm the norms after
 the split-K GEMMs and the activation's quantization are row kernels (rows.py). Prefill runs its MLPs on the same
-FP8 copies by cuBLAS.
+FP8 copies by cuBLAS, and qkv where the copies include it (by the row-wise scaled FP8 GEMM, fp8.matmul_rowwise).
 """
 
 from __future__ import annotations
@@ -227,11 +227,14 @@ class Decoder:
         """
         lo = self.lo
         lw = self.w.layer(0)
-        qkv_tiling = self._fp8_qkv_tiling(x, q8, split_k)  # None: qkv in the engine's dtype
-        h = (k.norm if qkv_tiling is None else k.norm_q)(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
+        qkv_tiling = self._fp8_qkv_tiling(x, q8, split_k)
+        # qkv on its FP8 copy: by the split-K kernel (decode steps with a tiling) or by cuBLAS's row-wise scaled FP8
+        # GEMM (prefill: [B, T, H], compute-bound); else in the engine's dtype
+        qkv_fp8 = qkv_tiling is not None or (q8 is not None and q8.has_qkv and x.dim() == 3)
+        h = (k.norm_q if qkv_fp8 else k.norm)(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
         for i in range(lo.num_layers):
             lw = self.w.layer(i)
-            qkv = self._qkv(h, i, lw, q8, qkv_tiling)
+            qkv = self._qkv(h, i, lw, q8 if qkv_fp8 else None, qkv_tiling)
             a, parts = self._row_parallel(attend(i, qkv, lw), lw["self_attention.linear_proj.weight"], split_k)
             pre_mlp = (
                 lw["self_attention.linear_proj.bias"],
@@ -247,7 +250,8 @@ class Decoder:
             if q8 is not None:
                 x, h8, hs = (k.add_parts_norm_q if parts else k.add_norm_q)(x, a, *pre_mlp)
                 # quantized for the next FP8 qkv or the FP8 output layer
-                quantize_h = qkv_tiling is not None or (fp8_output and i + 1 == lo.num_layers)
+                last = i + 1 == lo.num_layers
+                quantize_h = fp8_output if last else qkv_fp8
                 x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k, quantize_h)
                 continue
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
@@ -264,13 +268,17 @@ class Decoder:
         return splitk.fp8_product_tiling_for(x.shape[0], *q8.layer(0, "qkv")[0].shape)
 
     def _qkv(self, h, i, lw, q8, tiling):
-        """Layer i's qkv projection from its normed input h, or with `tiling` from h quantized, (h8, scales), by the
-        FP8 kernel on its e4m3 copy (the product rounded once to the engine's dtype); then the bias, if any."""
+        """Layer i's qkv projection from its normed input h, or with `q8` from h quantized, (h8, scales), on its
+        e4m3 copy (the product rounded once to the engine's dtype): by the split-K kernel with `tiling`, else by
+        cuBLAS's row-wise scaled FP8 GEMM; then the bias, if any."""
         w, b = lw["self_attention.linear_qkv.weight"], lw["self_attention.linear_qkv.bias"]
-        if tiling is None:
+        if q8 is None:
             return self._linear(h, w, b)
         h8, hs = h
-        y = splitk.matmul_fp8(h8, hs, *q8.layer(i, "qkv"), tiling, self.w.dtype)
+        if tiling is not None:
+            y = splitk.matmul_fp8(h8, hs, *q8.layer(i, "qkv"), tiling, self.w.dtype)
+        else:
+            y = fp8.matmul_rowwise(h8, hs, *q8.layer(i, "qkv"), self.w.dtype)
         return y if b is None else y + b
 
     def _fc1_act(self, h, lw, k, split_k: bool):
@@ -349,8 +357,9 @@ class Decoder:
             )
             return out.transpose(1, 2).reshape(B, T, lo.heads * lo.head_dim)
 
-        # FP8 weights: the MLPs by cuBLAS's FP8 GEMMs too (compute-bound here: FP8 tensor cores' rate), qkv, proj and
-        # the output layer (one row per prompt) in the engine's dtype
+        # FP8 weights: the MLPs by cuBLAS's FP8 GEMMs too (compute-bound here: FP8 tensor cores' rate), and qkv where
+        # the copies include it (split-K decode GEMMs); proj and the output layer (one row per prompt) in the
+        # engine's dtype
         h = self._stack(x, attend, self.k_prefill, self.fp8, fp8_output=False)
         last = h[self.rows[:B], lengths_B - 1]  # [B, H]
         return self._linear(last, self.w.output_weight)

@@ -12,9 +12,10 @@ FP8 tensor cores do more of it: a SwiGLU fc1's product, both scales and the acti
 written in the engine's dtype with its scales applied (splitk.matmul_fp8, one K range; the norm before qkv then
 quantizes its output too); with RMSNorm the add+norm+quantize kernels after the split-K GEMMs and the activation's
 quantization are rows.py's.
-Prefill, attention and proj stay in the engine's dtype (prefill is compute-bound; proj's input, the attention's
-output, would need a quantization kernel of its own, and weights widened from e4m3 inside the kernel ran slower than
-bf16: docs/PERF.md).
+Prefill runs its MLPs on the same copies by cuBLAS (compute-bound there: the FP8 tensor cores' rate), and qkv too
+where the copies include it, by the row-wise scaled FP8 GEMM (matmul_rowwise: both scales applied in its epilogue).
+Attention and proj stay in the engine's dtype (proj's input, the attention's output, would need a quantization
+kernel of its own, and weights widened from e4m3 inside the kernel ran slower than bf16: docs/PERF.md).
 
 What it changes: the tokens are drawn from a policy whose MLP, qkv and output weights and their inputs are rounded
 to e4m3 (3 mantissa bits): a rollout slightly off the trained policy. The engine's log-probs move further from
@@ -70,6 +71,17 @@ def matmul(x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor, out_dtype=torc
         return torch._scaled_mm(x8, w8.t(), one, one, out_dtype=out_dtype)
     y = torch._scaled_mm(x8.reshape(-1, x8.shape[-1]), w8.t(), one, one, out_dtype=out_dtype)
     return y.view(*x8.shape[:-1], w8.shape[0])
+
+
+def matmul_rowwise(x8, x_scale, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(x8 * x_scale[row]) @ (w8 * w_scale[row of w8])^T, x8 [..., K] with scales [..., 1], w8 [N, K] with scales
+    [N]: one FP8 GEMM that applies both scales to its float32 sums and rounds once to `out_dtype` (PyTorch's
+    row-wise scaled _scaled_mm; prefill's qkv on the FP8 copies)."""
+    K, N = x8.shape[-1], w8.shape[0]
+    y = torch._scaled_mm(
+        x8.reshape(-1, K), w8.t(), x_scale.reshape(-1, 1), w_scale.view(1, N), out_dtype=out_dtype
+    )  # fmt: skip
+    return y.view(*x8.shape[:-1], N)
 
 
 _LAYER_WEIGHTS = {1: "mlp.linear_fc1.weight", 2: "mlp.linear_fc2.weight", "qkv": "self_attention.linear_qkv.weight"}

@@ -121,12 +121,10 @@ def make_kernels(
     plain = dict(
         norm=norm, add_norm=add_norm, act=act, rope_split=rope_split,
         add_norm_q=add_norm_q, act_q=act_q, dq=dequantize, dq_add_norm=dq_add_norm,  # FP8 MLP (prefill too)
+        norm_q=norm_q, dq_add_norm_q=dq_add_norm_q,  # FP8 qkv (prefill too)
     )  # fmt: skip
     if not prefill:
-        plain.update(
-            norm_q=norm_q, dq_add_norm_q=dq_add_norm_q, add_parts_norm=add_parts_norm,
-            add_parts_norm_q=add_parts_norm_q, q=quantize_rows,
-        )  # fmt: skip
+        plain.update(add_parts_norm=add_parts_norm, add_parts_norm_q=add_parts_norm_q, q=quantize_rows)
     if not compile_:
         return Kernels(**plain)
     if prefill:
