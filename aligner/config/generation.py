@@ -32,6 +32,7 @@ class GenerationConfig:
     token_choice: Literal["auto", "torch", "triton"] = "auto"  # triton: greedy/plain sampling in 2 kernels (auto: GPU)
     kv_block: int = 64  # matmul/sdpa/flash attend over the cache up to a multiple of this (a graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
+    prefill_graph_max_tokens: int = 16384  # with cuda_graphs: chunks of up to this many tokens replay a graph; 0: off
     check_done_every: int = 16  # decode steps between host checks of "every sample ended" (each check syncs)
     release_kv_cache: bool = False  # free the KV cache for scoring and training (graphs re-captured if it moves)
 
@@ -48,6 +49,9 @@ def validate_generation(gen: GenerationConfig, model=None, prefix: str = "genera
         "check_done_every",
     ):
         check(getattr(gen, key) >= 1, f"{prefix}.{key}", "must be >= 1")
+    check(
+        gen.prefill_graph_max_tokens >= 0, f"{prefix}.prefill_graph_max_tokens", "must be >= 0 (0: no prefill graphs)"
+    )
     check(
         gen.decode_weights == "same" or gen.backend == "native",
         f"{prefix}.decode_weights",

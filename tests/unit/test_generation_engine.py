@@ -5,6 +5,7 @@ kv_block=4 so the decode attention length changes bucket several times within on
 """
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -363,8 +364,45 @@ def test_graph_mode_bookkeeping_matches_eager():
         assert torch.equal(a.response_tokens_BR, b.response_tokens_BR) and torch.equal(a.ended_B, b.ended_B)
         torch.testing.assert_close(a.logprobs_BR, b.logprobs_BR, rtol=0, atol=0)
     # longest prompt 10 + decode steps 1..11 attend over 11..21 slots -> buckets 12, 16, 20, 24 per sampling mode;
-    # the B=2 call (5 new tokens) needs 12 and 16; the last call reuses the first call's graphs
-    assert graphed._capturer.captured == graphed.num_graphs == 4 + 4 + 2
+    # the B=2 call (5 new tokens) needs 12 and 16; the last call reuses the first call's graphs; prefill: one graph
+    # for 4 rows and one for 2, both 10 wide (64 capped at max_prompt_length)
+    assert graphed.num_graphs == 4 + 4 + 2 and sorted(graphed._prefill_graphs) == [(2, 10, 0), (4, 10, 0)]
+    assert graphed._capturer.captured == graphed.num_graphs + 2
+
+
+def test_prefill_graphs_pad_the_width_and_chunk_the_rows(monkeypatch):
+    """Prefill graphs (generation.prefill_graph_max_tokens): the prompts' width rounded up (here to a multiple of 4:
+    6 -> 8 columns, padding after every prompt), one graph per row chunk (prefill_max_tokens=12: 2 rows of 6), each
+    reused by the next call; the tokens those of the eager engine, the log-probs too up to float32 rounding (the
+    wider GEMMs and attention round differently). Chunks above the limit are prefilled without a graph."""
+    from aligner.generation.native import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "PREFILL_WIDTH_STEP", 4)
+    model = _model(LLAMA)
+    lengths = torch.tensor([3, 6, 1, 5])
+    gen = replace(GEN, prefill_max_tokens=12)
+    eager = build_engine(gen, LLAMA, model)
+    graphed = build_engine(gen, LLAMA, model)
+    graphed.use_graphs, graphed._capturer = True, _EagerCapturer()
+    widths = []
+    real_prefill = graphed.decoder.prefill
+    monkeypatch.setattr(
+        graphed.decoder, "prefill", lambda t, *a, **kw: widths.append(t.shape) or real_prefill(t, *a, **kw)
+    )
+    for sp in (SamplingParams(greedy=True), SamplingParams(seed=3)):
+        a, b = eager.generate(PROMPTS, lengths, sp), graphed.generate(PROMPTS, lengths, sp)
+        assert torch.equal(a.response_tokens_BR, b.response_tokens_BR)
+        torch.testing.assert_close(a.logprobs_BR, b.logprobs_BR, rtol=0, atol=1e-5)
+    assert sorted(graphed._prefill_graphs) == [(2, 8, 0), (2, 8, 2)]
+    # two chunks, each captured once (the stand-in's two calls) and replayed in the first generate, replayed in the
+    # second
+    assert set(widths) == {torch.Size([2, 8])} and len(widths) == 2 * (2 + 1) + 2
+    above = build_engine(replace(gen, prefill_graph_max_tokens=15), LLAMA, model)  # 2 x 8 = 16 tokens: no graph
+    above.use_graphs, above._capturer = True, _EagerCapturer()
+    c = above.generate(PROMPTS, lengths, SamplingParams(greedy=True))
+    assert not above._prefill_graphs and torch.equal(
+        c.response_tokens_BR, eager.generate(PROMPTS, lengths, SamplingParams(greedy=True)).response_tokens_BR
+    )
 
 
 @pytest.mark.parametrize("share", ["off", "auto"])

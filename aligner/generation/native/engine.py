@@ -38,6 +38,7 @@ from aligner.generation.native.weights import EngineWeights, unwrap_policy
 from aligner.models.dtypes import torch_dtype
 from aligner.parallel.device import triton_available
 
+PREFILL_WIDTH_STEP = 64  # a prefill graph's prompt width: the chunk's, rounded up to a multiple of this
 log = logging.getLogger(__name__)
 
 
@@ -179,6 +180,8 @@ class NativeEngine:
         self.use_graphs = bool(gen_cfg.cuda_graphs and self.on_gpu)
         self._capturer = CudaGraphCapturer() if self.use_graphs else None
         self._graphs: dict[tuple, Callable[[], None]] = {}  # key -> replay
+        # prefill's graphs: (rows, bucketed width, first row) -> (tokens, lengths, logits of the capture, replay)
+        self._prefill_graphs: dict[tuple[int, int, int], tuple] = {}
         self._kv_ptr = self.decoder.kv_ptrs()
         self._released = False
         self.last_timings: dict[str, float] = {}
@@ -276,6 +279,38 @@ class NativeEngine:
         return min(self.max_seq, -(-needed // block) * block)
 
     # -- CUDA graphs -----------------------------------------------------------------------------------------
+    def _prefill(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, row0: int) -> torch.Tensor:
+        """Prefill of one row chunk: its logits [rows, V_pad/TP]. With CUDA graphs, a chunk of up to
+        generation.prefill_graph_max_tokens tokens (its width rounded up to PREFILL_WIDTH_STEP, at most
+        max_prompt_length) replays a graph captured for its shape: a prefill of ~16 layers is a few hundred launches
+        whose host time (11-22 ms on the H200's host for 64 prompts of 128 tokens, against ~20 ms of kernels:
+        docs/PERF.md, twenty-third session) otherwise sets its pace. The extra columns are padding after every
+        prompt: causal attention keeps them out of each prompt's own positions, and the cache slots they fill lie
+        past each prompt's length, where every decode step writes before it reads."""
+        n, T = tokens_BT.shape
+        width = min(-(-T // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP, self.cfg.max_prompt_length)
+        if not self.use_graphs or n * width > self.cfg.prefill_graph_max_tokens:
+            return self.decoder.prefill(tokens_BT, lengths_B, row0=row0)
+        key = (n, width, row0)
+        if key not in self._prefill_graphs:
+            # warm-up and capture from valid scratch prompts (they write the cache rows; the real prefill rewrites
+            # them); the same keys in the same order on every TP rank, as the decode graphs
+            tok = torch.zeros((n, width), dtype=torch.long, device=self.device)
+            lens = torch.ones(n, dtype=torch.long, device=self.device)
+            logits: list[torch.Tensor] = []  # the last call's: at the end, the captured graph's output
+
+            def step():
+                logits[:] = [self.decoder.prefill(tok, lens, row0=row0)]
+
+            self._prefill_graphs[key] = (tok, lens, logits, self._capturer.capture(step))
+        tok, lens, logits, replay = self._prefill_graphs[key]
+        tok[:, T:].zero_()
+        tok[:, :T].copy_(tokens_BT)
+        lens.copy_(lengths_B)
+        replay()
+        # a copy outside the graphs' shared memory pool: the next chunk's graph may reuse these bytes
+        return logits[0].clone()
+
     def _ensure_graphs(self, B: int, prompt_max: int, max_new: int, mode: tuple) -> None:
         keys = sorted({(B, self._kv_len(prompt_max + s), mode) for s in range(1, max_new)})
         for key in keys:  # the same order on every TP rank: collectives inside are captured in lockstep
@@ -334,7 +369,7 @@ class NativeEngine:
 
         timer = _Timer(self.on_gpu)
         rows = max(1, self.cfg.prefill_max_tokens // prompt_max)
-        chunks = [self.decoder.prefill(tokens[r : r + rows], lengths[r : r + rows], row0=r) for r in range(0, B, rows)]
+        chunks = [self._prefill(tokens[r : r + rows], lengths[r : r + rows], r) for r in range(0, B, rows)]
         self._sample_and_record(torch.cat(chunks) if len(chunks) > 1 else chunks[0], B, mode)
         timer.mark("prefill")
 
@@ -417,6 +452,7 @@ class NativeEngine:
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
+        self._prefill_graphs.clear()
         if self._capturer is not None:
             self._capturer.reset()
 
