@@ -397,12 +397,13 @@ def test_prefill_graphs_pad_the_width_and_chunk_the_rows(monkeypatch):
     # two chunks, each captured once (the stand-in's two calls) and replayed in the first generate, replayed in the
     # second
     assert set(widths) == {torch.Size([2, 8])} and len(widths) == 2 * (2 + 1) + 2
-    above = build_engine(replace(gen, prefill_graph_max_tokens=15), LLAMA, model)  # 2 x 8 = 16 tokens: no graph
-    above.use_graphs, above._capturer = True, _EagerCapturer()
-    c = above.generate(PROMPTS, lengths, SamplingParams(greedy=True))
-    assert not above._prefill_graphs and torch.equal(
-        c.response_tokens_BR, eager.generate(PROMPTS, lengths, SamplingParams(greedy=True)).response_tokens_BR
-    )
+    want = eager.generate(PROMPTS, lengths, SamplingParams(greedy=True)).response_tokens_BR
+    # 2 x 8 = 16 tokens above the limit; release_kv_cache (the graphs would hold their activations' memory)
+    for off in (dict(prefill_graph_max_tokens=15), dict(release_kv_cache=True)):
+        above = build_engine(replace(gen, **off), LLAMA, model)
+        above.use_graphs, above._capturer = True, _EagerCapturer()
+        c = above.generate(PROMPTS, lengths, SamplingParams(greedy=True))
+        assert not above._prefill_graphs and torch.equal(c.response_tokens_BR, want), off
 
 
 @pytest.mark.parametrize("share", ["off", "auto"])

@@ -286,10 +286,13 @@ class NativeEngine:
         whose host time (11-22 ms on the H200's host for 64 prompts of 128 tokens, against ~20 ms of kernels:
         docs/PERF.md, twenty-third session) otherwise sets its pace. The extra columns are padding after every
         prompt: causal attention keeps them out of each prompt's own positions, and the cache slots they fill lie
-        past each prompt's length, where every decode step writes before it reads."""
+        past each prompt's length, where every decode step writes before it reads. The graphs keep their
+        activations' memory (the decode graphs' pool) between calls: not with release_kv_cache, whose point is to
+        give the memory to training."""
         n, T = tokens_BT.shape
         width = min(-(-T // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP, self.cfg.max_prompt_length)
-        if not self.use_graphs or n * width > self.cfg.prefill_graph_max_tokens:
+        graphs = self.use_graphs and not self.cfg.release_kv_cache
+        if not graphs or n * width > self.cfg.prefill_graph_max_tokens:
             return self.decoder.prefill(tokens_BT, lengths_B, row0=row0)
         key = (n, width, row0)
         if key not in self._prefill_graphs:
