@@ -1,0 +1,80 @@
+"""Probe (issue 17, twenty-third session): one engine, the same prompts, N timed greedy generate calls per batch size.
+
+bench_generation.py times one call per batch size; at B=64 its prefill figure moved between ~20 and ~34 ms from call
+to call (its host time near the kernels' time: prefill_host.py). Here every call's tokens/s, prefill ms and decode
+ms per step are kept, with their median and best, for the benchmark model (or --tiny on the CPU), prompts of 128
+tokens and 256 new tokens as bench_generation.py draws them.
+
+    python3 benchmarks/probes/generate_repeats.py --decode-weights fp8 --repeats 9 --out result.json
+    python3 benchmarks/probes/generate_repeats.py --prefill-graph-max-tokens 0 ...    (prefill without CUDA graphs)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decode-weights", default="same", help="generation.decode_weights (same | fp8)")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=None, help="default: the config's")
+    parser.add_argument("--tiny", action="store_true", help="bench_generation's 2-layer model (CPU smoke run)")
+    parser.add_argument("--out", default=None, help="write the result here as JSON")
+    args = parser.parse_args(argv)
+
+    from aligner.generation import GenerationConfig, SamplingParams, build_engine
+    from aligner.models.gpt import build_gpt
+    from aligner.parallel import initialize
+    from benchmarks.generation import BENCH_MODEL, TINY_MODEL, _prompts, _timed
+
+    initialize(1, 1)
+    torch.manual_seed(0)
+    cfg = TINY_MODEL if args.tiny else BENCH_MODEL
+    prompt_len, new_tokens = (16, 16) if args.tiny else (128, 256)
+    policy = build_gpt(cfg).eval()
+    device = next(policy.parameters()).device
+    extra = {} if args.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}
+    gen = GenerationConfig(
+        max_batch_size=max(args.batch_sizes), max_prompt_length=prompt_len, max_response_length=new_tokens,
+        decode_weights=args.decode_weights, **extra,
+    )  # fmt: skip
+    engine = build_engine(gen, cfg, policy)
+    prompt_args = argparse.Namespace(prompt_len=prompt_len, ragged=False)
+    rng = torch.Generator().manual_seed(1)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args)}
+    for B in args.batch_sizes:
+        prompts, lengths = _prompts(prompt_args, B, cfg.vocab_size, rng, device)
+        sp = SamplingParams(greedy=True, ignore_eos=True)
+        engine.generate(prompts, lengths, sp)  # warm-up: captures the graphs
+        row = {"tok_s": [], "prefill_ms": [], "decode_ms": []}
+        for _ in range(args.repeats):
+            _, seconds = _timed(partial(engine.generate, prompts, lengths, sp), device)
+            t = engine.last_timings
+            row["tok_s"].append(B * new_tokens / seconds)
+            row["prefill_ms"].append(t["prefill_ms"])
+            row["decode_ms"].append(t["decode_ms"] / max(1, t["decode_steps"]))
+        report[str(B)] = row
+        med = {k: statistics.median(v) for k, v in row.items()}
+        print(
+            f"B={B} tok/s median {med['tok_s']:.0f} best {max(row['tok_s']):.0f} | prefill ms median "
+            f"{med['prefill_ms']:.2f} best {min(row['prefill_ms']):.2f} | decode ms median {med['decode_ms']:.4f} "
+            f"best {min(row['decode_ms']):.4f}",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

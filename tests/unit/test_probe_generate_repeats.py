@@ -1,0 +1,24 @@
+"""benchmarks/probes/generate_repeats.py on the CPU with bench_generation's tiny model: every call's figures kept."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes import generate_repeats  # noqa: E402
+
+
+def test_every_call_is_reported(tmp_path):
+    from dist import free_port
+
+    from aligner.parallel import initialize
+
+    initialize(
+        1, 1, master_port=free_port()
+    )  # the probe's own call then finds the group (a free port, not the default)
+    out = tmp_path / "r.json"
+    report = generate_repeats.main(["--tiny", "--repeats", "2", "--batch-sizes", "2", "3", "--out", str(out)])
+    assert out.exists() and report["device"] == "cpu"
+    for B in ("2", "3"):
+        assert {k: len(v) for k, v in report[B].items()} == {"tok_s": 2, "prefill_ms": 2, "decode_ms": 2}
+        assert all(v > 0 for values in report[B].values() for v in values)
