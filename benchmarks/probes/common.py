@@ -1,6 +1,7 @@
-"""What the decode probes in this folder share: their command line and their random bf16 tensors."""
+"""What the probes in this folder share: their command lines, their random bf16 tensors, the engine probes' engine."""
 
 import argparse
+import json
 
 import torch
 
@@ -22,3 +23,39 @@ def randn(device: torch.device, dtype: torch.dtype = torch.bfloat16):
         return torch.randn(*shape, device=device, dtype=dtype) * std
 
     return rand
+
+
+def engine_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The engine probes' command line: --decode-weights, --repeats, --batch-sizes (64 128), --out; the caller may
+    add its own options before parsing."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--decode-weights", default="same", help="generation.decode_weights (same | fp8)")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--out", default=None, help="write the result here as JSON")
+    return parser
+
+
+def bench_engine(args: argparse.Namespace, cfg, prompt_len: int, new_tokens: int, **gen_options):
+    """(engine, device): bench_generation's model for `cfg` (seed 0) in a native engine for args.batch_sizes, prompts
+    of up to `prompt_len` tokens and `new_tokens` new ones, args.decode_weights and `gen_options`."""
+    from aligner.generation import GenerationConfig, build_engine
+    from aligner.models.gpt import build_gpt
+    from aligner.parallel import initialize
+
+    initialize(1, 1)
+    torch.manual_seed(0)
+    policy = build_gpt(cfg).eval()
+    gen = GenerationConfig(
+        max_batch_size=max(args.batch_sizes), max_prompt_length=prompt_len, max_response_length=new_tokens,
+        decode_weights=args.decode_weights, **gen_options,
+    )  # fmt: skip
+    return build_engine(gen, cfg, policy), next(policy.parameters()).device
+
+
+def write_report(report: dict, path: str | None) -> dict:
+    """The probe's report, also written as JSON to `path` where given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report

@@ -10,7 +10,6 @@ tokens and 256 new tokens as bench_generation.py draws them.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -20,34 +19,22 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from benchmarks.probes.common import bench_engine, engine_parser, write_report  # noqa: E402
+
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--decode-weights", default="same", help="generation.decode_weights (same | fp8)")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128])
+    parser = engine_parser(__doc__, repeats=9)
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=None, help="default: the config's")
     parser.add_argument("--tiny", action="store_true", help="bench_generation's 2-layer model (CPU smoke run)")
-    parser.add_argument("--out", default=None, help="write the result here as JSON")
     args = parser.parse_args(argv)
 
-    from aligner.generation import GenerationConfig, SamplingParams, build_engine
-    from aligner.models.gpt import build_gpt
-    from aligner.parallel import initialize
+    from aligner.generation import SamplingParams
     from benchmarks.generation import BENCH_MODEL, TINY_MODEL, _prompts, _timed
 
-    initialize(1, 1)
-    torch.manual_seed(0)
     cfg = TINY_MODEL if args.tiny else BENCH_MODEL
     prompt_len, new_tokens = (16, 16) if args.tiny else (128, 256)
-    policy = build_gpt(cfg).eval()
-    device = next(policy.parameters()).device
     extra = {} if args.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}
-    gen = GenerationConfig(
-        max_batch_size=max(args.batch_sizes), max_prompt_length=prompt_len, max_response_length=new_tokens,
-        decode_weights=args.decode_weights, **extra,
-    )  # fmt: skip
-    engine = build_engine(gen, cfg, policy)
+    engine, device = bench_engine(args, cfg, prompt_len, new_tokens, **extra)
     prompt_args = argparse.Namespace(prompt_len=prompt_len, ragged=False)
     rng = torch.Generator().manual_seed(1)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args)}
@@ -70,10 +57,7 @@ def main(argv=None) -> dict:
             f"best {min(row['decode_ms']):.4f}",
             flush=True,
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ Repeats after two warm-up calls.
     python3 benchmarks/probes/prefill_host.py --decode-weights fp8 --out result.json     (CUDA)
 """
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -18,29 +16,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from benchmarks.probes.common import bench_engine, engine_parser, write_report  # noqa: E402
+
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--decode-weights", default="same", help="generation.decode_weights (same | fp8)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--out", default=None, help="write the result here as JSON")
-    args = parser.parse_args(argv)
+    args = engine_parser(__doc__, repeats=10).parse_args(argv)
 
-    from aligner.generation import GenerationConfig, build_engine
-    from aligner.models.gpt import build_gpt
-    from aligner.parallel import initialize
     from benchmarks.generation import BENCH_MODEL
 
-    initialize(1, 1)
-    torch.manual_seed(0)
-    policy = build_gpt(BENCH_MODEL).eval()
-    device = next(policy.parameters()).device
-    gen = GenerationConfig(
-        max_batch_size=max(args.batch_sizes), max_prompt_length=128, max_response_length=256,
-        decode_weights=args.decode_weights,
-    )  # fmt: skip
-    engine = build_engine(gen, BENCH_MODEL, policy)
+    engine, device = bench_engine(args, BENCH_MODEL, 128, 256)
     report = {"device": torch.cuda.get_device_name(device), "args": vars(args)}
     for B in args.batch_sizes:
         prompts = torch.randint(0, BENCH_MODEL.vocab_size, (B, 128), device=device)
@@ -64,10 +48,7 @@ def main(argv=None) -> dict:
             + " | total ms "
             + " ".join(f"{t:.1f}" for t in total)
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":
