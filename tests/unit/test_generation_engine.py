@@ -398,10 +398,11 @@ def test_prefill_graphs_pad_the_width_and_chunk_the_rows(monkeypatch):
     # second
     assert set(widths) == {torch.Size([2, 8])} and len(widths) == 2 * (2 + 1) + 2
     want = eager.generate(PROMPTS, lengths, SamplingParams(greedy=True)).response_tokens_BR
-    # 2 x 8 = 16 tokens above the limit; release_kv_cache (the graphs would hold their activations' memory)
-    for off in (dict(prefill_graph_max_tokens=15), dict(release_kv_cache=True)):
-        above = build_engine(replace(gen, **off), LLAMA, model)
+    # 2 x 8 = 16 tokens above the limit; release_kv_cache (the graphs would hold their activations' memory); TP > 1
+    for off in (dict(prefill_graph_max_tokens=15), dict(release_kv_cache=True), dict(tp=2)):
+        above = build_engine(replace(gen, **{k: v for k, v in off.items() if k != "tp"}), LLAMA, model)
         above.use_graphs, above._capturer = True, _EagerCapturer()
+        above.tp = off.get("tp", 1)  # (the TP=1 engine's sums: only the decision to capture reads tp)
         c = above.generate(PROMPTS, lengths, SamplingParams(greedy=True))
         assert not above._prefill_graphs and torch.equal(c.response_tokens_BR, want), off
 

@@ -288,10 +288,10 @@ class NativeEngine:
         prompt: causal attention keeps them out of each prompt's own positions, and the cache slots they fill lie
         past each prompt's length, where every decode step writes before it reads. The graphs keep their
         activations' memory (the decode graphs' pool) between calls: not with release_kv_cache, whose point is to
-        give the memory to training."""
+        give the memory to training. TP=1 only: prefill's all-reduces inside a graph have not run on GPUs yet."""
         n, T = tokens_BT.shape
         width = min(-(-T // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP, self.cfg.max_prompt_length)
-        graphs = self.use_graphs and not self.cfg.release_kv_cache
+        graphs = self.use_graphs and not self.cfg.release_kv_cache and self.tp == 1
         if not graphs or n * width > self.cfg.prefill_graph_max_tokens:
             return self.decoder.prefill(tokens_BT, lengths_B, row0=row0)
         key = (n, width, row0)
