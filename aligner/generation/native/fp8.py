@@ -73,7 +73,9 @@ def matmul(x8: torch.Tensor, w8: torch.Tensor, one: torch.Tensor, out_dtype=torc
     return y.view(*x8.shape[:-1], w8.shape[0])
 
 
-def matmul_rowwise(x8, x_scale, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def matmul_rowwise(
+    x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """(x8 * x_scale[row]) @ (w8 * w_scale[row of w8])^T, x8 [..., K] with scales [..., 1], w8 [N, K] with scales
     [N]: one FP8 GEMM that applies both scales to its float32 sums and rounds once to `out_dtype` (PyTorch's
     row-wise scaled _scaled_mm; prefill's qkv on the FP8 copies)."""
