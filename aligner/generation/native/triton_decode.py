@@ -106,18 +106,29 @@ def _kernels():
         KV_FP8: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PDL:  # launched early (pdl.py): wait for the qkv projection before reading anything
-            tl.extra.cuda.gdc_wait()
+        # pos was written by an earlier step's token choice, and with PDL every kernel releases the next only after
+        # its own wait: when this kernel starts, all kernels two or more before it are complete. So pos is read
+        # before the wait, and the slot loop's bounds are known when the wait returns (docs/PERF.md, twenty-fourth
+        # session: decode -1.8 % at 64 rows)
         pos = tl.load(pos_ptr + b)
+        if PDL:  # launched early (pdl.py): wait for the qkv projection before reading its rows
+            tl.extra.cuda.gdc_wait()
         # WRITE_NEW: slot pos is not read from the cache; the step's own key and value come from kn/vn, and the
         # program whose range holds pos stores them there (no other program reads that slot: no race).
         n_keys = pos if WRITE_NEW else pos + 1
         rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
         qmask = (rows < R)[:, None] & (dims < D)[None, :]
+        swapped = (dims + D // 2) % D
+        if WRITE_NEW:  # the step's own key and value, loaded here so their latency hides under the slot loop
+            writes = pos // SPLIT_LEN == s
+            dmask = (dims < D) & writes
+            k_new = tl.load(kn_ptr + b * skn_b + g * skn_g + dims, mask=dmask, other=0.0)
+            v_new = tl.load(vn_ptr + b * svn_b + g * svn_g + dims, mask=dmask, other=0.0)
+            if ROPE:
+                k_sw = tl.load(kn_ptr + b * skn_b + g * skn_g + swapped, mask=dmask, other=0.0).to(tl.float32)
         q_rows = q_ptr + b * sq_b + g * sq_g + rows[:, None] * sq_r
         q = tl.load(q_rows + dims[None, :], mask=qmask, other=0.0)
         if ROPE:  # megatron's t * cos + rotate_half(t) * sin, with [-sin, sin] and t's halves swapped
-            swapped = (dims + D // 2) % D
             cos = tl.load(cos_ptr + b * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + b * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
             q_sw = tl.load(q_rows + swapped[None, :], mask=qmask, other=0.0).to(tl.float32)
@@ -171,13 +182,9 @@ def _kernels():
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         if WRITE_NEW:
-            if pos // SPLIT_LEN == s:
-                dmask = dims < D
-                k_new = tl.load(kn_ptr + b * skn_b + g * skn_g + dims, mask=dmask, other=0.0)
+            if writes:
                 if ROPE:
-                    k_sw = tl.load(kn_ptr + b * skn_b + g * skn_g + swapped, mask=dmask, other=0.0).to(tl.float32)
                     k_new = (k_new.to(tl.float32) * cos + k_sw * sin).to(act_t if KV_FP8 else op_t)
-                v_new = tl.load(vn_ptr + b * svn_b + g * svn_g + dims, mask=dmask, other=0.0)
                 if KV_FP8:  # quantized by quantize_fp8's rule (IEEE divisions); attended as later steps read them
                     k_amax, v_amax = tl.max(tl.abs(k_new.to(tl.float32)), 0), tl.max(tl.abs(v_new.to(tl.float32)), 0)
                     k_s = tl.where(k_amax > 0, tl.div_rn(k_amax, 448.0), 1.0)
