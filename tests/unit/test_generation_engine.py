@@ -570,6 +570,27 @@ def test_flash_and_triton_decode_attention_are_refused_off_cuda(monkeypatch):
     assert engine.decode_gemm == "cublas"
 
 
+def test_auto_decode_gemm_warns_when_the_split_k_check_fails_on_a_gpu(monkeypatch, caplog):
+    """decode_gemm=auto on a GPU at TP=1 whose split-K start-up check fails takes cuBLAS with a warning naming the
+    reason (a failed check is unexpected there, and it costs decode speed); at TP > 1 cuBLAS is the design, said
+    at info level."""
+    import logging
+    from types import SimpleNamespace
+
+    from aligner.generation.native import splitk
+    from aligner.generation.native.engine import NativeEngine
+
+    monkeypatch.setattr(splitk, "unavailable", lambda *a, **k: "the kernel failed here (CompilationError: K >= 32)")
+    gpu = SimpleNamespace(on_gpu=True, device=torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="aligner.generation.native.engine"):
+        assert NativeEngine._choose_decode_gemm(gpu, "auto", 1, torch.bfloat16, True) == "cublas"
+        assert NativeEngine._choose_decode_gemm(gpu, "auto", 2, torch.bfloat16) == "cublas"
+    levels = [(r.levelno, "K >= 32" in r.getMessage() or "TP=1 only" in r.getMessage()) for r in caplog.records]
+    assert levels == [(logging.WARNING, True), (logging.INFO, True)], levels
+    with pytest.raises(ValueError, match="decode_gemm=splitk is not possible here: the kernel failed"):
+        NativeEngine._choose_decode_gemm(gpu, "splitk", 1, torch.bfloat16)
+
+
 def test_fp8_kv_cache_needs_the_triton_kernel(monkeypatch):
     """generation.kv_dtype=fp8: only the Triton decode kernel reads such a cache. Another decode_attention is a config
     mistake named by its key; `auto` where the kernel cannot run (here: the CPU, without the interpreter's explicit

@@ -202,8 +202,10 @@ class NativeEngine:
             if why_not is not None:
                 raise ValueError(f"generation.decode_gemm=splitk is not possible here: {why_not}; use cublas")
             return setting
-        if why_not is not None:
-            log.info("generation.decode_gemm=auto takes cuBLAS: the split-K kernel cannot run (%s)", why_not)
+        if why_not is not None:  # at TP > 1 as designed; at TP=1 on a GPU the start-up check failed: say so
+            (log.info if tp > 1 else log.warning)(
+                "generation.decode_gemm=auto takes cuBLAS: the split-K kernel cannot run (%s)", why_not
+            )
             return "cublas"
         return "splitk"
 
