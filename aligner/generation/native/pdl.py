@@ -4,7 +4,9 @@ A decode step is a chain of ~120 short kernels, each reading what the one before
 programs may start while the kernel before it is still finishing; each first waits in `gdc_wait` until that kernel
 has completed and its writes are visible, so the results are the same, and only the launch and the previous
 kernel's tail overlap. Each of our kernels lets the next one launch (`gdc_launch_dependents`) once its main loop is
-done. The compiled elementwise kernels of a decode step get the same from inductor (its
+done, so always after its own wait (inductor's kernels too): when a kernel starts, every kernel two or more before it
+has completed, and what those wrote may be read before the wait (the attention's positions, the norm's residual row:
+triton_decode.py, rows.py). The compiled elementwise kernels of a decode step get the same from inductor (its
 `triton.enable_pdl` option) where this PyTorch has it; cuBLAS's GEMMs take no part (the kernel after one starts when
 it has finished, as without PDL).
 
