@@ -59,3 +59,9 @@ def write_report(report: dict, path: str | None) -> dict:
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
     return report
+
+
+def engine_choices(engine) -> dict:
+    """The kernels the engine chose where the config says auto (a failed start-up check shows here as cublas or
+    torch): decode attention, decode GEMMs, token choice."""
+    return {name: getattr(engine, name, None) for name in ("decode_attention", "decode_gemm", "token_choice")}

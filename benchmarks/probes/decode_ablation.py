@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from benchmarks.probes.common import bench_engine, engine_parser, write_report  # noqa: E402
+from benchmarks.probes.common import bench_engine, engine_choices, engine_parser, write_report  # noqa: E402
 
 # target -> (module under aligner.generation.native, function): the decode step's pieces at decode_gemm=splitk
 TARGETS = {
@@ -74,6 +74,7 @@ def main(argv=None) -> dict:
     for target in args.targets:
         engine, device = bench_engine(args, cfg, prompt_len, new_tokens, **extra)  # its start-up checks: real
         report.setdefault("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+        report.setdefault("engine", engine_choices(engine))
         replaced: list = []
         module = real = None
         if target != "none":

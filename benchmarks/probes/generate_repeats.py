@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from benchmarks.probes.common import bench_engine, engine_parser, write_report  # noqa: E402
+from benchmarks.probes.common import bench_engine, engine_choices, engine_parser, write_report  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -38,6 +38,8 @@ def main(argv=None) -> dict:
     prompt_args = argparse.Namespace(prompt_len=prompt_len, ragged=False)
     rng = torch.Generator().manual_seed(1)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "args": vars(args)}
+    report["engine"] = engine_choices(engine)
+    print("engine:", ", ".join(f"{k} {v}" for k, v in report["engine"].items()), flush=True)
     for B in args.batch_sizes:
         prompts, lengths = _prompts(prompt_args, B, cfg.vocab_size, rng, device)
         sp = SamplingParams(greedy=True, ignore_eos=True)

@@ -24,6 +24,7 @@ def test_the_replaced_piece_is_answered_from_its_memo(tmp_path):
     argv = ["--tiny", "--repeats", "1", "--batch-sizes", "2", "--decode-attention", "triton", "--out"]
     report = decode_ablation.main([*argv, str(tmp_path / "r.json"), "--targets", "none", "attention", "proj"])
     assert (tmp_path / "r.json").exists() and report["device"] == "cpu"
+    assert report["engine"]["decode_attention"] == "triton" and report["engine"]["decode_gemm"] == "cublas"
     assert triton_decode.decode_attention is real  # put back
     targets = report["targets"]
     # every decode call of every layer after the first of its shapes: from the memo; proj's split-K kernel does not

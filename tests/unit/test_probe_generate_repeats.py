@@ -19,6 +19,8 @@ def test_every_call_is_reported(tmp_path):
     out = tmp_path / "r.json"
     report = generate_repeats.main(["--tiny", "--repeats", "2", "--batch-sizes", "2", "3", "--out", str(out)])
     assert out.exists() and report["device"] == "cpu"
+    # what the engine chose (here the CPU's: the Triton kernels need a GPU or the interpreter's explicit setting)
+    assert report["engine"] == {"decode_attention": "matmul", "decode_gemm": "cublas", "token_choice": "torch"}
     for B in ("2", "3"):
         assert {k: len(v) for k, v in report[B].items()} == {"tok_s": 2, "prefill_ms": 2, "decode_ms": 2}
         assert all(v > 0 for values in report[B].values() for v in values)
