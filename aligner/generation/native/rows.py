@@ -5,7 +5,9 @@ residual, normalise, and with FP8 decode weights (fp8.py) quantize the normed ro
 FP8 fc1 kernel, the activation's quantization per row. torch.compile writes these as looped reductions over rows
 wider than 1024 values (inductor's threshold for keeping a row in registers): one program per row that reads its
 inputs again for each reduction (the norm's sum of squares, then the quantization's largest value), 3.6 us a call at
-64 rows of the 1B model on the H200 (docs/PERF.md, twenty-first session). Here each program loads its row once.
+64 rows of the 1B model on the H200 (docs/PERF.md, twenty-first session). Here each program loads its row once,
+and the add+norm kernel reads the residual row and the norm's weights before its PDL wait (pdl.py: they were written
+two or more kernels earlier; -0.5 % a decode step at 64 rows, docs/PERF.md, twenty-fourth session).
 
 Rounding as the compiled pieces round (fused.py): the partials summed in float32 and rounded to x's dtype, the bias
 added and rounded, the residual added and rounded (megatron's x + (a + bias)), the norm in float32 times its weight,
@@ -144,7 +146,7 @@ def _quantize_kernel():
 
 
 MAX_WIDTH = 16384  # widest row a program holds (values); wider rows keep the compiled pieces
-EARLY_LOADS = True  # add_parts_norm reads the residual row and the norm's weights before its PDL wait
+EARLY_LOADS = True  # add_parts_norm reads the residual row and the norm's weights before its PDL wait (False: after)
 
 
 NUM_WARPS = 16  # measured fastest of 4, 8, 16 for rows of 2048 and 8192 values at 64 and 128 rows (module docstring)
