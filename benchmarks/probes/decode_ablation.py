@@ -12,6 +12,7 @@ step with its neighbours overlapping it (PDL), which a kernel profile does not s
 
 import argparse
 import gc
+import importlib
 import os
 import statistics
 import sys
@@ -60,8 +61,6 @@ def main(argv=None) -> dict:
     unknown = [t for t in args.targets if t != "none" and t not in TARGETS]
     if unknown:
         parser.error(f"unknown targets {unknown}: choose from none, {', '.join(TARGETS)}")
-
-    import importlib
 
     from aligner.generation import SamplingParams
     from benchmarks.generation import BENCH_MODEL, TINY_MODEL, _prompts, _timed
