@@ -105,6 +105,38 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
     assert first[True] < 2e-5 and first[False] > 1e-4, first
 
 
+def test_fp8_decode_above_the_kernels_row_limits_equals_megatron_with_the_same_rounding(monkeypatch):
+    """decode_gemm=splitk with more rows than its kernels take (their limits set below the test's batch, as 256 rows
+    of the 1B model meet them): qkv and the output layer by cuBLAS's row-wise scaled FP8 GEMM (scales in its
+    epilogue), fc1 and fc2 by cuBLAS's FP8 GEMM with the compiled kernels after them: the same rounding as
+    megatron's forward with FP8 qkv, MLP and output layer."""
+    from aligner.generation.native import fp8, splitk
+
+    cfg = replace(LLAMA, ffn_hidden_size=128)
+    model = _model(cfg)
+    monkeypatch.setattr(splitk, "MAX_BATCH", 1)
+    monkeypatch.setattr(splitk, "GATED_MAX_BATCH", 1)
+    engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
+    calls = {"matmul_rowwise": [], "matmul_fp8": [], "gated_matmul_fp8": []}
+    for name, seen in calls.items():
+        module = fp8 if name == "matmul_rowwise" else splitk
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, r=real, c=seen, **kw: c.append(a[0].shape) or r(*a, **kw))
+    out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    n = out.response_lengths_B
+    steps = 11  # decode steps (the first token comes from prefill)
+    assert {name: len(seen) for name, seen in calls.items()} == {
+        "matmul_rowwise": cfg.num_layers + steps * (cfg.num_layers + 1),  # prefill's qkv; decode's qkv and output
+        "matmul_fp8": 0,
+        "gated_matmul_fp8": 0,
+    }
+    valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
+    with fake_fp8(model, LENGTHS, int((LENGTHS + n).max()), qkv=True):
+        rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
+    gap = (out.logprobs_BR - rounded).abs()[valid]
+    assert gap.max() < 2e-3, gap.max()
+
+
 def test_refit_requantizes_into_the_same_buffers():
     model = _model(LLAMA)
     engine = build_engine(replace(GEN, decode_weights="fp8", share_weights="auto"), LLAMA, model)

@@ -1,5 +1,5 @@
 """When a decode step's kernels launch with programmatic dependent launch (aligner.generation.native.pdl): never off
-CUDA (Triton's interpreter, CPU engines), never above pdl.MAX_BATCH rows (measured slower there), never when switched
+CUDA (Triton's interpreter, CPU engines), never above pdl.MAX_BATCH rows (measured up to there), never when switched
 off; the compiled kernels get inductor's PDL option only where it is wanted. The kernels' results with PDL are checked
 on GPUs (docs/PERF.md: the engine's log-prob mismatch unchanged); here their PDL-free form runs under the
 interpreter (test_splitk.py, test_triton_decode.py)."""

@@ -40,8 +40,10 @@ quantized per row by the compiled kernel before and their results scaled by the 
 split-K GEMMs a SwiGLU fc1, its scales and the activation are one Triton kernel (splitk.gated_matmul_fp8), fc2
 runs by the split-K kernel on e4m3 operands (splitk.matmul_fp8), and qkv and the output layer by that kernel in one
 K range, writing the engine's dtype (every norm before qkv then quantizes its output); with RMSNorm the norms after
-the split-K GEMMs and the activation's quantization are row kernels (rows.py). Prefill runs its MLPs on the same
-FP8 copies by cuBLAS, and qkv where the copies include it (by the row-wise scaled FP8 GEMM, fp8.matmul_rowwise).
+the split-K GEMMs and the activation's quantization are row kernels (rows.py). Decode steps above the kernels' row
+limits run qkv (where the copies include it) and the output layer by cuBLAS's row-wise scaled FP8 GEMM
+(fp8.matmul_rowwise: scales in its epilogue). Prefill runs its MLPs on the same FP8 copies by cuBLAS, and qkv where
+the copies include it (by the row-wise scaled FP8 GEMM).
 """
 
 from __future__ import annotations
@@ -228,9 +230,10 @@ class Decoder:
         lo = self.lo
         lw = self.w.layer(0)
         qkv_tiling = self._fp8_qkv_tiling(x, q8, split_k)
-        # qkv on its FP8 copy: by the split-K kernel (decode steps with a tiling) or by cuBLAS's row-wise scaled FP8
-        # GEMM (prefill: [B, T, H], compute-bound); else in the engine's dtype
-        qkv_fp8 = qkv_tiling is not None or (q8 is not None and q8.has_qkv and x.dim() == 3)
+        # qkv on its FP8 copy where the copies include it: by the split-K kernel (decode steps with a tiling) or by
+        # cuBLAS's row-wise scaled FP8 GEMM (prefill: [B, T, H], and decode steps above splitk.MAX_BATCH rows:
+        # compute-bound there, the FP8 tensor cores' rate); else in the engine's dtype
+        qkv_fp8 = q8 is not None and q8.has_qkv and (qkv_tiling is not None or fp8.rowwise_writes(x.dtype, x.device))
         h = (k.norm_q if qkv_fp8 else k.norm)(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
         for i in range(lo.num_layers):
             lw = self.w.layer(i)
@@ -474,6 +477,8 @@ class Decoder:
         tiling = splitk.fp8_product_tiling_for(B, *w_out.shape) if split_k else None
         if tiling is not None:  # the logits in the engine's dtype, scales applied, by the FP8 kernel in one K range
             return splitk.matmul_fp8(h8, hs, w_out, s_out, tiling, x.dtype)
+        if fp8.rowwise_writes(x.dtype, x.device):  # both scales in the GEMM's epilogue
+            return fp8.matmul_rowwise(h8, hs, w_out, s_out, x.dtype)
         return kernels.dq(fp8.matmul(h8, w_out, self.fp8.one), hs, s_out, x.dtype)
 
     def decode_weight_bytes(self) -> int:

@@ -11,7 +11,8 @@ FP8 tensor cores do more of it: a SwiGLU fc1's product, both scales and the acti
 (splitk.gated_matmul_fp8), fc2 by the split-K kernel (splitk.matmul_fp8), and also qkv and the output layer, each
 written in the engine's dtype with its scales applied (splitk.matmul_fp8, one K range; the norm before qkv then
 quantizes its output too); with RMSNorm the add+norm+quantize kernels after the split-K GEMMs and the activation's
-quantization are rows.py's.
+quantization are rows.py's. Above those kernels' 128 rows, qkv (where the copies include it) and the output layer run
+by cuBLAS's row-wise scaled FP8 GEMM (matmul_rowwise), fc1 and fc2 as described first.
 Prefill runs its MLPs on the same copies by cuBLAS (compute-bound there: the FP8 tensor cores' rate), and qkv too
 where the copies include it, by the row-wise scaled FP8 GEMM (matmul_rowwise: both scales applied in its epilogue).
 Attention and proj stay in the engine's dtype (proj's input, the attention's output, would need a quantization
@@ -84,6 +85,12 @@ def matmul_rowwise(
         x8.reshape(-1, K), w8.t(), x_scale.reshape(-1, 1), w_scale.view(1, N), out_dtype=out_dtype
     )  # fmt: skip
     return y.view(*x8.shape[:-1], N)
+
+
+def rowwise_writes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether matmul_rowwise may write `dtype` on `device`: PyTorch's CUDA row-wise scaled FP8 GEMM has written
+    bfloat16 only (the CPU's any)."""
+    return dtype == torch.bfloat16 or torch.device(device).type != "cuda"
 
 
 _LAYER_WEIGHTS = {1: "mlp.linear_fc1.weight", 2: "mlp.linear_fc2.weight", "qkv": "self_attention.linear_qkv.weight"}

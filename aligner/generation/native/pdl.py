@@ -10,10 +10,11 @@ triton_decode.py, rows.py). The compiled elementwise kernels of a decode step ge
 `triton.enable_pdl` option) where this PyTorch has it; cuBLAS's GEMMs take no part (the kernel after one starts when
 it has finished, as without PDL).
 
-Only decode steps of up to MAX_BATCH rows take it: on the H200 (docs/PERF.md, "Sixteenth session") it made steps of
-64 rows 3.7-3.9 % faster and steps of 256 rows 1.2 % slower, where the split-K and gated GEMMs (splitk.py) are not
-used. Prefetching the start of each GEMM program's weight slab into L2 before the wait measured slower than none
-(512 columns: +1 %, 2048: +19 % at 64 rows) and is not done.
+Decode steps of up to MAX_BATCH rows take it: on the H200 it made steps of 64 rows 3.7-3.9 % faster (docs/PERF.md,
+sixteenth session); with FP8 decode weights, steps of 256 and 512 rows 1.4 % and 1.0 % faster, with bf16 weights
+0.3 % and 0.0 % (twenty-fifth session; the sixteenth had measured 1.2 % slower at 256 rows in bf16, with the step of
+that day). Prefetching the start of each GEMM program's weight slab into L2 before the wait measured slower than
+none (512 columns: +1 %, 2048: +19 % at 64 rows) and is not done.
 `ENABLED` switches it for kernels built after the change (the engine decides when it builds).
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 ENABLED = True
-MAX_BATCH = 128  # decode steps of more rows launch as before (measured: module docstring)
+MAX_BATCH = 512  # decode steps of more rows launch as before (measured up to here: module docstring)
 
 
 def wanted(device: torch.device | str, batch: int = 1) -> bool:
