@@ -1,13 +1,16 @@
 """Probe (issue 17, twenty-fourth session): what each piece of a decode step costs inside the step.
 
-For each target, a fresh engine whose one module function (the kernels it launches) is replaced, before the decode
-graph is captured, by a memo that runs the real function once per argument shapes and then hands back that first
-output: the step keeps its other kernels, in the same order, and loses only that piece's. The tokens are then wrong;
-what is measured is the decode step's time, as generate_repeats.py measures it (median of --repeats greedy calls,
-the benchmark model, prompts of 128 tokens, 256 new tokens). The difference to `none` is what the piece costs in the
-step with its neighbours overlapping it (PDL), which a kernel profile does not show.
+For each target, a fresh engine whose one function (a module's, or one of the decoder's compiled kernels: the kernels
+it launches) is replaced, before the decode graph is captured, by a memo that runs the real function once per
+argument shapes and then hands back that first output: the step keeps its other kernels, in the same order, and
+loses only that piece's. The tokens are then wrong; what is measured is the decode step's time, as
+generate_repeats.py measures it (median of --repeats greedy calls, the benchmark model, prompts of 128 tokens, 256
+new tokens). The difference to `none` is what the piece costs in the step with its neighbours overlapping it (PDL),
+which a kernel profile does not show.
 
     python3 benchmarks/probes/decode_ablation.py --decode-weights fp8 --batch-sizes 64 --out result.json
+    python3 benchmarks/probes/decode_ablation.py --decode-weights fp8 --batch-sizes 256 \
+        --targets none attention cublas_fp8 rowwise_fp8 linear act_q add_norm_q dq_add_norm_q    (above 128 rows)
 """
 
 import argparse
@@ -24,7 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.probes.common import bench_engine, engine_choices, engine_parser, write_report  # noqa: E402
 
-# target -> (module under aligner.generation.native, function): the decode step's pieces at decode_gemm=splitk
+# target -> (where, name): a function of a module under aligner.generation.native, a field of the decoder's compiled
+# kernels ("kernels": fused.Kernels, the step's elementwise pieces), or a static method of the Decoder ("Decoder").
+# Up to 128 rows (decode_gemm=splitk: the Triton GEMMs and row kernels):
 TARGETS = {
     "act_quant": ("rows", "quantize_rows"),  # the activation's quantization between fc1 and fc2 (FP8)
     "attention": ("triton_decode", "decode_attention"),
@@ -32,6 +37,13 @@ TARGETS = {
     "proj": ("splitk", "matmul"),  # the split-K GEMM in the engine's dtype (with FP8 weights: proj only)
     "fc1": ("splitk", "gated_matmul_fp8"),
     "fp8_gemm": ("splitk", "matmul_fp8"),  # qkv, fc2 and the output layer with FP8 weights
+    # above 128 rows (cuBLAS and compiled kernels), FP8 weights:
+    "cublas_fp8": ("fp8", "matmul"),  # fc1 and fc2 (unit scales)
+    "rowwise_fp8": ("fp8", "matmul_rowwise"),  # qkv and the output layer (scales in the epilogue)
+    "linear": ("Decoder", "_linear"),  # proj (cuBLAS in the engine's dtype; with bf16 weights every GEMM)
+    "act_q": ("kernels", "act_q"),  # fc1's scales, the activation and its quantization
+    "add_norm_q": ("kernels", "add_norm_q"),  # the residual add + norm + quantization after proj
+    "dq_add_norm_q": ("kernels", "dq_add_norm_q"),  # fc2's scales, the residual add + norm + quantization
 }
 
 
@@ -50,6 +62,27 @@ def memo(fn, replaced: list):
         return first[key]
 
     return answer
+
+
+def install(target: str, engine, replaced: list):
+    """Put the target's memo in place (before the engine captures its graphs); returns what puts the real one back."""
+    where, name = TARGETS[target]
+    if where == "kernels":  # the decoder's compiled kernels, both sets (with and without PDL): the engine's own
+        sets = {id(k): k for k in (engine.decoder.k, engine.decoder.k_pdl)}.values()
+        for k in sets:
+            if getattr(k, name) is not None:
+                setattr(k, name, memo(getattr(k, name), replaced))
+        return lambda: None  # the engine is dropped after its target
+    if where == "Decoder":
+        from aligner.generation.native.decoder import Decoder
+
+        real = Decoder.__dict__[name]
+        setattr(Decoder, name, staticmethod(memo(real.__func__, replaced)))
+        return lambda: setattr(Decoder, name, real)
+    module = importlib.import_module(f"aligner.generation.native.{where}")
+    real = getattr(module, name)
+    setattr(module, name, memo(real, replaced))
+    return lambda: setattr(module, name, real)
 
 
 def main(argv=None) -> dict:
@@ -75,11 +108,7 @@ def main(argv=None) -> dict:
         report.setdefault("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
         report.setdefault("engine", engine_choices(engine))
         replaced: list = []
-        module = real = None
-        if target != "none":
-            module = importlib.import_module(f"aligner.generation.native.{TARGETS[target][0]}")
-            real = getattr(module, TARGETS[target][1])
-            setattr(module, TARGETS[target][1], memo(real, replaced))
+        restore = install(target, engine, replaced) if target != "none" else None
         try:
             rng = torch.Generator().manual_seed(1)
             row = {}
@@ -96,8 +125,8 @@ def main(argv=None) -> dict:
                 print(f"{target:10s} B={B} decode ms median {row[str(B)]['median']:.4f} min {min(decode_ms):.4f}")
             report["targets"][target] = {"batches": row, "calls_replaced": len(replaced)}
         finally:
-            if module is not None:
-                setattr(module, TARGETS[target][1], real)
+            if restore is not None:
+                restore()
             del engine
             gc.collect()
             if torch.cuda.is_available():

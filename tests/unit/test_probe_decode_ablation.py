@@ -34,3 +34,22 @@ def test_the_replaced_piece_is_answered_from_its_memo(tmp_path):
     assert all(t["batches"]["2"]["median"] > 0 for t in targets.values())
     with pytest.raises(SystemExit):
         decode_ablation.main(["--tiny", "--targets", "mlp"])
+
+
+def test_compiled_kernels_and_the_decoders_gemm_are_targets_too(tmp_path):
+    """The pieces of steps above 128 rows (cuBLAS and compiled kernels), here the CPU's path with FP8 decode weights:
+    the activation's compiled kernel (a field of the decoder's kernels), the output layer's row-wise scaled GEMM (a
+    module function) and proj's GEMM (a static method of the Decoder, put back afterwards)."""
+    from dist import free_port
+
+    from aligner.generation.native.decoder import Decoder
+    from aligner.parallel import initialize
+
+    initialize(1, 1, master_port=free_port())
+    real = Decoder.__dict__["_linear"]
+    argv = ["--tiny", "--repeats", "1", "--batch-sizes", "2", "--decode-weights", "fp8", "--out"]
+    targets = ["none", "act_q", "rowwise_fp8", "linear"]
+    report = decode_ablation.main([*argv, str(tmp_path / "r.json"), "--targets", *targets])
+    assert Decoder.__dict__["_linear"] is real
+    replaced = {t: report["targets"][t]["calls_replaced"] for t in targets}
+    assert replaced["none"] == 0 and all(replaced[t] > 0 for t in targets[1:]), replaced
