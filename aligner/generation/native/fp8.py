@@ -88,8 +88,9 @@ def matmul_rowwise(
 
 
 def rowwise_writes(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether matmul_rowwise may write `dtype` on `device`: PyTorch's CUDA row-wise scaled FP8 GEMM has written
-    bfloat16 only (the CPU's any)."""
+    """Whether the engine uses matmul_rowwise for results in `dtype` on `device`: on CUDA for bfloat16 only (the form
+    run and measured on the H200; PyTorch's row-wise scaled FP8 GEMM has not taken other output dtypes in every
+    release), on the CPU for any; elsewhere the unit-scale GEMM and the dequantizing kernel after it."""
     return dtype == torch.bfloat16 or torch.device(device).type != "cuda"
 
 
