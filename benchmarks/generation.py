@@ -59,6 +59,7 @@ class BenchArgs:
     hf_compile: bool = True
     seed: int = 0
     profile: bool = False  # a torch-profiler table of the kernels of one greedy call at the largest batch
+    profile_kernels: int = 15  # its rows: the kernels taking the most time
     decode_attention: str = "auto"  # generation.decode_attention
     decode_weights: str = "same"  # generation.decode_weights (fp8: FP8 MLP/output weights in decode steps)
     decode_gemm: str = "auto"  # generation.decode_gemm (splitk: decode's proj/fc2 by the split-K Triton kernel)
@@ -269,7 +270,7 @@ def run(args: BenchArgs) -> dict:
     if args.profile:
         B = max(args.batch_sizes)
         prompts, lengths = _prompts(args, B, cfg.vocab_size, gen_rng, device)
-        report["profile"] = profile_generate(engine, prompts, lengths, device)
+        report["profile"] = profile_generate(engine, prompts, lengths, device, args.profile_kernels)
     report["goals"] = {
         "3x_hf_static": None if hf is None else all(r["speedup_vs_hf_static"] >= 3 for r in report["rows"]),
         "decode_within_1.5x_floor": all(r["decode_vs_floor"] <= 1.5 for r in report["rows"]),

@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="native engine only")
     parser.add_argument("--hf-no-compile", action="store_true", help="HF static cache without torch.compile")
     parser.add_argument("--profile", action="store_true", help="also a top-kernels table of one call (torch profiler)")
+    parser.add_argument("--profile-kernels", type=int, default=15, help="rows of that table (default 15)")
     parser.add_argument(
         "--decode-attention",
         default="auto",
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
         skip_hf=a.skip_hf,
         hf_compile=not (a.hf_no_compile or a.tiny),
         profile=a.profile,
+        profile_kernels=a.profile_kernels,
         decode_attention=a.decode_attention,
         decode_weights=a.decode_weights,
         kv_dtype=a.kv_dtype,

@@ -30,7 +30,7 @@ def _bench_generation(*args: str, **env_extra: str) -> subprocess.CompletedProce
 
 def test_bench_generation_tiny(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _bench_generation("--tiny", "--batch-sizes", "3", "--profile", "--out", str(out))
+    proc = _bench_generation("--tiny", "--batch-sizes", "3", "--profile", "--profile-kernels", "4", "--out", str(out))
     assert "native tok/s" in proc.stdout
     report = json.loads(out.read_text())
     (row,) = report["rows"]
@@ -40,7 +40,7 @@ def test_bench_generation_tiny(tmp_path):
     assert row["logp_abs_diff_max"] < 1e-4
     assert report["refit_ms"] > 0 and report["copy_bandwidth_GBps"] > 0
     prof = report["profile"]
-    assert prof["kernels"] and abs(sum(k["share"] for k in prof["by_kind"].values()) - 1) < 1e-6
+    assert len(prof["kernels"]) == 4 and abs(sum(k["share"] for k in prof["by_kind"].values()) - 1) < 1e-6
     assert "by kind:" in proc.stdout
 
 
