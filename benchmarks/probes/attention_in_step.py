@@ -70,8 +70,8 @@ def variants(kv, qkv5, pos, rope, r: int) -> dict:
             pdl.ENABLED = enabled
 
     # the step's own key and value: put them in every layer's slot pos, so every variant attends to the same values
+    b = torch.arange(kv.shape[2], device=kv.device)
     for i in range(L):
-        b = torch.arange(kv.shape[2], device=kv.device)
         for c in range(2):
             kv[i, c, b, :, pos] = new[c]
             separate[i][c, b, :, pos] = new[c]

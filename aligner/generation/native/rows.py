@@ -77,22 +77,19 @@ def _add_norm_kernel():
     def add_norm_rows(
         x_ptr, parts_ptr, bias_ptr, w_ptr, x_out_ptr, h_ptr, hs_ptr, H, S, sp_s, sx_m, eps, tiny, e4m3_max,
         BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, QUANTIZE: tl.constexpr, EMULATE: tl.constexpr,
-        RECIPROCAL: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+        RECIPROCAL: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
         dtype = x_out_ptr.dtype.element_ty
-        if EARLY:  # the residual row and the weights before the wait: x was written two or more kernels before
-            # this one (the norm before the GEMM before this one, or earlier), and with PDL every kernel releases
-            # the next only after its own wait, so those are complete when this one starts
-            x_in = tl.load(x_ptr + row * sx_m + cols, mask=ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        # the residual row and the weights before the wait: x was written two or more kernels before this one (the
+        # norm before the GEMM before this one, or earlier), and with PDL every kernel releases the next only after
+        # its own wait, so those are complete when this one starts
+        x_in = tl.load(x_ptr + row * sx_m + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         if PDL:  # launched early (pdl.py): wait for the kernel that wrote the partials
             tl.extra.cuda.gdc_wait()
-        if not EARLY:
-            x_in = tl.load(x_ptr + row * sx_m + cols, mask=ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         a = tl.zeros([BLOCK], tl.float32)
         for s in range(S):
             a += tl.load(parts_ptr + s * sp_s + row * H + cols, mask=ok, other=0.0)
@@ -146,7 +143,6 @@ def _quantize_kernel():
 
 
 MAX_WIDTH = 16384  # widest row a program holds (values); wider rows keep the compiled pieces
-EARLY_LOADS = True  # add_parts_norm reads the residual row and the norm's weights before its PDL wait (False: after)
 
 
 NUM_WARPS = 16  # measured fastest of 4, 8, 16 for rows of 2048 and 8192 values at 64 and 128 rows (module docstring)
@@ -182,8 +178,7 @@ def add_parts_norm(x_MH, parts_SMH, bias_H, w_H, eps: float, quantize: bool = Fa
     _add_norm_kernel()[(M,)](
         x_MH, parts_SMH, bias_H if bias_H is not None else w_H, w_H, x_out, h, hs, H, parts_SMH.shape[0],
         parts_SMH.stride(0), x_MH.stride(0), eps, fp8._TINY, fp8.E4M3_MAX,
-        HAS_BIAS=bias_H is not None, QUANTIZE=quantize, EMULATE=_emulate(x_MH), EARLY=EARLY_LOADS,
-        **_options(x_MH, H, num_warps),
+        HAS_BIAS=bias_H is not None, QUANTIZE=quantize, EMULATE=_emulate(x_MH), **_options(x_MH, H, num_warps),
     )  # fmt: skip
     return (x_out, h.to(fp8.E4M3), hs) if quantize else (x_out, h)
 
