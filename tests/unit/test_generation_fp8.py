@@ -106,7 +106,7 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
 
 
 def test_fp8_decode_above_the_kernels_row_limits_equals_megatron_with_the_same_rounding(monkeypatch):
-    """decode_gemm=splitk with more rows than its kernels take (their limits set below the test's batch, as 256 rows
+    """decode_gemm=splitk with more rows than its kernels take (their limits set below the test's batch, as 513 rows
     of the 1B model meet them): qkv and the output layer by cuBLAS's row-wise scaled FP8 GEMM (scales in its
     epilogue), fc1 and fc2 by cuBLAS's FP8 GEMM with the compiled kernels after them: the same rounding as
     megatron's forward with FP8 qkv, MLP and output layer."""
@@ -116,6 +116,7 @@ def test_fp8_decode_above_the_kernels_row_limits_equals_megatron_with_the_same_r
     model = _model(cfg)
     monkeypatch.setattr(splitk, "MAX_BATCH", 1)
     monkeypatch.setattr(splitk, "GATED_MAX_BATCH", 1)
+    monkeypatch.setattr(splitk, "ROW_BLOCKS_MAX_BATCH", 1)
     engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
     calls = {"matmul_rowwise": [], "matmul_fp8": [], "gated_matmul_fp8": []}
     for name, seen in calls.items():
@@ -130,6 +131,42 @@ def test_fp8_decode_above_the_kernels_row_limits_equals_megatron_with_the_same_r
         "matmul_fp8": 0,
         "gated_matmul_fp8": 0,
     }
+    valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
+    with fake_fp8(model, LENGTHS, int((LENGTHS + n).max()), qkv=True):
+        rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
+    gap = (out.logprobs_BR - rounded).abs()[valid]
+    assert gap.max() < 2e-3, gap.max()
+
+
+def test_fp8_decode_in_row_blocks_equals_megatron_with_the_same_rounding(monkeypatch):
+    """Between the kernels' one-block limits and ROW_BLOCKS_MAX_BATCH (as 256 rows of the 1B model): fc1 with its
+    activation and qkv by the Triton kernels in blocks of ROW_BLOCK rows (2 here: two blocks for four prompts), fc2
+    and the output layer by cuBLAS; the same rounding as megatron's forward with FP8 qkv, MLP and output layer."""
+    from aligner.generation.native import fp8, splitk
+
+    cfg = replace(LLAMA, ffn_hidden_size=128)
+    model = _model(cfg)
+    monkeypatch.setattr(splitk, "MAX_BATCH", 1)
+    monkeypatch.setattr(splitk, "GATED_MAX_BATCH", 1)
+    monkeypatch.setattr(splitk, "ROW_BLOCK", 2)
+    engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
+    calls = {"matmul_rowwise": [], "matmul_fp8": [], "gated_matmul_fp8": [], "matmul": []}
+    for name, seen in calls.items():
+        module = fp8 if name in ("matmul_rowwise", "matmul") else splitk
+        real = getattr(module, name)
+        # the split-K kernels' tiling (their fifth argument) is recorded
+        monkeypatch.setattr(module, name, lambda *a, r=real, c=seen, **kw: c.append(a[4:5]) or r(*a, **kw))
+    out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
+    n = out.response_lengths_B
+    steps = 11  # decode steps (the first token comes from prefill)
+    L = cfg.num_layers
+    assert {name: len(seen) for name, seen in calls.items()} == {
+        "matmul_rowwise": L + steps,  # prefill's qkv; decode's output layer
+        "matmul_fp8": steps * L,  # decode's qkv
+        "gated_matmul_fp8": steps * L,  # decode's fc1
+        "matmul": 2 * L + steps * L,  # prefill's fc1 and fc2; decode's fc2
+    }
+    assert {t.block_m for (t,) in calls["matmul_fp8"] + calls["gated_matmul_fp8"]} == {2}
     valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
     with fake_fp8(model, LENGTHS, int((LENGTHS + n).max()), qkv=True):
         rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)

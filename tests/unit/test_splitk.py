@@ -77,6 +77,29 @@ def test_fp8_product_in_one_split_is_written_in_the_asked_dtype():
     assert parts.dtype == torch.float32 and parts.shape == (2, 5, 96)  # partial sums stay float32
 
 
+def test_fp8_kernels_in_row_blocks_equal_one_block():
+    """More rows than a program's block_m (the engine's tilings above 128 rows): each block of rows gets the same
+    product as one program over all rows (to float32's rounding of the sums' order), the last block partly masked."""
+    from aligner.generation.native import fp8
+
+    g = torch.Generator().manual_seed(2)
+    x8, xs = fp8.quantize_rows(torch.randn(40, 256, generator=g))
+    w8, ws = fp8.quantize_rows(torch.randn(128, 256, generator=g))
+    xs, ws = xs.view(-1), ws.view(-1)
+    for splits in (1, 2):
+        whole = splitk.matmul_fp8(x8, xs, w8, ws, splitk.Tiling(32, 64, splits), torch.bfloat16)
+        blocks = splitk.matmul_fp8(x8, xs, w8, ws, splitk.Tiling(32, 64, splits, block_m=16), torch.bfloat16)
+        assert blocks.shape == whole.shape and blocks.dtype == whole.dtype
+        torch.testing.assert_close(blocks.float(), whole.float(), rtol=1e-5, atol=1e-4)
+    whole = splitk.gated_matmul_fp8(x8, xs, w8, ws, splitk.Tiling(32, 64, 1), torch.float32)
+    blocks = splitk.gated_matmul_fp8(x8, xs, w8, ws, splitk.Tiling(32, 64, 1, block_m=16), torch.float32)
+    assert blocks.shape == (40, 64)
+    torch.testing.assert_close(blocks, whole, rtol=1e-5, atol=1e-5)
+    exact = (x8.double() * xs[:, None].double()) @ (w8.double() * ws[:, None].double()).t()
+    ref = torch.nn.functional.silu(exact[:, :64]) * exact[:, 64:]
+    torch.testing.assert_close(blocks.double(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_shapes_that_do_not_fit_are_refused():
     t = splitk.Tiling(64, 128, 4)
     with pytest.raises(ValueError, match="do not fit"):
@@ -143,6 +166,11 @@ def test_gated_tilings_the_engine_picks():
     assert splitk.gated_tiling_for(129, 16384, 2048) is None
     assert splitk.gated_tiling_for(4, 2 * 96, 48) == splitk.Tiling(32, 16, 1, num_warps=4, num_stages=5)
     assert splitk.gated_tiling_for(4, 2 * 40, 64) is None  # F=40: no block divides it
+    # FP8 fc1: blocks of 128 rows in three stages from 129 to ROW_BLOCKS_MAX_BATCH rows (measured at 256)
+    assert splitk.fp8_gated_tiling_for(128, 16384, 2048) == splitk.Tiling(64, 128, 1, num_warps=8, num_stages=5)
+    rows = splitk.Tiling(64, 128, 1, num_warps=8, num_stages=3, block_m=128)
+    assert splitk.fp8_gated_tiling_for(256, 16384, 2048) == rows == splitk.fp8_gated_tiling_for(512, 16384, 2048)
+    assert splitk.fp8_gated_tiling_for(513, 16384, 2048) is None
 
 
 def test_fp8_product_tilings_the_engine_picks():
@@ -150,7 +178,13 @@ def test_fp8_product_tilings_the_engine_picks():
     assert splitk.fp8_product_tiling_for(64, 4096, 2048) == splitk.Tiling(32, 256, 1, num_warps=4, num_stages=5)
     assert splitk.fp8_product_tiling_for(128, 4096, 2048) == splitk.Tiling(32, 256, 1, num_warps=4, num_stages=4)
     assert splitk.fp8_product_tiling_for(64, 32000, 2048) == splitk.Tiling(128, 128, 1, num_warps=4, num_stages=3)
-    assert splitk.fp8_product_tiling_for(129, 4096, 2048) is None  # larger batches keep cuBLAS
+    assert splitk.fp8_product_tiling_for(129, 4096, 2048) is None  # larger batches keep cuBLAS (the output layer)
+    # ... but qkv (row_blocks) runs in blocks of 128 rows up to ROW_BLOCKS_MAX_BATCH (measured at 256 rows)
+    rows = splitk.Tiling(64, 128, 1, num_warps=8, num_stages=5, block_m=128)
+    assert splitk.fp8_product_tiling_for(256, 4096, 2048, row_blocks=True) == rows
+    one_block = splitk.fp8_product_tiling_for(64, 4096, 2048)
+    assert splitk.fp8_product_tiling_for(64, 4096, 2048, row_blocks=True) == one_block
+    assert splitk.fp8_product_tiling_for(513, 4096, 2048, row_blocks=True) is None
     # small models: the narrowest dividing block (most programs); none where no block divides n or K
     assert splitk.fp8_product_tiling_for(4, 192, 64) == splitk.Tiling(16, 64, 1, num_warps=4, num_stages=5)
     assert splitk.fp8_product_tiling_for(4, 200, 64) is None

@@ -41,9 +41,10 @@ split-K GEMMs a SwiGLU fc1, its scales and the activation are one Triton kernel 
 runs by the split-K kernel on e4m3 operands (splitk.matmul_fp8), and qkv and the output layer by that kernel in one
 K range, writing the engine's dtype (every norm before qkv then quantizes its output); with RMSNorm the norms after
 the split-K GEMMs and the activation's quantization are row kernels (rows.py). Decode steps above the kernels' row
-limits run qkv (where the copies include it) and the output layer by cuBLAS's row-wise scaled FP8 GEMM
-(fp8.matmul_rowwise: scales in its epilogue). Prefill runs its MLPs on the same FP8 copies by cuBLAS, and qkv where
-the copies include it (by the row-wise scaled FP8 GEMM).
+limits run the output layer (and qkv above splitk.ROW_BLOCKS_MAX_BATCH) by cuBLAS's row-wise scaled FP8 GEMM
+(fp8.matmul_rowwise: scales in its epilogue), fc2 and proj by cuBLAS; fc1 with its activation and qkv stay on the
+Triton kernels, in blocks of splitk.ROW_BLOCK rows, up to splitk.ROW_BLOCKS_MAX_BATCH rows. Prefill runs its MLPs
+on the same FP8 copies by cuBLAS, and qkv where the copies include it (by the row-wise scaled FP8 GEMM).
 """
 
 from __future__ import annotations
@@ -231,8 +232,8 @@ class Decoder:
         lw = self.w.layer(0)
         qkv_tiling = self._fp8_qkv_tiling(x, q8, split_k)
         # qkv on its FP8 copy where the copies include it: by the split-K kernel (decode steps with a tiling) or by
-        # cuBLAS's row-wise scaled FP8 GEMM (prefill: [B, T, H], and decode steps above splitk.MAX_BATCH rows:
-        # compute-bound there, the FP8 tensor cores' rate); else in the engine's dtype
+        # cuBLAS's row-wise scaled FP8 GEMM (prefill: [B, T, H], and decode steps above
+        # splitk.ROW_BLOCKS_MAX_BATCH rows: compute-bound there, the FP8 tensor cores' rate); else in the engine's dtype
         qkv_fp8 = q8 is not None and q8.has_qkv and (qkv_tiling is not None or fp8.rowwise_writes(x.dtype, x.device))
         h = (k.norm_q if qkv_fp8 else k.norm)(x, lw["input_layernorm.weight"], lw["input_layernorm.bias"])
         for i in range(lo.num_layers):
@@ -268,7 +269,7 @@ class Decoder:
         decode weights include qkv and split-K GEMMs run (None: qkv in the engine's dtype)."""
         if q8 is None or not q8.has_qkv or not split_k or x.dim() != 2:
             return None
-        return splitk.fp8_product_tiling_for(x.shape[0], *q8.layer(0, "qkv")[0].shape)
+        return splitk.fp8_product_tiling_for(x.shape[0], *q8.layer(0, "qkv")[0].shape, row_blocks=True)
 
     def _qkv(self, h, i, lw, q8, tiling):
         """Layer i's qkv projection from its normed input h, or with `q8` from h quantized, (h8, scales), on its

@@ -19,7 +19,7 @@ Runs on CUDA with Triton; on the CPU only under Triton's interpreter (TRITON_INT
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -54,7 +54,8 @@ def _kernel():
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
         PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        n0, s, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1), tl.program_id(2) * BLOCK_M
+        m_blocks = tl.cdiv(M, BLOCK_M)  # a weight tile's row blocks are neighbouring programs (gated_fp8_gemm)
+        n0, s, m0 = (tl.program_id(0) // m_blocks) * BLOCK_N, tl.program_id(1), (tl.program_id(0) % m_blocks) * BLOCK_M
         rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
         k0 = s * K_SPLIT
         if PDL:  # launched early (pdl.py): wait for the kernel that wrote x
@@ -206,9 +207,13 @@ def _gated_fp8_kernel():
         x8_ptr, xs_ptr, w8_ptr, ws_ptr, out_ptr, M, K, F, sx_m, sw_n, so_m,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        # the row blocks of one weight tile are neighbouring programs: they run together and the tile's second
+        # read comes from L2
+        m_blocks = tl.cdiv(M, BLOCK_M)
+        n_block, m_block = tl.program_id(0) // m_blocks, tl.program_id(0) % m_blocks
         rows, cols, ks = (
-            tl.arange(0, BLOCK_M),
-            tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N),
+            m_block * BLOCK_M + tl.arange(0, BLOCK_M),
+            n_block * BLOCK_N + tl.arange(0, BLOCK_N),
             tl.arange(0, BLOCK_K),
         )
         if PDL:  # as in splitk_gemm
@@ -245,8 +250,9 @@ def _fp8_kernel():
         x8_ptr, xs_ptr, w8_ptr, ws_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        n0, s = tl.program_id(0) * BLOCK_N, tl.program_id(1)
-        rows, cols, ks = tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+        m_blocks = tl.cdiv(M, BLOCK_M)  # a weight tile's row blocks are neighbouring programs (gated_fp8_gemm)
+        n0, s, m0 = (tl.program_id(0) // m_blocks) * BLOCK_N, tl.program_id(1), (tl.program_id(0) % m_blocks) * BLOCK_M
+        rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
         k0 = s * K_SPLIT
         if PDL:  # as in splitk_gemm
             tl.extra.cuda.gdc_wait()
@@ -270,7 +276,8 @@ def _fp8_kernel():
 def matmul_fp8(x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling, dtype: torch.dtype = torch.float32):
     """FP8 decode weights (fp8.py): (x8 * x_scale[row]) @ (w8 * w_scale[row of w8])^T as float32 partial sums
     [splits, M, N] (as `matmul` writes them: the norm kernel after it adds them up), both scales applied to each
-    partial's float32 sums; with one split the product [M, N] in `dtype`. Up to 128 rows."""
+    partial's float32 sums; with one split the product [M, N] in `dtype`. Rows in blocks of the tiling's block_m
+    (default: all of them, up to 128)."""
     M, K = x8_MK.shape
     N = w8_NK.shape[0]
     if w8_NK.shape[1] != K or x_scale_M.numel() != M or w_scale_N.numel() != N:
@@ -279,22 +286,23 @@ def matmul_fp8(x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling, dtype: torch.
         )
     if not (x_scale_M.is_contiguous() and w_scale_N.is_contiguous()):
         raise ValueError("splitk.matmul_fp8: the scales must be contiguous")
-    if M > 128 or not tiling.fits(N, K):
-        raise ValueError(f"splitk.matmul_fp8: M={M}, N={N}, K={K} do not fit {tiling} (<= 128 rows)")
+    if not tiling.fits(N, K):
+        raise ValueError(f"splitk.matmul_fp8: N={N}, K={K} do not fit {tiling}")
     S = tiling.splits
     out = torch.empty((S, M, N), dtype=torch.float32 if S > 1 else dtype, device=x8_MK.device)
-    _fp8_kernel()[(N // tiling.block_n, S)](
+    block_m, options = _fp8_options(x8_MK, tiling)
+    _fp8_kernel()[(N // tiling.block_n * -(-M // block_m), S)](
         x8_MK, x_scale_M, w8_NK, w_scale_N, out, M, K // S, x8_MK.stride(0), w8_NK.stride(0), out.stride(0),
-        out.stride(1), **_fp8_options(x8_MK, tiling),
+        out.stride(1), **options,
     )  # fmt: skip
     return out if S > 1 else out[0]
 
 
-def _fp8_options(x8_MK: torch.Tensor, tiling: Tiling) -> dict:
+def _fp8_options(x8_MK: torch.Tensor, tiling: Tiling) -> tuple[int, dict]:
     """_launch_options for the FP8 kernels (no swapped form; their products are FP8)."""
-    _, options = _launch_options(x8_MK, tiling)
+    block_m, options = _launch_options(x8_MK, tiling)
     del options["SWAP"], options["PRECISION"]
-    return options
+    return block_m, options
 
 
 def gated_matmul_fp8(x8_MK, x_scale_M, w8_2FK, w_scale_2F, tiling: Tiling, dtype: torch.dtype) -> torch.Tensor:
@@ -310,12 +318,13 @@ def gated_matmul_fp8(x8_MK, x_scale_M, w8_2FK, w_scale_2F, tiling: Tiling, dtype
         )
     if not (x_scale_M.is_contiguous() and w_scale_2F.is_contiguous()):
         raise ValueError("splitk.gated_matmul_fp8: the scales must be contiguous")
-    if M > 128 or tiling.splits != 1 or not tiling.fits(F, K):
-        raise ValueError(f"splitk.gated_matmul_fp8: M={M}, F={F}, K={K} do not fit {tiling} (one split, <= 128 rows)")
+    if tiling.splits != 1 or not tiling.fits(F, K):
+        raise ValueError(f"splitk.gated_matmul_fp8: F={F}, K={K} do not fit {tiling} (one split)")
     out = torch.empty((M, F), dtype=dtype, device=x8_MK.device)
-    _gated_fp8_kernel()[(F // tiling.block_n,)](
+    block_m, options = _fp8_options(x8_MK, tiling)
+    _gated_fp8_kernel()[(F // tiling.block_n * -(-M // block_m),)](
         x8_MK, x_scale_M, w8_2FK, w_scale_2F, out, M, K, F, x8_MK.stride(0), w8_2FK.stride(0), out.stride(0),
-        **_fp8_options(x8_MK, tiling),
+        **options,
     )  # fmt: skip
     return out
 
@@ -364,21 +373,40 @@ def _gated_tiling(batch: int, two_f: int, k: int, block_ks: tuple[int, ...]) -> 
     return Tiling(block_n, block_k, 1, num_warps=4 if batch <= 64 else 8, num_stages=5)
 
 
+# FP8 fc1 and qkv: decode steps of GATED_MAX_BATCH (MAX_BATCH) to ROW_BLOCKS_MAX_BATCH rows run by the Triton kernels
+# in blocks of ROW_BLOCK rows (a weight tile's blocks neighbouring programs, so its second read comes from L2), where
+# cuBLAS's FP8 GEMMs were slower with their neighbours (docs/PERF.md, twenty-sixth session: fc1 with its activation
+# 25.3 -> 20.8 us a layer at 256 rows, qkv 9.4 -> 7.5); fc2, proj and the output layer keep cuBLAS there.
+ROW_BLOCK = 128
+ROW_BLOCKS_MAX_BATCH = 512
+
+
 def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     """The tiling of gated_matmul_fp8 for a decode step of `batch` rows and an e4m3 fc1 [two_f, k] (None: keep cuBLAS
     and the activation kernel). Measured on the H200 at the 1B model's fc1 at 64 rows (benchmarks/probes/fp8_mlp.py,
     docs/PERF.md): 64 columns of each half per program, 128-wide K steps (half the bytes of bf16's 64), five stages,
-    four warps (eight above 64 rows)."""
+    four warps (eight above 64 rows); above GATED_MAX_BATCH rows, blocks of ROW_BLOCK rows in three stages."""
+    if GATED_MAX_BATCH < batch <= ROW_BLOCKS_MAX_BATCH:
+        tiling = _gated_tiling(GATED_MAX_BATCH, two_f, k, block_ks=(128, 64, 32))
+        return None if tiling is None else replace(tiling, num_stages=3, block_m=ROW_BLOCK)
     return _gated_tiling(batch, two_f, k, block_ks=(128, 64, 32))
 
 
-def fp8_product_tiling_for(batch: int, n: int, k: int) -> Tiling | None:
+def fp8_product_tiling_for(batch: int, n: int, k: int, row_blocks: bool = False) -> Tiling | None:
     """The tiling of matmul_fp8 in one K range (the product written in the engine's dtype: qkv and the output layer
     with FP8 decode weights) for a decode step of `batch` rows and an e4m3 W [n, k] (None: keep cuBLAS). Measured on
     the H200 at the 1B model's qkv [4096, 2048] and output layer [32000, 2048], 64 and 128 rows
     (benchmarks/probes/fp8_attention_gemms.py, docs/PERF.md): the widest of 128, 64, 32 columns per program that
     still makes >= 128 programs, 256-wide K steps in 5 stages for 32 columns (4 above 64 rows), 128-wide in 3 stages
-    for wider blocks. Smaller models (tests): the narrowest block dividing n, as many programs as it can."""
+    for wider blocks. Smaller models (tests): the narrowest block dividing n, as many programs as it can.
+    With `row_blocks` (qkv), steps of MAX_BATCH to ROW_BLOCKS_MAX_BATCH rows too: 64 columns and ROW_BLOCK rows per
+    program, 128-wide K steps in five stages, eight warps (measured at 256 rows; the output layer keeps cuBLAS)."""
+    if row_blocks and MAX_BATCH < batch <= ROW_BLOCKS_MAX_BATCH:
+        block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
+        block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
+        if block_n is None or block_k is None:
+            return None
+        return Tiling(block_n, block_k, 1, num_warps=8, num_stages=5, block_m=ROW_BLOCK)
     if batch > MAX_BATCH:
         return None
     dividing = [b for b in (128, 64, 32, 16) if n % b == 0]
