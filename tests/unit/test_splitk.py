@@ -91,6 +91,11 @@ def test_fp8_kernels_in_row_blocks_equal_one_block():
         blocks = splitk.matmul_fp8(x8, xs, w8, ws, splitk.Tiling(32, 64, splits, block_m=16), torch.bfloat16)
         assert blocks.shape == whole.shape and blocks.dtype == whole.dtype
         torch.testing.assert_close(blocks.float(), whole.float(), rtol=1e-5, atol=1e-4)
+    x, w = torch.randn(40, 256, generator=g), torch.randn(128, 256, generator=g)  # the 16-bit kernel's (float32 here)
+    for tiling in (splitk.Tiling(32, 64, 1, block_m=16), splitk.Tiling(32, 64, 2, block_m=16)):
+        out = splitk.matmul(x, w, tiling)
+        total = out if tiling.splits == 1 else out.sum(0)
+        torch.testing.assert_close(total, x @ w.t(), rtol=1e-5, atol=1e-4)
     whole = splitk.gated_matmul_fp8(x8, xs, w8, ws, splitk.Tiling(32, 64, 1), torch.float32)
     blocks = splitk.gated_matmul_fp8(x8, xs, w8, ws, splitk.Tiling(32, 64, 1, block_m=16), torch.float32)
     assert blocks.shape == (40, 64)

@@ -54,7 +54,7 @@ def _kernel():
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
         PRECISION: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        m_blocks = tl.cdiv(M, BLOCK_M)  # a weight tile's row blocks are neighbouring programs (gated_fp8_gemm)
+        m_blocks = tl.cdiv(M, BLOCK_M)  # a weight tile's row blocks are neighbouring programs: its second read from L2
         n0, s, m0 = (tl.program_id(0) // m_blocks) * BLOCK_N, tl.program_id(1), (tl.program_id(0) % m_blocks) * BLOCK_M
         rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
         k0 = s * K_SPLIT
@@ -189,7 +189,7 @@ def matmul(x_MK: torch.Tensor, w_NK: torch.Tensor, tiling: Tiling, out: torch.Te
         shape, dtype = ((M, N), x_MK.dtype) if S == 1 else ((S, M, N), torch.float32)
         out = torch.empty(shape, dtype=dtype, device=x_MK.device)
     block_m, options = _launch_options(x_MK, tiling)
-    grid = (N // tiling.block_n, S, -(-M // block_m))
+    grid = (N // tiling.block_n * -(-M // block_m), S)
     _kernel()[grid](
         x_MK, w_NK, out, M, K // S, x_MK.stride(0), w_NK.stride(0), out.stride(0) if S > 1 else 0, out.stride(-2),
         **options,
