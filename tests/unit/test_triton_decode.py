@@ -42,6 +42,26 @@ def test_matches_plain_attention_over_the_filled_slots(dtype, atol, B, G, r, D, 
     assert torch.equal(again[0], out[0]) and torch.equal(again[2:], out[2:]) and not again.isnan().any()
 
 
+def test_wider_slot_steps_from_wide_min_batch_rows(monkeypatch):
+    """The slots per inner step by default: BLOCK_N below WIDE_MIN_BATCH rows, WIDE_BLOCK_N from there on (here from
+    3 rows); both agree with plain attention, and the default's result is the chosen width's, bit for bit."""
+    from aligner.generation.native import triton_decode
+
+    monkeypatch.setattr(triton_decode, "WIDE_MIN_BATCH", 3)
+    g = torch.Generator().manual_seed(7)
+    B, G, r, D, T = 3, 2, 2, 16, 150
+    q = torch.randn(B, G, r, D, generator=g)
+    keys, values = torch.randn(2, B, G, T, D, generator=g)
+    pos = torch.tensor([T - 1, 100, 70])
+    for rows, width in ((2, triton_decode.BLOCK_N), (3, triton_decode.WIDE_BLOCK_N)):
+        args = (q[:rows], keys[:rows], values[:rows], pos[:rows], D**-0.5)
+        out = decode_attention(*args)
+        assert torch.equal(out, decode_attention(*args, block=width))
+        other = triton_decode.WIDE_BLOCK_N + triton_decode.BLOCK_N - width
+        assert not torch.equal(out, decode_attention(*args, block=other))  # the widths' sums differ in their order
+        torch.testing.assert_close(out, _reference(*args), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,G,r,D,T", [(3, 2, 2, 64, 50), (3, 3, 1, 24, 33)])
 @pytest.mark.parametrize("splits", [1, 3])

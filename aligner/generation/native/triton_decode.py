@@ -35,6 +35,7 @@ from aligner.generation.native.fp8 import E4M3, E4M3_MAX
 from aligner.parallel.device import triton_kernels_unavailable
 
 BLOCK_N = 32  # cache slots per inner step
+WIDE_BLOCK_N, WIDE_MIN_BATCH = 64, 256  # ... from this many rows on (measured faster there: docs/PERF.md)
 FP8_BLOCK_N = 128  # ... with an FP8 cache on the GPU (fastest there at 64 and 256 rows: docs/PERF.md)
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
@@ -303,8 +304,10 @@ def decode_attention(
     if kv_fp8 != (kv_scales is not None) or values_BGTD.dtype != keys_BGTD.dtype:
         raise ValueError("decode_attention: kv_scales go with an FP8 cache (float8_e4m3fn keys and values), only")
     act_dtype = q_BGrD.dtype if kv_fp8 else keys_BGTD.dtype
-    if block is None:  # the slots per inner step: BLOCK_N, FP8_BLOCK_N for an FP8 cache on the GPU
-        block = FP8_BLOCK_N if kv_fp8 and keys_BGTD.device.type == "cuda" else BLOCK_N
+    if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows), FP8_BLOCK_N for
+        # an FP8 cache on the GPU
+        block = BLOCK_N if B < WIDE_MIN_BATCH else WIDE_BLOCK_N
+        block = FP8_BLOCK_N if kv_fp8 and keys_BGTD.device.type == "cuda" else block
     if kv_fp8:
         k_s, v_s = kv_scales
         if k_s.shape != (B, G, T) or k_s.stride() != v_s.stride() or k_s.stride(-1) != 1 or k_s.dtype != torch.float32:
