@@ -11,18 +11,24 @@ engine's call has that the loop had not, each added in turn here (16 layers in o
   (the engine's call up to triton_decode.FUSED_WRITE_MAX_BATCH rows), with PDL where the engine takes it;
 - `engine_no_pdl`: the same without PDL; `engine_block64`: with 64 slots a step.
 
+With --sweep also the engine's call with every setting of slots per inner step, warps and pipeline stages given
+(rows named "block,warps,stages").
+
 Every variant attends over the same values (the step's own key and value are those already in slot `pos`), so all
 must give the same output: checked, and the largest difference reported.
 
     python3 benchmarks/probes/attention_in_step.py --batch-sizes 64 256 --out result.json
+    python3 benchmarks/probes/attention_in_step.py --batch-sizes 64 256 512 --sweep   (settings, twenty-sixth session)
     TRITON_INTERPRET=1 python3 benchmarks/probes/attention_in_step.py --tiny     (CPU: outputs compared only)
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -59,8 +65,10 @@ def variants(kv, qkv5, pos, rope, r: int) -> dict:
     separate = [kv[i].clone() for i in range(L)]
     new = (qkv5[:, :, r], qkv5[:, :, r + 1])
 
-    def engine(i, block=None):
-        return decode_attention(q_strided, kv[i, 0], kv[i, 1], pos, scale, 1, block, new_kv=new, rope=rope)
+    def engine(i, block=None, warps=4, stages=None):
+        return decode_attention(
+            q_strided, kv[i, 0], kv[i, 1], pos, scale, 1, block, warps, new_kv=new, num_stages=stages, rope=rope
+        )
 
     def engine_no_pdl(i):
         enabled, pdl.ENABLED = pdl.ENABLED, False
@@ -82,6 +90,7 @@ def variants(kv, qkv5, pos, rope, r: int) -> dict:
         "engine": engine,
         "engine_no_pdl": engine_no_pdl,
         "engine_block64": lambda i: engine(i, 64),
+        "_settings": engine,  # engine(i, block, warps, stages): the --sweep's calls (not a variant of its own)
     }
 
 
@@ -91,6 +100,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--filled", type=int, default=256, help="cached slots per row (the benchmark's average)")
     parser.add_argument("--max-seq", type=int, default=384, help="slots per row in the cache (the engine's max_seq)")
     parser.add_argument("--tiny", action="store_true", help="CPU: 2 layers, small sizes, outputs compared only")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also the engine's call over --blocks x --warps x --stages"
+    )
+    parser.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128], help="slots per inner step")
+    parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 5], help="software pipeline stages")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.tiny
@@ -102,10 +117,21 @@ def main(argv=None) -> dict:
     for B in args.batch_sizes:
         kv, qkv5, pos, rope = _inputs(B, filled, T, L, G, r, D, device, dtype)
         calls = variants(kv, qkv5, pos, rope, r)
+        settings = calls.pop("_settings")
+        if args.sweep:  # the engine's call with each setting: "block,warps,stages"
+            for block, warps, stages in itertools.product(args.blocks, args.warps, args.stages):
+                calls[f"{block},{warps},{stages}"] = partial(settings, block=block, warps=warps, stages=stages)
         ref = calls["separate"](0).float()
         row = {"floor_us": 2 * B * G * filled * D * kv.element_size() / BANDWIDTH * 1e6, "max_diff": {}, "us": {}}
-        for name, fn in calls.items():
-            row["max_diff"][name] = float((fn(0).float() - ref).abs().max())
+        for name, fn in list(calls.items()):
+            try:
+                row["max_diff"][name] = float((fn(0).float() - ref).abs().max())
+            except Exception as exc:  # noqa: BLE001 - a setting this GPU cannot build (shared memory): reported
+                if "," not in name:
+                    raise
+                print(f"  {name:16s} failed: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                del calls[name]
+                continue
             every_layer = lambda fn=fn: [fn(i) for i in range(L)]  # noqa: E731
             if gpu:
                 from benchmarks.decode_kernels import graph_time_us

@@ -23,3 +23,11 @@ def test_every_variant_attends_to_the_same_values(tmp_path):
     assert all(d < 1e-5 for d in row["max_diff"].values()), row["max_diff"]
     assert all(t > 0 for t in row["us"].values()) and row["floor_us"] > 0
     assert (tmp_path / "r.json").exists()
+
+
+def test_the_settings_sweep_attends_to_the_same_values():
+    argv = ["--tiny", "--batch-sizes", "2", "--sweep", "--blocks", "8", "16", "--warps", "4", "--stages", "2", "3"]
+    row = attention_in_step.main(argv)["batches"]["2"]
+    swept = {name for name in row["max_diff"] if "," in name}
+    assert swept == {"8,4,2", "8,4,3", "16,4,2", "16,4,3"}
+    assert all(row["max_diff"][name] < 1e-5 for name in swept), row["max_diff"]
