@@ -8,7 +8,7 @@ graph (L2-cold, as in a step), us a layer:
 - cuBLAS, as the engine calls it there: fc1 (fp8.matmul, unit scales, bf16 out: the compiled activation kernel after
   it applies the scales), fc2 (float32 out), qkv and the output layer (fp8.matmul_rowwise, scales in the epilogue),
   proj in bf16 (F.linear);
-- the Triton kernels (splitk.py) in blocks of --block-m rows over a few tilings each (the engine's first);
+- the Triton kernels (splitk.py) in blocks of rows over a few tilings each (CANDIDATES; the engine's first);
 - the row kernels each path needs after it: the activation's quantization after the gated fc1, the add+norm with the
   split-K partials after fc2 (the cuBLAS path's are compiled kernels: see docs/PERF.md's profiles).
 
@@ -99,7 +99,8 @@ def main(argv=None) -> dict:
         "fc1": [e4m3(2 * FF, H) for _ in range(L)],
         "qkv": [e4m3(NQ, H) for _ in range(L)],
         "fc2": [e4m3(H, FF) for _ in range(L)],
-        "out": [e4m3(V, H) for _ in range(min(L, 4))] * (L // min(L, 4)),  # 4 distinct: 2 GB of logits' weights
+        # 4 distinct output weights in turn (each 64 MB, over the L2's 50) rather than 16 (1 GB)
+        "out": [e4m3(V, H) for _ in range(min(L, 4))] * (L // min(L, 4)),
         "proj": [(torch.randn(H, H, generator=g, device=device) * 0.02).to(act) for _ in range(L)],
     }
     inputs = {"fc1": (x8, xs), "qkv": (x8, xs), "out": (x8, xs), "fc2": (m8, ms)}

@@ -375,8 +375,8 @@ def _gated_tiling(batch: int, two_f: int, k: int, block_ks: tuple[int, ...]) -> 
 
 # FP8 fc1 and qkv: decode steps of GATED_MAX_BATCH (MAX_BATCH) to ROW_BLOCKS_MAX_BATCH rows run by the Triton kernels
 # in blocks of ROW_BLOCK rows (a weight tile's blocks neighbouring programs, so its second read comes from L2), where
-# cuBLAS's FP8 GEMMs were slower with their neighbours (docs/PERF.md, twenty-sixth session: fc1 with its activation
-# 25.3 -> 20.8 us a layer at 256 rows, qkv 9.4 -> 7.5); fc2, proj and the output layer keep cuBLAS there.
+# cuBLAS's FP8 GEMMs with the kernels around them were slower (docs/PERF.md, twenty-sixth session, 256 rows: fc1 and
+# its activation 16.9 + 8.5 -> 17.9 + 3.0 us a layer, qkv 9.4 -> 7.5); fc2, proj and the output layer keep cuBLAS.
 ROW_BLOCK = 128
 ROW_BLOCKS_MAX_BATCH = 512
 
@@ -386,9 +386,9 @@ def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     and the activation kernel). Measured on the H200 at the 1B model's fc1 at 64 rows (benchmarks/probes/fp8_mlp.py,
     docs/PERF.md): 64 columns of each half per program, 128-wide K steps (half the bytes of bf16's 64), five stages,
     four warps (eight above 64 rows); above GATED_MAX_BATCH rows, blocks of ROW_BLOCK rows in three stages."""
-    if GATED_MAX_BATCH < batch <= ROW_BLOCKS_MAX_BATCH:
+    if GATED_MAX_BATCH < batch <= ROW_BLOCKS_MAX_BATCH:  # the blocks of columns and K steps of GATED_MAX_BATCH rows
         tiling = _gated_tiling(GATED_MAX_BATCH, two_f, k, block_ks=(128, 64, 32))
-        return None if tiling is None else replace(tiling, num_stages=3, block_m=ROW_BLOCK)
+        return None if tiling is None else replace(tiling, num_warps=8, num_stages=3, block_m=ROW_BLOCK)
     return _gated_tiling(batch, two_f, k, block_ks=(128, 64, 32))
 
 
