@@ -24,7 +24,6 @@ must give the same output: checked, and the largest difference reported.
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
@@ -33,6 +32,8 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes.common import write_report  # noqa: E402
 
 LAYERS, GROUPS, GROUP_SIZE, HEAD_DIM = 16, 8, 2, 128  # the 1B model of docs/PERF.md
 BANDWIDTH = 4.2e12  # the H200's copy rate (docs/PERF.md)
@@ -146,10 +147,7 @@ def main(argv=None) -> dict:
         for name in calls:
             print(f"  {name:16s} {row['us'][name]:9.2f} us  (max diff {row['max_diff'][name]:.2g})", flush=True)
         del kv, calls
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ value) is reported with it.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes.common import write_report  # noqa: E402
 
 LAYERS, HIDDEN, FFN, QKV, VOCAB = 16, 2048, 8192, 4096, 32000  # the 1B model of docs/PERF.md
 TINY = (2, 64, 128, 128, 256)
@@ -166,10 +167,7 @@ def main(argv=None) -> dict:
             except Exception as exc:  # noqa: BLE001 - a tiling this GPU cannot compile: reported, the rest go on
                 print(f"{label:48s} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 report["us"][label] = None
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

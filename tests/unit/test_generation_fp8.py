@@ -55,6 +55,37 @@ def test_fp8_decode_equals_megatron_with_the_same_rounding(cfg):
     assert (out.logprobs_BR[:, 0] - plain[:, 0]).abs().max() > 1e-4
 
 
+def _count_calls(monkeypatch, modules: dict, keep=lambda args: args[0].shape) -> dict:
+    """Each named function of its module (name -> module) wrapped to record keep(its positional arguments) at every
+    call; returns name -> the records."""
+    calls = {name: [] for name in modules}
+    for name, module in modules.items():
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, r=real, c=calls[name], **kw: c.append(keep(a)) or r(*a, **kw))
+    return calls
+
+
+def _llama_fp8_engine(monkeypatch, **limits):
+    """(cfg, model, engine): a small Llama (fc2's K fits the split-K tiling) and its engine with FP8 decode weights and
+    split-K GEMMs, built with splitk's row limits set as given (name=value)."""
+    from aligner.generation.native import splitk
+
+    cfg = replace(LLAMA, ffn_hidden_size=128)
+    model = _model(cfg)
+    for name, value in limits.items():
+        monkeypatch.setattr(splitk, name, value)
+    return cfg, model, build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
+
+
+def _gap_to_fp8_megatron(model, out):
+    """|the engine's log-probs - megatron's forward with FP8 qkv, MLP and output layer rounding| over the responses."""
+    n = out.response_lengths_B
+    valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
+    with fake_fp8(model, LENGTHS, int((LENGTHS + n).max()), qkv=True):
+        rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
+    return (out.logprobs_BR - rounded).abs()[valid]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(monkeypatch, arch):
     """decode_gemm=splitk (Triton's interpreter): a SwiGLU MLP's fc1, its scales and the activation in one kernel
@@ -76,11 +107,11 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
             if name.endswith("bias"):
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
-    calls = {"gated_matmul_fp8": [], "matmul_fp8": [], "add_parts_norm": [], "quantize_rows": [], "matmul_rowwise": []}
-    for name, seen in calls.items():
-        module = rows if name in ("add_parts_norm", "quantize_rows") else fp8 if name == "matmul_rowwise" else splitk
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, r=real, c=seen, **kw: c.append(a[0].shape) or r(*a, **kw))
+    calls = _count_calls(
+        monkeypatch,
+        {"gated_matmul_fp8": splitk, "matmul_fp8": splitk, "add_parts_norm": rows, "quantize_rows": rows}
+        | {"matmul_rowwise": fp8},
+    )
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
     # every decode step (the first token comes from prefill), every layer: fc2 and qkv, and the output layer; with
     # RMSNorm the two add+norm+quantize kernels of a layer and the activation's quantization by rows.py's kernels
@@ -112,29 +143,16 @@ def test_fp8_decode_above_the_kernels_row_limits_equals_megatron_with_the_same_r
     megatron's forward with FP8 qkv, MLP and output layer."""
     from aligner.generation.native import fp8, splitk
 
-    cfg = replace(LLAMA, ffn_hidden_size=128)
-    model = _model(cfg)
-    monkeypatch.setattr(splitk, "MAX_BATCH", 1)
-    monkeypatch.setattr(splitk, "GATED_MAX_BATCH", 1)
-    monkeypatch.setattr(splitk, "ROW_BLOCKS_MAX_BATCH", 1)
-    engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
-    calls = {"matmul_rowwise": [], "matmul_fp8": [], "gated_matmul_fp8": []}
-    for name, seen in calls.items():
-        module = fp8 if name == "matmul_rowwise" else splitk
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, r=real, c=seen, **kw: c.append(a[0].shape) or r(*a, **kw))
+    cfg, model, engine = _llama_fp8_engine(monkeypatch, MAX_BATCH=1, GATED_MAX_BATCH=1, ROW_BLOCKS_MAX_BATCH=1)
+    calls = _count_calls(monkeypatch, {"matmul_rowwise": fp8, "matmul_fp8": splitk, "gated_matmul_fp8": splitk})
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
-    n = out.response_lengths_B
     steps = 11  # decode steps (the first token comes from prefill)
     assert {name: len(seen) for name, seen in calls.items()} == {
         "matmul_rowwise": cfg.num_layers + steps * (cfg.num_layers + 1),  # prefill's qkv; decode's qkv and output
         "matmul_fp8": 0,
         "gated_matmul_fp8": 0,
     }
-    valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
-    with fake_fp8(model, LENGTHS, int((LENGTHS + n).max()), qkv=True):
-        rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
-    gap = (out.logprobs_BR - rounded).abs()[valid]
+    gap = _gap_to_fp8_megatron(model, out)
     assert gap.max() < 2e-3, gap.max()
 
 
@@ -144,20 +162,10 @@ def test_fp8_decode_in_row_blocks_equals_megatron_with_the_same_rounding(monkeyp
     and the output layer by cuBLAS; the same rounding as megatron's forward with FP8 qkv, MLP and output layer."""
     from aligner.generation.native import fp8, splitk
 
-    cfg = replace(LLAMA, ffn_hidden_size=128)
-    model = _model(cfg)
-    monkeypatch.setattr(splitk, "MAX_BATCH", 1)
-    monkeypatch.setattr(splitk, "GATED_MAX_BATCH", 1)
-    monkeypatch.setattr(splitk, "ROW_BLOCK", 2)
-    engine = build_engine(replace(GEN, decode_weights="fp8", decode_gemm="splitk"), cfg, model)
-    calls = {"matmul_rowwise": [], "matmul_fp8": [], "gated_matmul_fp8": [], "matmul": []}
-    for name, seen in calls.items():
-        module = fp8 if name in ("matmul_rowwise", "matmul") else splitk
-        real = getattr(module, name)
-        # the split-K kernels' tiling (their fifth argument) is recorded
-        monkeypatch.setattr(module, name, lambda *a, r=real, c=seen, **kw: c.append(a[4:5]) or r(*a, **kw))
+    cfg, model, engine = _llama_fp8_engine(monkeypatch, MAX_BATCH=1, GATED_MAX_BATCH=1, ROW_BLOCK=2)
+    modules = {"matmul_rowwise": fp8, "matmul_fp8": splitk, "gated_matmul_fp8": splitk, "matmul": fp8}
+    calls = _count_calls(monkeypatch, modules, keep=lambda args: args[4:5])  # the split-K kernels' tiling
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
-    n = out.response_lengths_B
     steps = 11  # decode steps (the first token comes from prefill)
     L = cfg.num_layers
     assert {name: len(seen) for name, seen in calls.items()} == {
@@ -167,10 +175,7 @@ def test_fp8_decode_in_row_blocks_equals_megatron_with_the_same_rounding(monkeyp
         "matmul": 2 * L + steps * L,  # prefill's fc1 and fc2; decode's fc2
     }
     assert {t.block_m for (t,) in calls["matmul_fp8"] + calls["gated_matmul_fp8"]} == {2}
-    valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
-    with fake_fp8(model, LENGTHS, int((LENGTHS + n).max()), qkv=True):
-        rounded = training_logprobs(model, PROMPTS, LENGTHS, out.response_tokens_BR, n, 1.0, V)
-    gap = (out.logprobs_BR - rounded).abs()[valid]
+    gap = _gap_to_fp8_megatron(model, out)
     assert gap.max() < 2e-3, gap.max()
 
 
