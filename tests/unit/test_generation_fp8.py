@@ -195,6 +195,33 @@ def test_refit_requantizes_into_the_same_buffers():
     assert rel.max() <= 16 / 448 + 1e-6  # half of e4m3's largest step (32, in [256, 448]) over its largest value
 
 
+def test_requantize_hands_each_weight_to_quantize_into_where_it_runs(monkeypatch):
+    """With split-K GEMMs (their Triton kernels checked at start-up) the engine re-quantizes through
+    rows.quantize_into (one kernel a weight on the GPU); requantize writes what quantize_into answers for, and the
+    chunked quantize_rows elsewhere: the same copies either way."""
+    from aligner.generation.native import fp8, rows
+
+    cfg, model, engine = _llama_fp8_engine(monkeypatch)
+    eager = engine.decoder.fp8
+    assert eager._quantize_into is rows.quantize_into  # (it answers False on the CPU: the copies above are eager)
+    seen = []
+
+    def every_other(w, w8, scale):  # quantize_rows's answer for every other weight, "cannot" for the rest
+        seen.append(tuple(w.shape))
+        if len(seen) % 2:
+            return False
+        q, s = fp8.quantize_rows(w)
+        w8.copy_(q)
+        scale.copy_(s.view(-1))
+        return True
+
+    mixed = fp8.DecodeFp8(engine.weights, torch.device("cpu"), qkv=True, quantize_into=every_other)
+    assert len(seen) == len(eager.names) == 3 * cfg.num_layers + 1
+    for name in eager.names:
+        assert torch.equal(mixed.w8[name].view(torch.uint8), eager.w8[name].view(torch.uint8)), name
+        assert torch.equal(mixed.scale[name], eager.scale[name]), name
+
+
 def test_fp8_is_a_native_setting():
     from aligner.config.generation import validate_generation
 

@@ -75,6 +75,19 @@ def test_quantize_rows_is_fp8_quantize_rows(dtype):
     assert torch.all(got[0][2].float() == 0)
 
 
+def test_quantize_into_leaves_the_cpu_to_its_caller_and_names_wrong_buffers():
+    """quantize_into writes only where its kernel runs on the GPU (the interpreter casts to e4m3 wrongly): on the CPU
+    it answers False and leaves the buffers as they were; buffers of another shape are named."""
+    x = torch.randn(6, 64)
+    q, s = torch.zeros(6, 64, dtype=fp8.E4M3), torch.full((6,), -1.0)
+    assert rows.quantize_into(x, q, s) is False
+    assert torch.all(q.float() == 0) and torch.all(s == -1)
+    with pytest.raises(ValueError, match="buffers"):
+        rows.quantize_into(x, q[:5], s)
+    with pytest.raises(ValueError, match="buffers"):
+        rows.quantize_into(x, q, s.view(6, 1))
+
+
 def test_what_the_kernels_do_not_take_is_named():
     x, parts, w, _ = _inputs(4, 64, torch.bfloat16, 0)
     with pytest.raises(ValueError, match="partials"):

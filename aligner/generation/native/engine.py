@@ -31,7 +31,7 @@ import torch
 from aligner.config.generation import GenerationConfig
 from aligner.families import family
 from aligner.generation.interfaces import GenerationOutput, SamplingParams
-from aligner.generation.native import choice, fp8, pdl, splitk, triton_decode
+from aligner.generation.native import choice, fp8, pdl, rows, splitk, triton_decode
 from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unavailable
 from aligner.generation.native.sampling import choose_and_record, keys_for_seeds, uniforms_for_seeds
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
@@ -142,7 +142,10 @@ class NativeEngine:
         self.decode_gemm = decode_gemm = self._choose_decode_gemm(gen_cfg.decode_gemm, tp, dtype, fp8_weights)
         decode_fp8 = None
         if fp8_weights:  # with split-K GEMMs qkv too, by the FP8 kernel (fp8.py)
-            decode_fp8 = fp8.DecodeFp8(self.weights, self.device, qkv=decode_gemm == "splitk")
+            # with split-K GEMMs the Triton kernels passed their start-up checks: re-quantization by the row kernel
+            split_k = decode_gemm == "splitk"
+            quantize_into = rows.quantize_into if split_k else None
+            decode_fp8 = fp8.DecodeFp8(self.weights, self.device, qkv=split_k, quantize_into=quantize_into)
             log.info(
                 "generation engine: decode steps read FP8 copies of the MLP%s and output weights (%.2f GiB)",
                 ", qkv" if decode_fp8.has_qkv else "",

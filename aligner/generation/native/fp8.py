@@ -101,9 +101,13 @@ class DecodeFp8:
     """The e4m3 copies of every layer's fc1 and fc2 (with `qkv`, also linear_qkv) and of the output layer, with their
     row scales; fixed buffers."""
 
-    def __init__(self, weights, device: torch.device, qkv: bool = False):
+    def __init__(self, weights, device: torch.device, qkv: bool = False, quantize_into=None):
+        """`quantize_into(w, w8, scales) -> bool`: how requantize writes a weight's copy where it can
+        (rows.quantize_into: one kernel a weight, where Triton's kernels run); otherwise, or where it answers False,
+        quantize_rows in chunks of rows."""
         self.one = torch.ones((), device=device)
         self.has_qkv = qkv
+        self._quantize_into = quantize_into
         parts = (1, 2, "qkv") if qkv else (1, 2)
         # the names of each layer's copies by part (1, 2: fc1, fc2; "qkv")
         layer_names = [{j: f"decoder.layers.{i}.{_LAYER_WEIGHTS[j]}" for j in parts} for i in range(weights.num_layers)]
@@ -126,6 +130,8 @@ class DecodeFp8:
         """Quantize the engine's current weights into the same buffers (after every refit)."""
         for name in self.names:
             w, w8, scale = self._source(weights, name), self.w8[name], self.scale[name]
+            if self._quantize_into is not None and self._quantize_into(w, w8, scale):
+                continue
             for r in range(0, w.shape[0], _ROWS_PER_CHUNK):
                 q, s = quantize_rows(w[r : r + _ROWS_PER_CHUNK])
                 w8[r : r + _ROWS_PER_CHUNK].copy_(q)

@@ -132,11 +132,11 @@ def _quantize_kernel():
         x = tl.load(x_ptr + row * sx_m + cols, mask=ok, other=0.0).to(tl.float32)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        # as in add_norm_rows
+        # the scale and IEEE divisions as in add_norm_rows, then Triton's own cast: on the H200 it gave torch's e4m3
+        # values for all 4.7 million tried, e4m3's subnormals and far below included, where _e4m3_grid differed on
+        # some (docs/PERF.md, twenty-sixth session)
         scale = _scale(tl.max(tl.abs(x), axis=0), tiny, e4m3_max, RECIPROCAL)
-        tl.store(
-            q_ptr + row * N + cols, tl.math.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=ok
-        )  # as in add_norm_rows
+        tl.store(q_ptr + row * N + cols, tl.math.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row, scale)
 
     return quantize_rows_k
@@ -194,6 +194,22 @@ def quantize_rows(x_MN: torch.Tensor, num_warps: int | None = None) -> tuple[tor
         x_MN, q, s, N, x_MN.stride(0), fp8._TINY, fp8.E4M3_MAX, **_options(x_MN, N, num_warps)
     )  # fmt: skip
     return q.to(fp8.E4M3), s
+
+
+def quantize_into(x_MN: torch.Tensor, q_MN: torch.Tensor, s_M: torch.Tensor) -> bool:
+    """quantize_rows written into existing buffers, q e4m3 [M, N] and s float32 [M] (contiguous), where it can run
+    (CUDA, contiguous rows of <= MAX_WIDTH values): one kernel reading x once (the FP8 decode weights' copies at
+    refit, where fp8.quantize_rows's eager pieces pass over each weight several times). Returns whether it wrote
+    them; False leaves them to the caller (off the GPU: Triton's interpreter casts to e4m3 wrongly)."""
+    M, N = x_MN.shape
+    if q_MN.shape != (M, N) or not q_MN.is_contiguous() or s_M.shape != (M,) or not s_M.is_contiguous():
+        raise ValueError(f"rows.quantize_into: buffers {tuple(q_MN.shape)}, {tuple(s_M.shape)} for x {(M, N)}")
+    if x_MN.device.type != "cuda" or x_MN.stride(-1) != 1 or N > MAX_WIDTH:
+        return False
+    _quantize_kernel()[(M,)](
+        x_MN, q_MN, s_M, N, x_MN.stride(0), fp8._TINY, fp8.E4M3_MAX, **_options(x_MN, N, None)
+    )  # fmt: skip
+    return True
 
 
 def _emulate(x: torch.Tensor) -> bool:

@@ -454,9 +454,13 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
             y = matmul_fp8(x8, xs, w8, ws, Tiling(block_n=32, block_k=32, splits=1), torch.float32)
             if not torch.allclose(y, ref, atol=1e-3, rtol=1e-3):
                 return "the FP8 kernel's one-range product differs from float32 maths here"
-            m8, ms = rows.quantize_rows(x32)
-            if not (torch.equal(ms, xs) and torch.equal(m8.float(), x8.float())):
-                return "the row quantization kernel's answer differs from torch's here"
+            # values over e4m3's whole range, its subnormals included (2^-14 of a row's largest and below)
+            wide = x32 * torch.exp2(torch.randint(-14, 1, x32.shape, generator=g, device=device).float())
+            for x in (x32, wide):
+                m8, ms = rows.quantize_rows(x)
+                r8, rs = fp8.quantize_rows(x)
+                if not (torch.equal(ms, rs) and torch.equal(m8.float(), r8.float())):
+                    return "the row quantization kernel's answer differs from torch's here"
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
     return None
