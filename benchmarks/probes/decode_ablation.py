@@ -10,7 +10,8 @@ which a kernel profile does not show.
 
     python3 benchmarks/probes/decode_ablation.py --decode-weights fp8 --batch-sizes 64 --out result.json
     python3 benchmarks/probes/decode_ablation.py --decode-weights fp8 --batch-sizes 256 \
-        --targets none attention cublas_fp8 rowwise_fp8 linear act_q add_norm_q dq_add_norm_q    (above 128 rows)
+        --targets none attention fc1 fp8_gemm act_quant cublas_fp8 rowwise_fp8 linear add_norm_q dq_add_norm_q
+                                                                                  (256 rows: docs/PERF.md, 26th session)
 """
 
 import argparse
@@ -29,7 +30,8 @@ from benchmarks.probes.common import bench_engine, engine_choices, engine_parser
 
 # target -> (where, name): a function of a module under aligner.generation.native, a field of the decoder's compiled
 # kernels ("kernels": fused.Kernels, the step's elementwise pieces), or a static method of the Decoder ("Decoder").
-# Up to 128 rows (decode_gemm=splitk: the Triton GEMMs and row kernels):
+# Up to 128 rows (decode_gemm=splitk: the Triton GEMMs and row kernels; with FP8 weights fc1, qkv and the activation's
+# quantization up to 512 rows, in row blocks above 128):
 TARGETS = {
     "act_quant": ("rows", "quantize_rows"),  # the activation's quantization between fc1 and fc2 (FP8)
     "attention": ("triton_decode", "decode_attention"),
@@ -37,11 +39,11 @@ TARGETS = {
     "proj": ("splitk", "matmul"),  # the split-K GEMM in the engine's dtype (with FP8 weights: proj only)
     "fc1": ("splitk", "gated_matmul_fp8"),
     "fp8_gemm": ("splitk", "matmul_fp8"),  # qkv, fc2 and the output layer with FP8 weights
-    # above 128 rows (cuBLAS and compiled kernels), FP8 weights:
-    "cublas_fp8": ("fp8", "matmul"),  # fc1 and fc2 (unit scales)
-    "rowwise_fp8": ("fp8", "matmul_rowwise"),  # qkv and the output layer (scales in the epilogue)
+    # above 128 rows (cuBLAS and compiled kernels), FP8 weights (what runs there above 512 rows only: in brackets):
+    "cublas_fp8": ("fp8", "matmul"),  # fc2 [and fc1] (unit scales)
+    "rowwise_fp8": ("fp8", "matmul_rowwise"),  # the output layer [and qkv] (scales in the epilogue)
     "linear": ("Decoder", "_linear"),  # proj (cuBLAS in the engine's dtype; with bf16 weights every GEMM)
-    "act_q": ("kernels", "act_q"),  # fc1's scales, the activation and its quantization
+    "act_q": ("kernels", "act_q"),  # [fc1's scales, the activation and its quantization]
     "add_norm_q": ("kernels", "add_norm_q"),  # the residual add + norm + quantization after proj
     "dq_add_norm_q": ("kernels", "dq_add_norm_q"),  # fc2's scales, the residual add + norm + quantization
 }
