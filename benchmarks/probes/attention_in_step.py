@@ -26,14 +26,13 @@ import argparse
 import itertools
 import os
 import sys
-import time
 from functools import partial
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from benchmarks.probes.common import write_report  # noqa: E402
+from benchmarks.probes.common import us_a_layer, write_report  # noqa: E402
 
 LAYERS, GROUPS, GROUP_SIZE, HEAD_DIM = 16, 8, 2, 128  # the 1B model of docs/PERF.md
 BANDWIDTH = 4.2e12  # the H200's copy rate (docs/PERF.md)
@@ -133,15 +132,7 @@ def main(argv=None) -> dict:
                 print(f"  {name:16s} failed: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                 del calls[name]
                 continue
-            every_layer = lambda fn=fn: [fn(i) for i in range(L)]  # noqa: E731
-            if gpu:
-                from benchmarks.decode_kernels import graph_time_us
-
-                row["us"][name] = graph_time_us(every_layer, calls=1, replays=30) / L
-            else:
-                start = time.perf_counter()
-                every_layer()
-                row["us"][name] = (time.perf_counter() - start) / L * 1e6
+            row["us"][name] = us_a_layer(lambda fn=fn: [fn(i) for i in range(L)], L, gpu)
         report["batches"][str(B)] = row
         print(f"B={B} floor {row['floor_us']:.1f} us a layer", flush=True)
         for name in calls:

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -23,6 +24,19 @@ def randn(device: torch.device, dtype: torch.dtype = torch.bfloat16):
         return torch.randn(*shape, device=device, dtype=dtype) * std
 
     return rand
+
+
+def us_a_layer(every_layer, layers: int, gpu: bool) -> float:
+    """The time of `every_layer()` (one call per layer) divided by `layers`, in us: on the GPU a CUDA graph of it
+    replayed 30 times (benchmarks.decode_kernels.graph_time_us), on the CPU one eager pass (the interpreter: only
+    that it runs)."""
+    if gpu:
+        from benchmarks.decode_kernels import graph_time_us
+
+        return graph_time_us(every_layer, calls=1, replays=30) / layers
+    start = time.perf_counter()
+    every_layer()
+    return (time.perf_counter() - start) / layers * 1e6
 
 
 def engine_parser(doc: str, repeats: int) -> argparse.ArgumentParser:

@@ -22,14 +22,13 @@ value) is reported with it.
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from benchmarks.probes.common import write_report  # noqa: E402
+from benchmarks.probes.common import us_a_layer, write_report  # noqa: E402
 
 LAYERS, HIDDEN, FFN, QKV, VOCAB = 16, 2048, 8192, 4096, 32000  # the 1B model of docs/PERF.md
 TINY = (2, 64, 128, 128, 256)
@@ -43,21 +42,6 @@ CANDIDATES = {
     "out": [(128, 64, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3), (256, 128, 128, 1, 8, 3)],
     "proj": [(128, 64, 128, 2, 4, 3), (128, 64, 64, 4, 4, 4), (256, 64, 64, 4, 8, 3)],
 }
-
-
-def _timer(gpu: bool):
-    """fn -> us a layer: a CUDA graph of the layers' calls on the GPU (replayed 30 times), one eager pass on the CPU."""
-
-    def time_us(every_layer, layers: int) -> float:
-        if gpu:
-            from benchmarks.decode_kernels import graph_time_us
-
-            return graph_time_us(every_layer, calls=1, replays=30) / layers
-        start = time.perf_counter()
-        every_layer()
-        return (time.perf_counter() - start) / layers * 1e6
-
-    return time_us
 
 
 def _triton_call(name: str, tiling, W: list, a8, a_s, x, act: torch.dtype):
@@ -106,7 +90,6 @@ def main(argv=None) -> dict:
     }
     inputs = {"fc1": (x8, xs), "qkv": (x8, xs), "out": (x8, xs), "fc2": (m8, ms)}
     one = torch.ones((), device=device)
-    time_us = _timer(gpu)
     report = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "args": vars(args), "us": {}, "err": {}}
 
     def record(name, fn, ref=None, parts=False):
@@ -114,7 +97,7 @@ def main(argv=None) -> dict:
             y = fn(0).float()
             y = y.sum(0) if parts else y
             report["err"][name] = float((y - ref).abs().max() / ref.abs().max())
-        report["us"][name] = time_us(lambda: [fn(i) for i in range(L)], L)
+        report["us"][name] = us_a_layer(lambda: [fn(i) for i in range(L)], L, gpu)
         err = f"  err {report['err'][name]:.1e}" if name in report["err"] else ""
         print(f"{name:48s} {report['us'][name]:9.2f} us{err}", flush=True)
 

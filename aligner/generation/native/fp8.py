@@ -11,8 +11,9 @@ FP8 tensor cores do more of it: a SwiGLU fc1's product, both scales and the acti
 (splitk.gated_matmul_fp8), fc2 by the split-K kernel (splitk.matmul_fp8), and also qkv and the output layer, each
 written in the engine's dtype with its scales applied (splitk.matmul_fp8, one K range; the norm before qkv then
 quantizes its output too); with RMSNorm the add+norm+quantize kernels after the split-K GEMMs and the activation's
-quantization are rows.py's. Above those kernels' 128 rows, qkv (where the copies include it) and the output layer run
-by cuBLAS's row-wise scaled FP8 GEMM (matmul_rowwise), fc1 and fc2 as described first.
+quantization are rows.py's. Above those kernels' 128 rows, fc1 and qkv stay on them in blocks of rows (up to
+splitk.ROW_BLOCKS_MAX_BATCH rows; qkv above that), the output layer runs by cuBLAS's row-wise scaled FP8 GEMM
+(matmul_rowwise), fc2 as described first.
 Prefill runs its MLPs on the same copies by cuBLAS (compute-bound there: the FP8 tensor cores' rate), and qkv too
 where the copies include it, by the row-wise scaled FP8 GEMM (matmul_rowwise: both scales applied in its epilogue).
 Attention and proj stay in the engine's dtype (proj's input, the attention's output, would need a quantization

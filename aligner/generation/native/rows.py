@@ -190,10 +190,16 @@ def quantize_rows(x_MN: torch.Tensor, num_warps: int | None = None) -> tuple[tor
         raise ValueError(f"rows.quantize_rows: x {tuple(x_MN.shape)} needs contiguous rows of <= {MAX_WIDTH}")
     q = _fp8_out(x_MN, (M, N))
     s = torch.empty((M, 1), dtype=torch.float32, device=x_MN.device)
-    _quantize_kernel()[(M,)](
-        x_MN, q, s, N, x_MN.stride(0), fp8._TINY, fp8.E4M3_MAX, **_options(x_MN, N, num_warps)
-    )  # fmt: skip
+    _quantize(x_MN, q, s, num_warps)
     return q.to(fp8.E4M3), s
+
+
+def _quantize(x_MN, q_MN, s_M, num_warps: int | None) -> None:
+    """The row quantization kernel over x's rows into q (contiguous) and s (one value a row)."""
+    M, N = x_MN.shape
+    _quantize_kernel()[(M,)](
+        x_MN, q_MN, s_M, N, x_MN.stride(0), fp8._TINY, fp8.E4M3_MAX, **_options(x_MN, N, num_warps)
+    )  # fmt: skip
 
 
 def quantize_into(x_MN: torch.Tensor, q_MN: torch.Tensor, s_M: torch.Tensor) -> bool:
@@ -206,9 +212,7 @@ def quantize_into(x_MN: torch.Tensor, q_MN: torch.Tensor, s_M: torch.Tensor) -> 
         raise ValueError(f"rows.quantize_into: buffers {tuple(q_MN.shape)}, {tuple(s_M.shape)} for x {(M, N)}")
     if x_MN.device.type != "cuda" or x_MN.stride(-1) != 1 or N > MAX_WIDTH:
         return False
-    _quantize_kernel()[(M,)](
-        x_MN, q_MN, s_M, N, x_MN.stride(0), fp8._TINY, fp8.E4M3_MAX, **_options(x_MN, N, None)
-    )  # fmt: skip
+    _quantize(x_MN, q_MN, s_M, None)
     return True
 
 
