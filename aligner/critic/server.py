@@ -24,10 +24,12 @@ import gc
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import traceback
@@ -354,6 +356,7 @@ class CriticServer:
         self._closing = False
         self._signal = None
         self._triton = None
+        self._workspace = None  # the folder that holds PyTriton's workspace, removed by _shutdown
         self.token = load_token(cfg.server.token_file)
 
     # Triton threads ---------------------------------------------------------------------------------------
@@ -488,7 +491,14 @@ class CriticServer:
             # for tritonserver's exit is waiting for clients' keep-alive connections.
             exit_timeout_secs=3,
         )
-        self._triton = Triton(config=config)
+        # PyTriton's own clean-up of its workspace runs while the python stubs may still be exiting, and gives up
+        # with a warning on the first error (a CI run found a workspace left): a folder of ours, removed by
+        # _shutdown after the stubs are gone. Short, like PyTriton's own name: its unix sockets live in it.
+        from pytriton.constants import PYTRITON_HOME
+
+        os.makedirs(PYTRITON_HOME, exist_ok=True)
+        self._workspace = tempfile.mkdtemp(prefix="critic_", dir=PYTRITON_HOME)
+        self._triton = Triton(config=config, workspace=os.path.join(self._workspace, "w"))
         i64, f32 = np.int64, np.float32
         no_batching = ModelConfig(batching=False)  # shapes include B; the server checks B itself, with clear errors
         self._triton.bind(
@@ -712,6 +722,10 @@ class CriticServer:
             forced = end_processes(stubs)
             if forced:
                 LOG.log(level, "ended %d python stub process(es) left after Triton stopped", len(forced))
+        if self._workspace is not None:
+            shutil.rmtree(self._workspace, ignore_errors=True)
+            if os.path.exists(self._workspace):
+                LOG.warning("could not remove the Triton workspace %s; remove it by hand", self._workspace)
         if self.service is not None:
             self.service.close()
         if not tell_ranks:
