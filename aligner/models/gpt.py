@@ -194,6 +194,11 @@ def build_gpt(cfg: ModelConfig, head: str = "lm") -> GPTModel:
         # an int; these follow the config exactly (aligner.models.rope), and the native engine reads them from here.
         inv_freq = model.rotary_pos_emb.inv_freq
         model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg).to(inv_freq.device)
+    if pre and getattr(model.embedding, "position_embeddings", None) is not None:
+        # megatron builds learned positions (GPT-2) as a plain torch.nn.Embedding in float32, whatever params_dtype
+        # is (its bf16 module wrapper, which we do not use, would cast it): a bf16 model's embedding sum then came out
+        # in float32 and its first layer refused it
+        model.embedding.position_embeddings.to(torch_dtype(cfg.params_dtype))
     if head == "scalar" and post:
         model.output_layer = ScalarHead(
             cfg.hidden_size, torch_dtype(cfg.params_dtype), cfg.init_method_std, config.sequence_parallel

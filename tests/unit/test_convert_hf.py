@@ -77,12 +77,20 @@ def test_hf_to_ours_to_hf(kind, tmp_path):
             torch.testing.assert_close(reloaded(TOKENS_BT).logits, expected[:, -1], rtol=0, atol=0)
 
 
-def test_bfloat16_round_trip_and_sharded_files(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_bfloat16_round_trip_and_sharded_files(kind, tmp_path):
     hf_dir, conv, back = str(tmp_path / "hf"), str(tmp_path / "conv"), str(tmp_path / "back")
-    make_hf("llama", hf_dir, dtype=torch.bfloat16, max_shard_size="40KB")
+    hf = make_hf(kind, hf_dir, dtype=torch.bfloat16, max_shard_size="40KB")
     assert os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json"))
     convert_hf_to_dist(hf_dir, conv)  # dtype auto: as stored
     assert load_model_yaml(os.path.join(conv, "model.yaml")).params_dtype == "bfloat16"
+    # the model runs in bf16 (GPT-2's learned positions included: megatron builds them in float32) and computes
+    # HF's logits to bf16's rounding
+    logits = ours(conv)
+    assert logits.dtype == torch.bfloat16
+    with torch.no_grad():
+        expected = hf_outputs(hf).float()
+    assert (logits.float() - expected).abs().max() < 0.05 * expected.abs().max()
     convert_dist_to_hf(conv, back, max_shard_size="40KB")
     index = json.load(open(os.path.join(back, "model.safetensors.index.json")))
     assert len(set(index["weight_map"].values())) > 1

@@ -206,16 +206,19 @@ def _kernels():
                     tl.store(v_base + pos * sv_t + dims, v8, mask=dmask)
                     tl.store(ks_base + pos, k_s)
                     tl.store(vs_base + pos, v_s)
-                    k_new, v_new = k8.to(tl.float32) * k_s, v8.to(tl.float32) * v_s
+                    # new names: k_new keeps its type from before the runtime branch (Triton refuses a change;
+                    # its interpreter does not check, a GPU run found it)
+                    k_att, v_att = k8.to(tl.float32) * k_s, v8.to(tl.float32) * v_s
                 else:
                     tl.store(k_base + pos * sk_t + dims, k_new, mask=dmask)
                     tl.store(v_base + pos * sv_t + dims, v_new, mask=dmask)
-                score = tl.sum(q * k_new.to(tl.float32)[None, :], 1) * scale
+                    k_att, v_att = k_new.to(tl.float32), v_new.to(tl.float32)
+                score = tl.sum(q * k_att[None, :], 1) * scale
                 m_new = tl.maximum(m_i, score)
                 alpha = tl.exp(m_i - m_new)
                 p_new = tl.exp(score - m_new)
                 l_i = l_i * alpha + p_new
-                acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+                acc = acc * alpha[:, None] + p_new[:, None] * v_att[None, :]
                 m_i = m_new
         if SPLITS == 1:
             out = acc / l_i[:, None]
