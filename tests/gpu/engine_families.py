@@ -7,16 +7,17 @@ shape), Llama 3.2-style (llama3 RoPE scaling, tied embeddings), Qwen3-style (per
 hidden / heads), GPT-2 (learned positions, LayerNorm, GELU, biases, tied). Each with the engine's defaults and with
 FP8 decode weights and an FP8 KV cache (`generation.decode_weights` / `kv_dtype`). Per case, ragged prompts:
 
-- greedy: the engine's log-probs against megatron's forward of the engine's sequences (one pass, bf16), and where
-  the forward's argmax is not the engine's token, the forward's log-prob gap between the two (a near-tie is bf16's
-  rounding; a large gap is a wrong step);
-- sampled (T = 1, seeded): the same log-prob comparison;
-- refit: the policy's weights changed (as an optimizer step changes them), engine.refit, greedy again, compared with
-  the changed model's forward.
+- greedy: the engine's log-probs against megatron's forward of the engine's sequences (one pass) in the model's dtype
+  and in float32 (the same weights); where the forward's argmax is not the engine's token, the forward's log-prob
+  gap between the two;
+- sampled (T = 1, seeded): the same comparisons;
+- refit: the policy's weights changed (as an optimizer step changes them), engine.refit, greedy again: compared with
+  the changed model, and the tokens must differ from the first greedy call's.
 
-PASS needs, with the engine's own dtype, log-prob differences of mean <= 0.02 and max <= 0.25 nats and no argmax
-disagreement wider than 0.25 nats; with FP8 weights or cache (another policy by design) mean <= 0.25. Prints one line
-per case and a table; exit 1 on any FAIL.
+PASS: with the engine's own dtype, the engine no farther from the float32 forward (mean over tokens) than 1.5x the
+bf16 forward is (bf16's rounding is the yardstick: a kernel that computes something else lands far outside it); with
+FP8 weights or an FP8 cache (another policy by design; the CPU tests hold those to megatron with the same rounding)
+a mean under 1 nat (a broken kernel's tokens are noise). Prints one line per case and a table; exit 1 on any FAIL.
 
     python3 tests/gpu/engine_families.py [--out report.json]
     python3 tests/gpu/engine_families.py --tiny           (CPU: the script itself; engine defaults of the CPU)
@@ -65,7 +66,7 @@ FAMILIES = {
     ),
 }
 VARIANTS = {"engine dtype": {}, "fp8 weights": {"decode_weights": "fp8"}, "fp8 kv": {"kv_dtype": "fp8"}}
-LIMITS = {True: (0.02, 0.25), False: (0.25, None)}  # exact variant: (mean, max); FP8: mean only
+LIMIT_TO_NOISE, SLACK, FP8_MEAN_LIMIT = 1.5, 1e-3, 1.0  # see verdict
 
 
 def tiny(cfg: ModelConfig) -> ModelConfig:
@@ -109,31 +110,49 @@ def forward_logprobs(model, prompts_BT, lengths_B, out, temperature: float, voca
     return logp, gaps
 
 
-def compare(model, engine, prompts, lengths, sampling, vocab: int) -> dict:
+def float32_copy(model, cfg: ModelConfig):
+    """The same weights in a float32 model: the reference whose distance from the bf16 forward is bf16's own
+    rounding."""
+    from aligner.models.gpt import build_gpt
+
+    copy = build_gpt(replace(cfg, params_dtype="float32")).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def compare(model, cfg: ModelConfig, engine, prompts, lengths, sampling) -> dict:
+    """The engine's log-probs against megatron's forward of its sequences, in the model's dtype and in float32."""
     out = engine.generate(prompts, lengths, sampling)
     temperature = 1.0 if sampling.greedy else sampling.temperature
-    ref, gaps = forward_logprobs(model, prompts, lengths, out, temperature, vocab)
+    ref, gaps = forward_logprobs(model, prompts, lengths, out, temperature, cfg.vocab_size)
+    ref32, _ = forward_logprobs(float32_copy(model, cfg), prompts, lengths, out, temperature, cfg.vocab_size)
     mask = torch.arange(out.logprobs_BR.shape[1], device=ref.device)[None] < out.response_lengths_B.to(ref.device)[:, None]
-    diff = (out.logprobs_BR.to(ref.device) - ref).abs()[mask]
+    engine_logp = out.logprobs_BR.to(ref.device)
+    diff, diff32, noise = ((engine_logp - ref).abs()[mask], (engine_logp - ref32).abs()[mask], (ref - ref32).abs()[mask])
     tokens = out.response_tokens_BR[mask.to(out.response_tokens_BR.device)]
     return {
         "tokens_": out.response_tokens_BR.tolist(),  # dropped from the report
         "tokens": int(mask.sum()),
-        "valid_tokens": bool(((tokens >= 0) & (tokens < vocab)).all()),
+        "valid_tokens": bool(((tokens >= 0) & (tokens < cfg.vocab_size)).all()),
         "mean_logp": round(float(ref[mask].mean()), 3),  # how peaked the distributions are (0: one-hot)
-        "mismatch_mean": float(diff.mean()),
+        "mismatch_mean": float(diff.mean()),  # engine vs the forward in the model's dtype
         "mismatch_max": float(diff.max()),
+        "vs_fp32_mean": float(diff32.mean()),  # engine vs the float32 forward
+        "vs_fp32_max": float(diff32.max()),
+        "noise_mean": float(noise.mean()),  # the model's dtype's own forward vs the float32 one
+        "noise_max": float(noise.max()),
         "argmax_disagreements": len(gaps) if sampling.greedy else None,
         "widest_gap": max(gaps) if sampling.greedy and gaps else 0.0,
     }
 
 
 def verdict(row: dict, exact: bool) -> bool:
-    mean, most = LIMITS[exact]
-    ok = row["valid_tokens"] and row["mismatch_mean"] <= mean
+    """Exact variants: the engine no farther from the float32 forward than LIMIT_TO_NOISE times the model dtype's own
+    forward (plus SLACK nats for float32 runs, where that is ~0); FP8 ones: FP8_MEAN_LIMIT."""
+    ok = row["valid_tokens"]
     if exact:
-        ok = ok and row["mismatch_max"] <= most and (row["widest_gap"] or 0.0) <= most
-    return ok
+        return ok and row["vs_fp32_mean"] <= LIMIT_TO_NOISE * row["noise_mean"] + SLACK
+    return ok and row["vs_fp32_mean"] <= FP8_MEAN_LIMIT
 
 
 def change_weights(model, seed: int) -> None:
@@ -181,7 +200,7 @@ def run_case(name, cfg, variant, args, device) -> list[dict]:
             engine.refit(model)
             sampling = greedy
         row = {"family": name, "variant": variant, "what": what, **setting}
-        row.update(compare(model, engine, prompts, lengths, sampling, cfg.vocab_size))
+        row.update(compare(model, cfg, engine, prompts, lengths, sampling))
         row["pass"] = verdict(row, exact=not VARIANTS[variant])
         tokens = row.pop("tokens_")
         if what == "greedy":
@@ -190,8 +209,9 @@ def run_case(name, cfg, variant, args, device) -> list[dict]:
             row["refit_changed_tokens"] = tokens != before
             row["pass"] = row["pass"] and tokens != before
         print(
-            f"{'PASS' if row['pass'] else 'FAIL'} {name} / {variant} / {what}: mismatch mean {row['mismatch_mean']:.4f}"
-            f" max {row['mismatch_max']:.3f}, argmax disagreements {row['argmax_disagreements']} (widest "
+            f"{'PASS' if row['pass'] else 'FAIL'} {name} / {variant} / {what}: vs fp32 mean {row['vs_fp32_mean']:.4f} "
+            f"(the forward's own {row['noise_mean']:.4f}), vs the forward {row['mismatch_mean']:.4f} max "
+            f"{row['mismatch_max']:.3f}, argmax disagreements {row['argmax_disagreements']} (widest "
             f"{row['widest_gap']:.3f}), mean log-prob {row['mean_logp']}, {setting}",
             flush=True,
         )
@@ -227,11 +247,15 @@ def main(argv=None) -> int:
         cfg = tiny(FAMILIES[name]) if args.tiny else FAMILIES[name]
         for variant in variants:
             rows += run_case(name, cfg, variant, args, device)
-    print("\n| family | variant | what | attention / gemm / kv | mismatch mean / max | argmax off (widest) | result |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| family | variant | what | attention / gemm / kv | vs fp32 mean / max | forward vs fp32 mean / max "
+        "| vs forward mean / max | argmax off (widest) | result |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['family']} | {r['variant']} | {r['what']} | {r['decode_attention']} / {r['decode_gemm']} / {r['kv']}"
+            f" | {r['vs_fp32_mean']:.4f} / {r['vs_fp32_max']:.3f} | {r['noise_mean']:.4f} / {r['noise_max']:.3f}"
             f" | {r['mismatch_mean']:.4f} / {r['mismatch_max']:.3f} | {r['argmax_disagreements']} "
             f"({r['widest_gap']:.3f}) | {'PASS' if r['pass'] else 'FAIL'} |"
         )
