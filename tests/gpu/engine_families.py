@@ -90,9 +90,9 @@ def forward_logprobs(model, prompts_BT, lengths_B, out, temperature: float, voca
     from aligner.models.gpt import forward
 
     B, R = out.response_tokens_BR.shape
+    n_B = out.response_lengths_B.tolist()
     seqs = [
-        prompts_BT[b, : int(lengths_B[b])].tolist() + out.response_tokens_BR[b, : int(out.response_lengths_B[b])].tolist()
-        for b in range(B)
+        prompts_BT[b, : int(lengths_B[b])].tolist() + out.response_tokens_BR[b, : n_B[b]].tolist() for b in range(B)
     ]
     width = max(len(s) for s in seqs)
     device = prompts_BT.device
@@ -126,9 +126,10 @@ def compare(model, cfg: ModelConfig, engine, prompts, lengths, sampling) -> dict
     temperature = 1.0 if sampling.greedy else sampling.temperature
     ref, gaps = forward_logprobs(model, prompts, lengths, out, temperature, cfg.vocab_size)
     ref32, _ = forward_logprobs(float32_copy(model, cfg), prompts, lengths, out, temperature, cfg.vocab_size)
-    mask = torch.arange(out.logprobs_BR.shape[1], device=ref.device)[None] < out.response_lengths_B.to(ref.device)[:, None]
+    lengths_B = out.response_lengths_B.to(ref.device)
+    mask = torch.arange(out.logprobs_BR.shape[1], device=ref.device)[None] < lengths_B[:, None]
     engine_logp = out.logprobs_BR.to(ref.device)
-    diff, diff32, noise = ((engine_logp - ref).abs()[mask], (engine_logp - ref32).abs()[mask], (ref - ref32).abs()[mask])
+    diff, diff32, noise = (engine_logp - ref).abs()[mask], (engine_logp - ref32).abs()[mask], (ref - ref32).abs()[mask]
     tokens = out.response_tokens_BR[mask.to(out.response_tokens_BR.device)]
     return {
         "tokens_": out.response_tokens_BR.tolist(),  # dropped from the report

@@ -1,0 +1,37 @@
+"""The engine's Triton kernels compiled for the H200 (sm_90) here, without a GPU (tests/triton_sm90.py): the
+interpreter the other tests run them under checks no types, Triton's compiler does."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "triton_sm90.py")
+KERNELS = [
+    "decode_attention_fwd", "splitk_gemm", "gated_gemm", "splitk_fp8_gemm", "gated_fp8_gemm", "quantize_rows_k",
+    "add_norm_rows", "choice_parts", "choice_merge",
+]  # fmt: skip
+
+
+def _run(*args, **env):
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600, env={**os.environ, **env}
+    )
+
+
+def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
+    from dist import free_port
+
+    specs = str(tmp_path / "specs.json")
+    recorded = _run("record", specs, MASTER_PORT=str(free_port()))
+    assert recorded.returncode == 0, recorded.stdout[-2000:] + recorded.stderr[-4000:]
+    compiled = _run("compile", specs)
+    assert compiled.returncode == 0, compiled.stdout[-6000:] + compiled.stderr[-2000:]
+    ok = [line.split()[1] for line in compiled.stdout.splitlines() if line.startswith("OK ")]
+    assert set(ok) == set(KERNELS), ok  # each of the engine's kernels, in every specialization the CPU run took
+    # FP8 cache with the kernel's own write, with and without RoPE (where a type change once broke the GPU build)
+    assert compiled.stdout.count("'WRITE_NEW': True") >= 4 and "'KV_FP8': True" in compiled.stdout
+    # and what steps above 128 rows take: FP8 fc1 and qkv in row blocks, 64 attention slots a step
+    assert compiled.stdout.count("'BLOCK_M': 128") == 2 and "'BLOCK': 64," in compiled.stdout
