@@ -1,4 +1,4 @@
-"""Compile the engine's Triton kernels for the H200 (sm_90) on a machine without a GPU.
+"""Compile the engine's Triton kernels for the H200 (sm_90) and for an A100 (sm_80) on a machine without a GPU.
 
 The CPU tests run our kernels under Triton's interpreter, which executes them with numpy and checks no types: a
 kernel that computes the right values there can still fail Triton's compiler on a GPU (a variable whose type changes
@@ -12,7 +12,8 @@ compiles for a GPU target without one (its ptxas ships in the wheel), so:
 `record` runs Llama, Qwen3-style (q/k norms) and GPT-2 (learned positions) models with the engine's own dtype, FP8
 decode weights and an FP8 KV cache, greedy and sampled; `compile` builds each distinct specialization (argument
 types, constexprs, warps and stages) to a cubin for sm_90, with the constexprs that depend on the device set as the
-GPU's launchers set them (GPU_CONSTEXPRS). Prints one line per kernel specialization; exit 1 if any fails.
+GPU's launchers set them (GPU_CONSTEXPRS), and those without FP8 for sm_80 too (TARGETS). Prints one line per
+kernel specialization; exit 1 if any fails.
 Steps above 128 rows are recorded at 3 rows with the row limits lowered (splitk.MAX_BATCH, GATED_MAX_BATCH,
 triton_decode.WIDE_MIN_BATCH).
 """
@@ -36,6 +37,9 @@ GPU_CONSTEXPRS = {
     "NATIVE_QK": True,  # triton_decode.py: 16-bit operands on a GPU
     "NATIVE_PV": True,
 }
+# the GPUs compiled for: the H200's sm_90, and an A100's sm_80 (no PDL there: pdl.wanted; no FP8 kernels; compiled,
+# never run on an A100)
+TARGETS = {"sm_90": (90, {}), "sm_80": (80, {"PDL": False})}
 TYPES = {
     "torch.float32": "fp32",
     "torch.bfloat16": "bf16",
@@ -158,6 +162,10 @@ def _kernel(module: str, qualname: str):
     raise LookupError(f"{module}.{factory}() returned no kernel named {name}")
 
 
+def _uses_fp8(spec: dict) -> bool:
+    return any("fp8" in t for t in spec["signature"].values()) or bool(spec["constexprs"].get("KV_FP8"))
+
+
 def compile_all(path: str) -> int:
     os.environ.pop("TRITON_INTERPRET", None)  # the test suite's conftest sets it; compiling needs it off
     import triton
@@ -166,31 +174,34 @@ def compile_all(path: str) -> int:
 
     specs = json.load(open(path))
     seen_overrides, failures, done = set(), 0, set()
-    for spec in specs:
-        constexprs = dict(spec["constexprs"])
-        for name, value in GPU_CONSTEXPRS.items():
-            if name in constexprs:
-                constexprs[name] = value
-                seen_overrides.add(name)
-        options = {k: v for k, v in spec["options"].items() if k in ("num_warps", "num_stages")}
-        key = json.dumps([spec["module"], spec["qualname"], spec["signature"], constexprs, options], sort_keys=True)
-        if key in done:
-            continue
-        done.add(key)
-        kernel = _kernel(spec["module"], spec["qualname"])
-        label = f"{spec['qualname'].split('.')[-1]} {constexprs} {options}"
-        try:
-            source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=constexprs)
-            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-            print(f"OK   {label}", flush=True)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported, then the exit code says it
-            failures += 1
-            print(f"FAIL {label}\n{exc}", flush=True)
+    for target, (capability, overrides) in TARGETS.items():
+        for spec in specs:
+            if capability < 89 and _uses_fp8(spec):  # FP8 tensor cores: sm_89+ (fp8.unavailable refuses below)
+                continue
+            constexprs = dict(spec["constexprs"])
+            for name, value in {**GPU_CONSTEXPRS, **overrides}.items():
+                if name in constexprs:
+                    constexprs[name] = value
+                    seen_overrides.add(name)
+            options = {k: v for k, v in spec["options"].items() if k in ("num_warps", "num_stages")}
+            key = json.dumps([target, spec["qualname"], spec["signature"], constexprs, options], sort_keys=True)
+            if key in done:
+                continue
+            done.add(key)
+            kernel = _kernel(spec["module"], spec["qualname"])
+            label = f"{target} {spec['qualname'].split('.')[-1]} {constexprs} {options}"
+            try:
+                source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=constexprs)
+                triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+                print(f"OK   {label}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, then the exit code says it
+                failures += 1
+                print(f"FAIL {label}\n{exc}", flush=True)
     stale = set(GPU_CONSTEXPRS) - seen_overrides
     if stale:
         print(f"FAIL GPU_CONSTEXPRS names no recorded kernel's constexpr: {sorted(stale)}")
         failures += 1
-    print(f"{len(done)} specializations compiled for sm_90, {failures} failed")
+    print(f"{len(done)} specializations compiled for {', '.join(TARGETS)}, {failures} failed")
     return 1 if failures else 0
 
 

@@ -1,5 +1,5 @@
-"""The engine's Triton kernels compiled for the H200 (sm_90) here, without a GPU (tests/triton_sm90.py): the
-interpreter the other tests run them under checks no types, Triton's compiler does."""
+"""The engine's Triton kernels compiled for the H200 (sm_90) and an A100 (sm_80) here, without a GPU
+(tests/triton_sm90.py): the interpreter the other tests run them under checks no types, Triton's compiler does."""
 
 import os
 import subprocess
@@ -29,8 +29,10 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     assert recorded.returncode == 0, recorded.stdout[-2000:] + recorded.stderr[-4000:]
     compiled = _run("compile", specs)
     assert compiled.returncode == 0, compiled.stdout[-6000:] + compiled.stderr[-2000:]
-    ok = [line.split()[1] for line in compiled.stdout.splitlines() if line.startswith("OK ")]
-    assert set(ok) == set(KERNELS), ok  # each of the engine's kernels, in every specialization the CPU run took
+    ok = [line.split()[1:3] for line in compiled.stdout.splitlines() if line.startswith("OK ")]
+    # each of the engine's kernels, in every specialization the CPU run took; for an A100 those without FP8
+    assert {name for target, name in ok if target == "sm_90"} == set(KERNELS), ok
+    assert {name for target, name in ok if target == "sm_80"} == set(KERNELS) - {"splitk_fp8_gemm", "gated_fp8_gemm"}
     # FP8 cache with the kernel's own write, with and without RoPE (where a type change once broke the GPU build)
     assert compiled.stdout.count("'WRITE_NEW': True") >= 4 and "'KV_FP8': True" in compiled.stdout
     # and what steps above 128 rows take: FP8 fc1 and qkv in row blocks, 64 attention slots a step
