@@ -2,7 +2,8 @@
 re-quantization of the FP8 decode weights by it against fp8.quantize_rows's eager pieces.
 
 - values: rows.quantize_rows against fp8.quantize_rows on normal values, on values spread over 2^-20..1 of each
-  row's largest (e4m3's subnormals and far below), float32 and bf16: how many e4m3 values and scales differ;
+  row's largest (e4m3's subnormals and far below), float32 and bf16: how many e4m3 values and scales differ; the
+  same for rows.add_parts_norm's quantized row against fp8.quantize_rows of its own normed row;
 - requantize (GPU only: rows.quantize_into writes nothing elsewhere): fp8.DecodeFp8 over the 1B model's fc1, fc2,
   qkv and output weights (random bf16), eagerly and with quantize_into: values differing, ms per requantize.
 
@@ -75,6 +76,19 @@ def main(argv=None) -> dict:
         report["values"][name] = row
         differ = f"{row['values_differing']} of {row['values']} values, {row['scales_differing']} scales"
         print(f"{name:10s} differing from torch's: {differ}", flush=True)
+    # the add+norm kernel's quantized row against torch's quantization of its own normed row (bf16), the norm's
+    # weights spread over 2^-20..1 so that the rows reach e4m3's subnormals and below
+    for name, x in inputs.items():
+        x16 = x.bfloat16()
+        parts = torch.randn(2, *x.shape, generator=g, device=device)
+        w = spread(1, x.shape[1])[0].bfloat16() if name != "randn" else torch.ones(x.shape[1], device=device).bfloat16()
+        _, h = rows.add_parts_norm(x16, parts, None, w, 1e-5)
+        _, h8, hs = rows.add_parts_norm(x16, parts, None, w, 1e-5, quantize=True)
+        r8, rs = fp8.quantize_rows(h)
+        row = {"values": h8.numel(), "values_differing": _differing(h8, r8), "scales_differing": int((hs != rs).sum())}
+        report["values"][f"add+norm {name}"] = row
+        differ = f"{row['values_differing']} of {row['values']} values, {row['scales_differing']} scales"
+        print(f"add+norm {name:10s} differing from torch's: {differ}", flush=True)
     if gpu:
         weights = _Weights(LAYERS, HIDDEN, FFN, QKV, VOCAB, device)
         eager = fp8.DecodeFp8(weights, device, qkv=True)

@@ -43,17 +43,6 @@ def _helpers():
         return v.to(dtype).to(tl.float32)
 
     @triton.jit
-    def e4m3_grid(v):
-        """float32 v (|v| <= 448) rounded to e4m3's grid (to nearest, ties to even: 3 mantissa bits, steps of 2^-9
-        below 2^-6), as torch's cast rounds: the cast after only relabels. Triton's own cast did not give torch's
-        values on the H200 (the engine's start-up check failed), nor under the interpreter."""
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer
-        small = ((v * 512.0 + magic) - magic) / 512.0
-        return tl.where(tl.abs(v) >= 0.015625, bits.to(tl.float32, bitcast=True), small)
-
-    @triton.jit
     def scale(amax, tiny, e4m3_max, RECIPROCAL: tl.constexpr):
         """fp8.quantize_rows's scale, max(amax, tiny) / 448, rounded as torch rounds it on the device: on CUDA torch
         divides by a scalar as a product with its float32 reciprocal (the H200 check: 27 of 64 scales one unit off
@@ -62,8 +51,8 @@ def _helpers():
             return tl.maximum(amax, tiny) * tl.math.div_rn(1.0, e4m3_max)
         return tl.math.div_rn(tl.maximum(amax, tiny), e4m3_max)
 
-    global _rounded, _e4m3_grid, _scale
-    _rounded, _e4m3_grid, _scale = rounded, e4m3_grid, scale
+    global _rounded, _scale
+    _rounded, _scale = rounded, scale
 
 
 @lru_cache(maxsize=1)
@@ -102,9 +91,9 @@ def _add_norm_kernel():
         tl.store(x_out_ptr + row * H + cols, x.to(dtype), mask=ok)
         h = _rounded(x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps) * w, dtype, EMULATE)
         if QUANTIZE:  # fp8.quantize_rows's rule, divisions rounded as IEEE's (Triton's "/" on float32 is an
-            # approximation on the GPU) and the values put on e4m3's grid by hand
+            # approximation on the GPU), then Triton's own cast, as quantize_rows_k casts (its comment)
             scale = _scale(tl.max(tl.abs(h), axis=0), tiny, e4m3_max, RECIPROCAL)
-            h8 = _e4m3_grid(tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -e4m3_max), e4m3_max))
+            h8 = tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -e4m3_max), e4m3_max)
             tl.store(h_ptr + row * H + cols, h8.to(h_ptr.dtype.element_ty), mask=ok)
             tl.store(hs_ptr + row, scale)
         else:
@@ -133,8 +122,9 @@ def _quantize_kernel():
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         # the scale and IEEE divisions as in add_norm_rows, then Triton's own cast: on the H200 it gave torch's e4m3
-        # values for all 4.7 million tried, e4m3's subnormals and far below included, where _e4m3_grid differed on
-        # some (docs/PERF.md, twenty-sixth session)
+        # values for all 4.7 million tried, e4m3's subnormals and far below included, where rounding to e4m3's grid
+        # by hand before it (the add+norm kernel's way until the twenty-seventh session) differed on some
+        # (docs/PERF.md, twenty-sixth session)
         scale = _scale(tl.max(tl.abs(x), axis=0), tiny, e4m3_max, RECIPROCAL)
         tl.store(q_ptr + row * N + cols, tl.math.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row, scale)

@@ -426,7 +426,8 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
     """Why the split-K kernel cannot run here (None if it can): Triton, a CUDA device of compute capability 8.0 or
     newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product; with
     `fp8_weights` (FP8 decode weights, fp8.py) also gated_matmul_fp8 and matmul_fp8, against float32 maths of the
-    same values, and the row quantization kernel after them (rows.py) against fp8.quantize_rows."""
+    same values, and the row kernels (rows.py: the quantization, the add+norm's quantized row) against
+    fp8.quantize_rows."""
     why_not = triton_kernels_unavailable(device)
     if why_not is not None:
         return why_not
@@ -455,12 +456,20 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
             if not torch.allclose(y, ref, atol=1e-3, rtol=1e-3):
                 return "the FP8 kernel's one-range product differs from float32 maths here"
             # values over e4m3's whole range, its subnormals included (2^-14 of a row's largest and below)
-            wide = x32 * torch.exp2(torch.randint(-14, 1, x32.shape, generator=g, device=device).float())
-            for x in (x32, wide):
+            spread = torch.exp2(torch.randint(-14, 1, x32.shape, generator=g, device=device).float())
+            for x in (x32, x32 * spread):
                 m8, ms = rows.quantize_rows(x)
                 r8, rs = fp8.quantize_rows(x)
                 if not (torch.equal(ms, rs) and torch.equal(m8.float(), r8.float())):
                     return "the row quantization kernel's answer differs from torch's here"
+                # the add+norm kernel's quantized row against torch's quantization of its own normed row
+                x16, parts = x.to(dtype), torch.randn(2, *x.shape, generator=g, device=device)
+                norm_w = spread[0].to(dtype)
+                _, h = rows.add_parts_norm(x16, parts, None, norm_w, 1e-5)
+                _, h8, hs = rows.add_parts_norm(x16, parts, None, norm_w, 1e-5, quantize=True)
+                r8, rs = fp8.quantize_rows(h)
+                if not (torch.equal(hs, rs) and torch.equal(h8.float(), r8.float())):
+                    return "the add+norm kernel's quantization differs from torch's here"
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
     return None
