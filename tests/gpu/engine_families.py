@@ -223,6 +223,16 @@ def run_case(name, cfg, variant, args, device) -> list[dict]:
     return rows
 
 
+def finish(rows: list[dict], out: str | None, device: torch.device) -> int:
+    """Write the rows (with the device and torch version) to `out` if given; the exit code: 1 if any row failed."""
+    if out:
+        device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        with open(out + ".tmp", "w") as f:
+            json.dump({"device": device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+        os.replace(out + ".tmp", out)
+    return 0 if all(r["pass"] for r in rows) else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="2-layer models, fp32 on the CPU: the script itself")
@@ -260,12 +270,7 @@ def main(argv=None) -> int:
             f" | {r['mismatch_mean']:.4f} / {r['mismatch_max']:.3f} | {r['argmax_disagreements']} "
             f"({r['widest_gap']:.3f}) | {'PASS' if r['pass'] else 'FAIL'} |"
         )
-    if args.out:
-        device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        with open(args.out + ".tmp", "w") as f:
-            json.dump({"device": device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
-    return 0 if all(r["pass"] for r in rows) else 1
+    return finish(rows, args.out, device)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ table; exit 1 on any FAIL.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import replace
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_families import FAMILIES, tiny  # noqa: E402
+from engine_families import FAMILIES, finish, tiny  # noqa: E402
 
 LIMIT_TO_UNFUSED, LOGP_SLACK, GRAD_SLACK = 1.5, 1e-3, 0.01  # see the module docstring
 
@@ -131,12 +130,7 @@ def main(argv=None) -> int:
             f"{f['entropy_mean']:.4f} / {u['entropy_mean']:.4f} | {f['grad_max']:.4f} / {u['grad_max']:.4f} | "
             f"{'PASS' if r['pass'] else 'FAIL'} |"
         )
-    if args.out:
-        device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        with open(args.out + ".tmp", "w") as f:
-            json.dump({"device": device_name, "torch": torch.__version__, "rows": rows}, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
-    return 0 if all(r["pass"] for r in rows) else 1
+    return finish(rows, args.out, device)
 
 
 if __name__ == "__main__":
