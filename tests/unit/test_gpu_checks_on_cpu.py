@@ -1,6 +1,7 @@
 """The by-hand GPU checks of each model family (tests/gpu/engine_families.py: the generation engine;
-tests/gpu/train_families.py: the training forward and backward) run on the CPU at their tiny sizes: they pass where
-the code is right and fail where a refit is lost or the fused RoPE computes something else."""
+tests/gpu/train_families.py: the training forward and backward; tests/gpu/hf_families.py: a converted HF model
+against HF's forward) run on the CPU at their tiny sizes: they pass where the code is right and fail where a refit is
+lost, the fused RoPE computes something else or a loaded weight is off."""
 
 import importlib.util
 import json
@@ -20,7 +21,7 @@ def scripts():
 
     initialize(1, 1, master_port=free_port())
     loaded = {}
-    for name in ("engine_families", "train_families"):
+    for name in ("engine_families", "train_families", "hf_families"):
         spec = importlib.util.spec_from_file_location(name, os.path.join(GPU_DIR, f"{name}.py"))
         loaded[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(loaded[name])
@@ -72,3 +73,29 @@ def test_the_training_check_fails_a_wrong_fused_rope(scripts, monkeypatch, tmp_p
     assert scripts["train_families"].main(argv) == 1
     (row,) = _rows(out)
     assert row["rope_fused"] and not row["pass"] and row["fused"]["logp_mean"] > 0.01
+
+
+def test_the_hf_check_passes_for_every_family(scripts, tmp_path):
+    script, out = scripts["hf_families"], tmp_path / "report.json"
+    assert script.main(["--tiny", "--out", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["kind"] for r in rows] == list(script.KINDS) and all(r["pass"] and r["ours_max"] < 1e-4 for r in rows)
+
+
+def test_the_hf_check_fails_a_weight_loaded_wrong(scripts, monkeypatch, tmp_path):
+    import torch
+
+    from aligner.checkpoint import dist_ckpt
+
+    real = dist_ckpt.load_model_weights
+
+    def off(path, models, vocab_size=None):  # the final norm's weights 10 % off after loading
+        real(path, models, vocab_size)
+        with torch.no_grad():
+            models[0].decoder.final_layernorm.weight.mul_(1.1)
+
+    monkeypatch.setattr(dist_ckpt, "load_model_weights", off)
+    out = tmp_path / "report.json"
+    assert scripts["hf_families"].main(["--tiny", "--kinds", "llama3", "--out", str(out)]) == 1
+    (row,) = _rows(out)
+    assert not row["pass"] and row["ours_max"] > 0.01

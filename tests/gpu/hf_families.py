@@ -1,0 +1,115 @@
+"""GPU check (run by hand on a GPU machine, not collected by pytest): a Hugging Face model of each supported family,
+converted (scripts' convert_hf_to_dist) and loaded by our jobs' way (build_gpt + load_model_weights) on the GPU, runs
+the forward HF's own model computes, there, in bf16. HF's model is the independent reference for what megatron runs
+only on a GPU (its fused bias-dropout-add and SwiGLU, our compiled RoPE) and for the checkpoint's way onto the GPU.
+
+Per family (tests/convert_models.py's random HF models at --hidden 512, 8 heads, 2 KV groups, 2 layers; reward
+models too): our bf16 logits (or scores) against HF's float32 forward of the same bf16 weights, with HF's own bf16
+forward as the yardstick. PASS: ours no farther from float32 than 1.5x HF's bf16 forward (plus 1e-3 of the float32
+output's largest value, for float32 runs where those are ~0), mean and largest |difference|. Prints one line per
+family and a table; exit 1 on any FAIL.
+
+    python3 tests/gpu/hf_families.py [--out report.json]
+    python3 tests/gpu/hf_families.py --tiny        (CPU: the tiny float32 models of the conversion tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: convert_models
+sys.path.insert(0, HERE)
+
+from engine_families import finish  # noqa: E402
+
+KINDS = ("llama", "mistral", "qwen2", "llama3", "qwen3", "gpt2", "llama_reward", "qwen3_reward", "gpt2_reward")
+LIMIT_TO_HF_BF16, SLACK = 1.5, 1e-3  # see the module docstring
+
+
+def sizes(kind: str, hidden: int) -> dict:
+    """HF config fields for a model the GPU kernels take (head width 64; Qwen3's 128, not hidden / heads)."""
+    if kind.startswith("gpt2"):
+        return {"n_embd": hidden, "n_head": hidden // 64, "n_positions": 128}
+    out = {"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 64}
+    out.update(num_key_value_heads=2, max_position_embeddings=128)  # 2 layers (the configs' per-layer lists)
+    if kind.startswith("qwen3"):
+        out["head_dim"] = 128
+    return out
+
+
+def run_kind(kind: str, args, device, workdir: str) -> dict:
+    from convert_models import hf_outputs, make_hf
+
+    from aligner.checkpoint.convert import convert_hf_to_dist, load_model_yaml
+    from aligner.checkpoint.dist_ckpt import load_model_weights
+    from aligner.models.gpt import build_gpt, forward
+
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    hf_dir, conv = os.path.join(workdir, kind), os.path.join(workdir, f"{kind}_conv")
+    hf = make_hf(kind, hf_dir, dtype=dtype, overrides=None if args.tiny else sizes(kind, args.hidden))
+    convert_hf_to_dist(hf_dir, conv)
+    cfg = load_model_yaml(os.path.join(conv, "model.yaml"))
+    reward = kind.endswith("reward")
+    ours = build_gpt(cfg, head="scalar" if reward else "lm")
+    load_model_weights(conv, [ours])
+    ours.eval()
+    vocab = hf.config.vocab_size
+    tokens = torch.randint(1, 90, (4, args.seq_len), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        got = forward(ours, tokens).float()
+        got = got if reward else got[..., :vocab]
+        hf = hf.to(device)
+        hf_low = hf_outputs(hf, tokens).float()
+        ref = hf_outputs(hf.float(), tokens).float()
+    scale = float(ref.abs().max())
+    row = {"kind": kind, "dtype": str(cfg.params_dtype), "rope_fused": bool(ours.config.apply_rope_fusion)}
+    for name, out in (("ours", got), ("hf_bf16", hf_low)):
+        diff = (out - ref).abs()
+        row[f"{name}_mean"], row[f"{name}_max"] = float(diff.mean()), float(diff.max())
+    row["pass"] = all(
+        row[f"ours_{m}"] <= LIMIT_TO_HF_BF16 * row[f"hf_bf16_{m}"] + SLACK * scale for m in ("mean", "max")
+    ) and bool(torch.isfinite(got).all())
+    verdict = "PASS" if row["pass"] else "FAIL"
+    print(
+        f"{verdict} {kind}: vs HF float32 mean {row['ours_mean']:.4f} max {row['ours_max']:.3f} (HF's own "
+        f"{cfg.params_dtype}: {row['hf_bf16_mean']:.4f} / {row['hf_bf16_max']:.3f}; outputs up to {scale:.1f})",
+        flush=True,
+    )
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="the conversion tests' tiny float32 models, on the CPU")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the GPU models (default 512)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default 96; tiny: 12)")
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    args.seq_len = args.seq_len or (12 if args.tiny else 96)
+
+    from aligner.parallel import initialize
+
+    initialize(1, 1)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    with tempfile.TemporaryDirectory() as workdir:
+        rows = [run_kind(kind, args, device, workdir) for kind in args.kinds]
+    print("\n| family | dtype | RoPE fused | ours vs HF float32: mean / max | HF's own: mean / max | result |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['kind']} | {r['dtype']} | {r['rope_fused']} | {r['ours_mean']:.4f} / {r['ours_max']:.3f} | "
+            f"{r['hf_bf16_mean']:.4f} / {r['hf_bf16_max']:.3f} | {'PASS' if r['pass'] else 'FAIL'} |"
+        )
+    return finish(rows, args.out, device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
