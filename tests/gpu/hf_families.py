@@ -41,13 +41,13 @@ def sizes(kind: str, hidden: int) -> dict:
         return {"n_embd": hidden, "n_head": hidden // 64, "n_positions": 128}
     out = {"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 64}
     out.update(num_key_value_heads=2, max_position_embeddings=128)  # 2 layers (the configs' per-layer lists)
-    if kind.startswith("qwen3"):
-        out["head_dim"] = 128
+    out["head_dim"] = 128 if kind.startswith("qwen3") else 64  # set at the config's creation: not derived again
     return out
 
 
 def run_kind(kind: str, args, device, workdir: str) -> dict:
     from convert_models import hf_outputs, make_hf
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from aligner.checkpoint.convert import convert_hf_to_dist, load_model_yaml
     from aligner.checkpoint.dist_ckpt import load_model_weights
@@ -70,12 +70,16 @@ def run_kind(kind: str, args, device, workdir: str) -> dict:
     ours.eval()
     vocab = hf.config.vocab_size
     tokens = torch.randint(1, 90, (4, args.seq_len), generator=torch.Generator().manual_seed(3)).to(device)
+    # HF's models loaded from the saved directory as a user loads them: make_hf's model.to(bf16) also rounded its RoPE
+    # frequencies (a float buffer) to bf16, which from_pretrained keeps in float32 (that made the Llama model at RoPE
+    # base 5000 look 1.4x farther from HF's float32 forward than HF's own bf16 forward: docs/PERF.md)
+    cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+    del hf
     with torch.no_grad():
         got = forward(ours, tokens).float()
         got = got if reward else got[..., :vocab]
-        hf = hf.to(device)
-        hf_low = hf_outputs(hf, tokens).float()
-        ref = hf_outputs(hf.float(), tokens).float()
+        hf_low = hf_outputs(cls.from_pretrained(hf_dir, dtype=dtype).to(device).eval(), tokens).float()
+        ref = hf_outputs(cls.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval(), tokens).float()
     scale = float(ref.abs().max())
     row = {"kind": kind, "dtype": str(cfg.params_dtype), "rope_fused": bool(ours.config.apply_rope_fusion)}
     row["seed"] = args.seed
