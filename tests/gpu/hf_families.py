@@ -56,9 +56,7 @@ def run_kind(kind: str, args, device, workdir: str) -> dict:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     hf_dir, conv = os.path.join(workdir, kind), os.path.join(workdir, f"{kind}_conv")
     # the conversion tests' weights (std 0.15 at hidden 64) scaled to the width, so that activations stay O(1) as in
-    # trained models: at 0.15 and hidden 512 the residual stream reached ~40 and bf16's roundings were amplified in
-    # HF's forward and ours alike, ours more at RoPE base 5000 (its RoPE bitwise HF's; docs/PERF.md, twenty-seventh
-    # session)
+    # trained models: at 0.15 and hidden 512 the residual stream reached ~40 and amplified every bf16 rounding
     std = 0.15 if args.tiny else 0.15 * (64 / args.hidden) ** 0.5
     overrides = None if args.tiny else sizes(kind, args.hidden)
     hf = make_hf(kind, hf_dir, seed=args.seed, dtype=dtype, overrides=overrides, std=std)
