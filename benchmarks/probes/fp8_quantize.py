@@ -70,12 +70,16 @@ def main(argv=None) -> dict:
         "bf16 wide": spread(M, N // 4).bfloat16(),
     }
     report = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "values": {}, "requantize": {}}
-    for name, x in inputs.items():
-        (m8, ms), (r8, rs) = rows.quantize_rows(x), fp8.quantize_rows(x)
-        row = {"values": m8.numel(), "values_differing": _differing(m8, r8), "scales_differing": int((ms != rs).sum())}
-        report["values"][name] = row
+
+    def compare(label, got8, got_s, ref8, ref_s):
+        row = {"values": got8.numel(), "values_differing": _differing(got8, ref8)}
+        row["scales_differing"] = int((got_s != ref_s).sum())
+        report["values"][label] = row
         differ = f"{row['values_differing']} of {row['values']} values, {row['scales_differing']} scales"
-        print(f"{name:10s} differing from torch's: {differ}", flush=True)
+        print(f"{label:18s} differing from torch's: {differ}", flush=True)
+
+    for name, x in inputs.items():
+        compare(name, *rows.quantize_rows(x), *fp8.quantize_rows(x))
     # the add+norm kernel's quantized row against torch's quantization of its own normed row (bf16), the norm's
     # weights spread over 2^-20..1 so that the rows reach e4m3's subnormals and below
     for name, x in inputs.items():
@@ -84,11 +88,7 @@ def main(argv=None) -> dict:
         w = spread(1, x.shape[1])[0].bfloat16() if name != "randn" else torch.ones(x.shape[1], device=device).bfloat16()
         _, h = rows.add_parts_norm(x16, parts, None, w, 1e-5)
         _, h8, hs = rows.add_parts_norm(x16, parts, None, w, 1e-5, quantize=True)
-        r8, rs = fp8.quantize_rows(h)
-        row = {"values": h8.numel(), "values_differing": _differing(h8, r8), "scales_differing": int((hs != rs).sum())}
-        report["values"][f"add+norm {name}"] = row
-        differ = f"{row['values_differing']} of {row['values']} values, {row['scales_differing']} scales"
-        print(f"add+norm {name:10s} differing from torch's: {differ}", flush=True)
+        compare(f"add+norm {name}", h8, hs, *fp8.quantize_rows(h))
     if gpu:
         weights = _Weights(LAYERS, HIDDEN, FFN, QKV, VOCAB, device)
         eager = fp8.DecodeFp8(weights, device, qkv=True)

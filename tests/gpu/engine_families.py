@@ -110,12 +110,27 @@ def forward_logprobs(model, prompts_BT, lengths_B, out, temperature: float, voca
     return logp, gaps
 
 
-def float32_copy(model, cfg: ModelConfig):
-    """The same weights in a float32 model: the reference whose distance from the bf16 forward is bf16's own
-    rounding."""
+def random_model(cfg: ModelConfig):
+    """A seeded random model of `cfg`; q/k norm weights (built as ones) moved off 1, so that a norm applied wrongly
+    shows."""
     from aligner.models.gpt import build_gpt
 
-    copy = build_gpt(replace(cfg, params_dtype="float32")).eval()
+    torch.manual_seed(0)
+    model = build_gpt(cfg)
+    if cfg.qk_layernorm:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "layernorm" in name:
+                    p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def rebuilt(model, cfg: ModelConfig, **fields):
+    """The same weights in a model of `cfg` with `fields` changed (e.g. params_dtype="float32": the reference whose
+    distance from the bf16 forward is bf16's own rounding)."""
+    from aligner.models.gpt import build_gpt
+
+    copy = build_gpt(replace(cfg, **fields)).eval()
     copy.load_state_dict(model.state_dict())
     return copy
 
@@ -125,7 +140,8 @@ def compare(model, cfg: ModelConfig, engine, prompts, lengths, sampling) -> dict
     out = engine.generate(prompts, lengths, sampling)
     temperature = 1.0 if sampling.greedy else sampling.temperature
     ref, gaps = forward_logprobs(model, prompts, lengths, out, temperature, cfg.vocab_size)
-    ref32, _ = forward_logprobs(float32_copy(model, cfg), prompts, lengths, out, temperature, cfg.vocab_size)
+    model32 = rebuilt(model, cfg, params_dtype="float32")
+    ref32, _ = forward_logprobs(model32, prompts, lengths, out, temperature, cfg.vocab_size)
     lengths_B = out.response_lengths_B.to(ref.device)
     mask = torch.arange(out.logprobs_BR.shape[1], device=ref.device)[None] < lengths_B[:, None]
     engine_logp = out.logprobs_BR.to(ref.device)
@@ -166,15 +182,8 @@ def change_weights(model, seed: int) -> None:
 
 def run_case(name, cfg, variant, args, device) -> list[dict]:
     from aligner.generation import GenerationConfig, SamplingParams, build_engine
-    from aligner.models.gpt import build_gpt
 
-    torch.manual_seed(0)
-    model = build_gpt(cfg).eval()
-    if cfg.qk_layernorm:  # built as ones: make the norms' weights count
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if "layernorm" in pname:
-                    p.add_(0.2 * torch.randn_like(p))
+    model = random_model(cfg).eval()
     gen = GenerationConfig(
         max_batch_size=args.batch,
         max_prompt_length=args.prompt_len,

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_families import FAMILIES, finish, tiny  # noqa: E402
+from engine_families import FAMILIES, finish, random_model, rebuilt, tiny  # noqa: E402
 
 LIMIT_TO_UNFUSED, LOGP_SLACK, GRAD_SLACK = 1.5, 1e-3, 0.01  # see the module docstring
 
@@ -64,19 +64,9 @@ def distance(run, reference) -> dict:
 
 
 def run_family(name, cfg, args, device) -> dict:
-    from aligner.models.gpt import build_gpt
-
-    torch.manual_seed(0)
-    fused = build_gpt(replace(cfg, rope_fusion=args.fusion, logprob_fusion=args.fusion))
-    if cfg.qk_layernorm:  # built as ones: make the norms' weights count
-        with torch.no_grad():
-            for pname, p in fused.named_parameters():
-                if "layernorm" in pname:
-                    p.add_(0.2 * torch.randn_like(p))
-    unfused = build_gpt(replace(cfg, rope_fusion="off", logprob_fusion="off"))
-    unfused.load_state_dict(fused.state_dict())
-    reference = build_gpt(replace(cfg, params_dtype="float32", rope_fusion="off", logprob_fusion="off"))
-    reference.load_state_dict(fused.state_dict())
+    fused = random_model(replace(cfg, rope_fusion=args.fusion, logprob_fusion=args.fusion))
+    unfused = rebuilt(fused, cfg, rope_fusion="off", logprob_fusion="off")
+    reference = rebuilt(fused, cfg, params_dtype="float32", rope_fusion="off", logprob_fusion="off")
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=g).to(device)
     ref = loss_and_grads(reference, tokens, cfg.vocab_size, "off")
