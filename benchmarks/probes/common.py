@@ -40,10 +40,11 @@ def us_a_layer(every_layer, layers: int, gpu: bool) -> float:
 
 
 def engine_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
-    """The engine probes' command line: --decode-weights, --repeats, --batch-sizes (64 128), --out; the caller may
-    add its own options before parsing."""
+    """The engine probes' command line: --decode-weights, --kv-dtype, --repeats, --batch-sizes (64 128), --out; the
+    caller may add its own options before parsing."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--decode-weights", default="same", help="generation.decode_weights (same | fp8)")
+    parser.add_argument("--kv-dtype", default="auto", help="generation.kv_dtype (auto | fp8)")
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--out", default=None, help="write the result here as JSON")
@@ -52,7 +53,7 @@ def engine_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
 
 def bench_engine(args: argparse.Namespace, cfg, prompt_len: int, new_tokens: int, **gen_options):
     """(engine, device): bench_generation's model for `cfg` (seed 0) in a native engine for args.batch_sizes, prompts
-    of up to `prompt_len` tokens and `new_tokens` new ones, args.decode_weights and `gen_options`."""
+    of up to `prompt_len` tokens and `new_tokens` new ones, args.decode_weights, args.kv_dtype and `gen_options`."""
     from aligner.generation import GenerationConfig, build_engine
     from aligner.models.gpt import build_gpt
     from aligner.parallel import initialize
@@ -62,7 +63,7 @@ def bench_engine(args: argparse.Namespace, cfg, prompt_len: int, new_tokens: int
     policy = build_gpt(cfg).eval()
     gen = GenerationConfig(
         max_batch_size=max(args.batch_sizes), max_prompt_length=prompt_len, max_response_length=new_tokens,
-        decode_weights=args.decode_weights, **gen_options,
+        decode_weights=args.decode_weights, kv_dtype=args.kv_dtype, **gen_options,
     )  # fmt: skip
     return build_engine(gen, cfg, policy), next(policy.parameters()).device
 

@@ -134,14 +134,17 @@ def test_quantize_fp8_by_hand():
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
-def test_fp8_cache_read_and_written_by_the_kernel(act, splits, rope):
+@pytest.mark.parametrize("chunk", [0, 16], ids=["rows", "chunks"])
+def test_fp8_cache_read_and_written_by_the_kernel(act, splits, rope, chunk):
     """An FP8 cache (generation.kv_dtype=fp8): the kernel reads e4m3 keys and values with their per-slot scales, and
     writes the step's own key (rotated) and value quantized by quantize_fp8's rule, bit for bit (the rounding at
     powers of two included: values that round up into the next binade); it attends to them as later steps will read
-    them. Against plain attention over the dequantized cache."""
-    from aligner.generation.native.triton_decode import quantize_fp8
+    them. Against plain attention over the dequantized cache. Values as rows [T, D] or in chunks of 16 slots
+    [T / 16, D, 16] (the engine's layout, with its V_CHUNK), where the kernel also reads the slots past each
+    sample's position in its last chunk (probability 0) and the step's value is written into a chunk."""
+    from aligner.generation.native.triton_decode import quantize_fp8, value_rows, write_value_chunks
 
-    B, G, r, D, T = 3, 2, 2, 64, 50
+    B, G, r, D, T = 3, 2, 2, 64, 48 if chunk else 50
     g = torch.Generator().manual_seed(11 + splits)
     qkv = torch.randn(B, G, r + 2, D, generator=g).to(act)
     cache, scales = quantize_fp8(torch.randn(2, B, G, T, D, generator=g))
@@ -161,11 +164,18 @@ def test_fp8_cache_read_and_written_by_the_kernel(act, splits, rope):
             t1, t2 = t.float().chunk(2, -1)
             return (t.float() * cos.float()[:, None, None] + torch.cat((-t2, t1), -1) * sin[:, None, None]).to(act)
 
+    values = cache[1]
+    if chunk:
+        values = torch.full((B, G, T // chunk, D, chunk), float("nan")).to(cache.dtype)
+        write_value_chunks(values, cache[1])
+        assert torch.equal(value_rows(values).view(torch.uint8), cache[1].view(torch.uint8))
     out = decode_attention(
-        q, cache[0], cache[1], pos, D**-0.5, splits=splits, new_kv=(k_new, v_new), kv_scales=(scales[0], scales[1]),
+        q, cache[0], values, pos, D**-0.5, splits=splits, new_kv=(k_new, v_new), kv_scales=(scales[0], scales[1]),
         **extra,
     )  # fmt: skip
     assert out.dtype == act
+    if chunk:  # the rows the kernel's writes left, for the checks below
+        cache = torch.stack([cache[0], value_rows(values)])
     written = torch.stack([cache[0, rows, :, pos], cache[1, rows, :, pos]])  # [2, B, G, D]
     written_scales = torch.stack([scales[0, rows, :, pos], scales[1, rows, :, pos]])
     if not rope:
@@ -200,3 +210,24 @@ def test_availability_probe(monkeypatch):
     assert unavailable(cpu, torch.bfloat16, 128) is None and unavailable(cpu, torch.float32, 24) is None
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "needs a CUDA device" in unavailable(cpu)
+
+
+def test_value_chunks_written_whole_and_read_back():
+    """write_value_chunks puts slot t, dimension d of [B, G, t, D] values at (t // C, d, t % C) of the chunks, fills
+    the rest of the last chunk written with zeros and leaves later chunks alone; value_rows reads them back."""
+    from aligner.generation.native.triton_decode import FP8, value_rows, write_value_chunks
+
+    B, G, D, C = 2, 3, 4, 8
+    values = torch.randn(B, G, 11, D).to(FP8)
+    chunks = torch.full((B, G, 3, D, C), 7.0).to(FP8)
+    write_value_chunks(chunks, values)
+    assert chunks[1, 2, 1, 3, 2].float() == values[1, 2, 10, 3].float()  # slot 10 = chunk 1, position 2
+    rows = value_rows(chunks).float()
+    assert torch.equal(rows[:, :, :11], values.float())
+    assert not rows[:, :, 11:16].any()  # the rest of chunk 1: zeros
+    assert (rows[:, :, 16:] == 7.0).all()  # chunk 2: untouched
+    with pytest.raises(ValueError, match="chunked values need shape"):
+        keys, scales = torch.randn(B, G, 24, D).to(FP8), torch.ones(B, G, 24)
+        decode_attention(
+            torch.randn(B, G, 1, D), keys, chunks[:, :, :2], torch.tensor([3, 4]), 1.0, kv_scales=(scales, scales)
+        )

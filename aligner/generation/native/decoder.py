@@ -30,7 +30,9 @@ its first `kv_len` slots (a multiple of kv_block) through strided views. Its lay
 - `triton` (group-major, as `matmul`): one Triton kernel per layer (triton_decode.py) reads each sample's filled
   slots [0, pos_b] only, whatever `kv_len` says: no mask, no padding read, one CUDA graph for every step of a call.
   Up to FUSED_WRITE_MAX_BATCH it also writes the step's key and value, and then (no q/k norms) applies RoPE to q and
-  the key itself, from the qkv projection's rows: no RoPE or scatter kernel in the step.
+  the key itself, from the qkv projection's rows: no RoPE or scatter kernel in the step. An FP8 cache (triton only)
+  holds each layer's values in chunks of triton_decode.V_CHUNK slots ([G, slots / C, head_dim, C] per sample, in
+  the storage of the layer's [G, slots, head_dim] values: `values`), the kernel's faster layout for the FP8 product.
 Split-K GEMMs (`decode_gemm="splitk"`, splitk.py, TP=1): decode steps of up to splitk.MAX_BATCH rows run the
 row-parallel projections (proj, fc2) as one Triton kernel each whose float32 partial sums the next compiled kernel
 (residual add and norm) adds up, and a SwiGLU MLP's fc1 together with its activation as one kernel; cuBLAS everywhere
@@ -115,10 +117,13 @@ class Decoder:
         self.decode_attention = decode_attention
         # An FP8 cache (kv_dtype float8_e4m3fn): e4m3 keys and values with a float32 scale per (slot, group), read and
         # written by the Triton decode kernel only; prefill quantizes what it writes and its own attention reads them
-        # as the cache holds them.
+        # as the cache holds them. Its values lie in chunks of triton_decode.V_CHUNK slots (the kernel's faster
+        # layout; `values`), so its slots are max_seq rounded up to whole chunks.
         self.kv_fp8 = kv_dtype == triton_decode.FP8
         if self.kv_fp8 and decode_attention != "triton":
             raise ValueError(f"an FP8 KV cache is read by the Triton decode attention only, not by {decode_attention}")
+        chunk = triton_decode.V_CHUNK
+        self.cache_slots = -(-max_seq // chunk) * chunk if self.kv_fp8 else max_seq
         self.kv_scale: torch.Tensor | None = None
         self.seq_major = decode_attention in ("sdpa", "flash")  # the cache layout (module docstring)
         self.scale = layout.head_dim**-0.5
@@ -159,14 +164,20 @@ class Decoder:
         lo = self.lo
         # Zeros, not empty: decode reads slots past a sample's position with weight exactly 0, and 0 * NaN (what
         # uninitialised memory may hold) would still be NaN. Slots are only ever overwritten with finite K/V after.
-        per_sample = (self.max_seq, lo.groups) if self.seq_major else (lo.groups, self.max_seq)
+        per_sample = (self.cache_slots, lo.groups) if self.seq_major else (lo.groups, self.cache_slots)
         self.kv = torch.zeros(
             (lo.num_layers, 2, self.max_batch, *per_sample, lo.head_dim), dtype=self.kv_dtype, device=self.device
         )
         if self.kv_fp8:  # each (slot, group)'s key and value scale (triton_decode.quantize_fp8), group-major
             self.kv_scale = torch.zeros(
-                (lo.num_layers, 2, self.max_batch, lo.groups, self.max_seq), dtype=torch.float32, device=self.device
+                (lo.num_layers, 2, self.max_batch, lo.groups, self.cache_slots), dtype=torch.float32, device=self.device
             )
+
+    def values(self, i: int, rows: slice) -> torch.Tensor:
+        """An FP8 cache's values of layer i for cache rows `rows`: [rows, G, slots / C, D, C] in chunks of C =
+        triton_decode.V_CHUNK slots (a view: the layer's [2, max_batch, G, slots, D] storage holds them so)."""
+        lo, C = self.lo, triton_decode.V_CHUNK
+        return self.kv[i, 1].view(self.max_batch, lo.groups, self.cache_slots // C, lo.head_dim, C)[rows]
 
     def kv_ptrs(self) -> tuple[int, ...]:
         """Where the cache (and an FP8 cache's scales) lie: the addresses captured graphs read."""
@@ -351,7 +362,8 @@ class Decoder:
                 kv[i, :, row0 : row0 + B, :T] = kv_new
             elif self.kv_fp8:  # the prompt attends to its keys and values as the cache holds them, as decode does
                 kv8, scales = triton_decode.quantize_fp8(kv_2BGTD)
-                kv[i, :, row0 : row0 + B, :, :T], self.kv_scale[i, :, row0 : row0 + B, :, :T] = kv8, scales
+                kv[i, 0, row0 : row0 + B, :, :T], self.kv_scale[i, :, row0 : row0 + B, :, :T] = kv8[0], scales
+                triton_decode.write_value_chunks(self.values(i, slice(row0, row0 + B)), kv8[1])
                 kv_2BGTD = (kv8.float() * scales[..., None]).to(q.dtype)
             else:
                 kv[i, :, row0 : row0 + B, :, :T] = kv_2BGTD
@@ -391,6 +403,7 @@ class Decoder:
         # 16/32-bit dtype)
         kernel_ropes = kernel_writes and not lo.qk_norm and (kv.dtype == self.w.dtype or self.kv_fp8)
         scales = (lambda i: (self.kv_scale[i, 0, :B], self.kv_scale[i, 1, :B])) if self.kv_fp8 else (lambda i: None)
+        cached_values = (lambda i: self.values(i, slice(0, B))) if self.kv_fp8 else (lambda i: kv[i, 1, :B])
         slot_dim = 2 if self.seq_major else 3  # of the layer's cache [2, B, ...]
         slot = pos_B.view(1, B, 1, 1, 1).expand(*((2, B, 1, G, D) if self.seq_major else (2, B, G, 1, D)))
         cos = None if self.cos is None else self.cos[pos_B].view(B, 1, 1, D)
@@ -417,7 +430,7 @@ class Decoder:
             if kernel_ropes:  # q, key and value: views of the projection's rows, rotated and written by the kernel
                 qkv5 = self._qkv5(qkv)
                 out = triton_decode.decode_attention(
-                    qkv5[:, :, :r], kv[i, 0, :B], kv[i, 1, :B], pos_B, self.scale, splits,
+                    qkv5[:, :, :r], kv[i, 0, :B], cached_values(i), pos_B, self.scale, splits,
                     new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i),
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
@@ -430,7 +443,7 @@ class Decoder:
             if self.decode_attention == "triton":
                 new_kv = (kv_new[0], kv_new[1]) if kernel_writes else None
                 out = triton_decode.decode_attention(
-                    q, cache[0], cache[1], pos_B, self.scale, splits, new_kv=new_kv, kv_scales=scales(i)
+                    q, cache[0], cached_values(i), pos_B, self.scale, splits, new_kv=new_kv, kv_scales=scales(i)
                 )
                 return out.view(B, lo.heads * D).to(qkv.dtype)
             if self.decode_attention == "flash":

@@ -16,7 +16,12 @@ slot up to the attention-length bucket) it
   so does every cache under Triton's interpreter (the CPU tests), which multiplies 16-bit operands wrongly.
 An FP8 cache (generation.kv_dtype=fp8: e4m3 keys and values, a float32 scale per slot and group) is read in float16
 on tensor cores, each slot's scale applied to its score and its probability; the kernel writes the step's key and
-value into it quantized (quantize_fp8's rule).
+value into it quantized (quantize_fp8's rule). The engine stores its values in chunks of V_CHUNK slots, [T / C, D, C]
+(slot t, dimension d at (t // C, d, t % C)): the product p v takes V as the tensor cores' second operand, which holds
+consecutive slots of one dimension in each register; from rows [T, D] the kernel gathered those bytes one at a time
+from shared memory, from chunks they are contiguous and copied and read as 16-bit operands are (the attention 24-32 %
+faster, below the bf16 cache's time: docs/PERF.md, twenty-eighth session). The step's own value is then written as D
+single bytes C apart.
 With few (sample, group) pairs and long caches the slots are cut into `splits` ranges handled by separate programs
 and merged by a second small kernel (each range's max, sum and weighted values), so every SM has work.
 
@@ -36,7 +41,8 @@ from aligner.parallel.device import triton_kernels_unavailable
 
 BLOCK_N = 32  # cache slots per inner step
 WIDE_BLOCK_N, WIDE_MIN_BATCH = 64, 256  # ... from this many rows on (measured faster there: docs/PERF.md)
-FP8_BLOCK_N = 128  # ... with an FP8 cache on the GPU (fastest there at 64 and 256 rows: docs/PERF.md)
+FP8_BLOCK_N, FP8_STAGES = 128, 2  # ... and pipeline stages with an FP8 cache on the GPU (measured: docs/PERF.md)
+V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module docstring; measured: docs/PERF.md)
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
 NATIVE_PV = True  # probabilities rounded to the cache's 16-bit dtype for the product with V; False: TF32
@@ -57,6 +63,24 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), scale
 
 
+def write_value_chunks(dst: torch.Tensor, values: torch.Tensor) -> None:
+    """Values [B, G, t, D] into slots [0, t) of chunked values dst [B, G, T / C, D, C] (the kernel's chunked layout).
+    Whole chunks are written: slots [t, ceil(t / C) * C) get zeros (slots past a prompt, written by decode before
+    they are read)."""
+    B, G, t, D = values.shape
+    C = dst.shape[-1]
+    n = -(-t // C)
+    as_bytes = values.view(torch.uint8) if values.dtype.itemsize == 1 else values  # e4m3: padded as bytes
+    padded = torch.nn.functional.pad(as_bytes, (0, 0, 0, n * C - t)).view(values.dtype)
+    dst[:, :, :n] = padded.view(B, G, n, C, D).transpose(-1, -2)
+
+
+def value_rows(chunks: torch.Tensor) -> torch.Tensor:
+    """Chunked values [B, G, T / C, D, C] as rows [B, G, T, D] (a copy)."""
+    B, G, n, D, C = chunks.shape
+    return chunks.transpose(-1, -2).reshape(B, G, n * C, D)
+
+
 def unavailable(
     device: torch.device, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, act_dtype: torch.dtype | None = None
 ) -> str | None:
@@ -69,14 +93,16 @@ def unavailable(
         return why_not
     try:
         g = torch.Generator(device=device).manual_seed(0)
-        B, G, r, T, D = 2, 2, 2, 40, head_dim
+        B, G, r, T, D = 2, 2, 2, 2 * V_CHUNK if dtype == FP8 else 40, head_dim
         q = torch.randn(B, G, r, D, generator=g, device=device)
         kv = torch.randn(2, B, G, T, D, generator=g, device=device)
         pos = torch.tensor([5, T - 1], device=device)
-        if dtype == FP8:
+        if dtype == FP8:  # values in the engine's chunks
             q = q.to(act_dtype or torch.bfloat16)
             kv8, scales = quantize_fp8(kv)
-            out = decode_attention(q, kv8[0], kv8[1], pos, D**-0.5, kv_scales=(scales[0], scales[1]))
+            chunks = torch.zeros(B, G, T // V_CHUNK, D, V_CHUNK, dtype=FP8, device=device)
+            write_value_chunks(chunks, kv8[1])
+            out = decode_attention(q, kv8[0], chunks, pos, D**-0.5, kv_scales=(scales[0], scales[1]))
             kv = kv8.float() * scales[..., None]
         else:
             q, kv = q.to(dtype), kv.to(dtype)
@@ -104,7 +130,7 @@ def _kernels():
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
-        KV_FP8: tl.constexpr, PDL: tl.constexpr,
+        KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr,
     ):  # fmt: skip
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         # pos was written by an earlier step's token choice, and with PDL every kernel releases the next only after
@@ -169,7 +195,14 @@ def _kernels():
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
+            if V_CHUNK:  # values in chunks [T / V_CHUNK, D, V_CHUNK]: slot t, dim d at (t // C, d, t % C), read
+                # in whole chunks (a mask constant over each chunk lets the loads be vectors; the slots past `stop`
+                # are finite and get probability 0)
+                chunks = slots // V_CHUNK
+                v_at = chunks[:, None] * sv_t + dims[None, :] * V_CHUNK + slots[:, None] % V_CHUNK
+                v = tl.load(v_base + v_at, mask=(chunks * V_CHUNK < stop)[:, None], other=0.0)
+            else:
+                v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
             p_v = p  # the probabilities, with an FP8 cache times each slot's value scale
             if KV_FP8:
                 p_v = p * tl.load(vs_base + slots, mask=slots < stop, other=0.0)[None, :]
@@ -203,7 +236,10 @@ def _kernels():
                     v8 = tl.where(tl.abs(v8) >= 0.015625, v_bits.to(tl.float32, bitcast=True), v_sub)
                     k8, v8 = k8.to(k_ptr.dtype.element_ty), v8.to(v_ptr.dtype.element_ty)
                     tl.store(k_base + pos * sk_t + dims, k8, mask=dmask)
-                    tl.store(v_base + pos * sv_t + dims, v8, mask=dmask)
+                    if V_CHUNK:
+                        tl.store(v_base + (pos // V_CHUNK) * sv_t + dims * V_CHUNK + pos % V_CHUNK, v8, mask=dmask)
+                    else:
+                        tl.store(v_base + pos * sv_t + dims, v8, mask=dmask)
                     tl.store(ks_base + pos, k_s)
                     tl.store(vs_base + pos, v_s)
                     # new names: k_new keeps its type from before the runtime branch (Triton refuses a change;
@@ -296,13 +332,23 @@ def decode_attention(
     last dimension contiguous, equal strides: slot t's key is about keys[b, g, t] * key_scales[b, g, t]) is read in
     the activations' dtype (q's), each slot's scale applied to its score and to its probability; `new_kv` then comes
     in q's dtype and the kernel quantizes it (quantize_fp8's rule) into the cache and the scales. The result is in
-    q's dtype then."""
+    q's dtype then. Values may come in chunks of C slots, [B, G, T / C, D, C] (the engine's FP8 layout: module
+    docstring; write_value_chunks); the kernel reads whole chunks, so the slots past a sample's position in its last
+    chunk must hold finite values (they get probability 0)."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
     for name, x in (("q", q_BGrD), ("keys", keys_BGTD), ("values", values_BGTD)):
         if x.stride(-1) != 1:
             raise ValueError(f"decode_attention: {name} needs a contiguous last dimension (strides {x.stride()})")
+    chunk = 0  # values [B, G, T, D]; else in chunks of this many slots [B, G, T / chunk, D, chunk]
+    if values_BGTD.dim() == 5:
+        chunk = values_BGTD.shape[-1]
+        if values_BGTD.shape != (B, G, T // chunk, D, chunk) or T % chunk or values_BGTD.stride(-2) != chunk:
+            raise ValueError(
+                f"decode_attention: chunked values need shape ({B}, {G}, {T} / chunk, {D}, chunk) with the last two "
+                f"dimensions contiguous (got {tuple(values_BGTD.shape)}, strides {values_BGTD.stride()})"
+            )
     kv_fp8 = keys_BGTD.dtype == FP8
     if kv_fp8 != (kv_scales is not None) or values_BGTD.dtype != keys_BGTD.dtype:
         raise ValueError("decode_attention: kv_scales go with an FP8 cache (float8_e4m3fn keys and values), only")
@@ -350,8 +396,10 @@ def decode_attention(
     use_pdl = pdl.wanted(keys_BGTD.device, B)
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
-        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8,
+        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk,
     )  # fmt: skip
+    if num_stages is None and kv_fp8 and keys_BGTD.device.type == "cuda":
+        num_stages = FP8_STAGES
     if num_stages is not None:
         common["num_stages"] = num_stages
     launch = dict(PDL=use_pdl, launch_pdl=True) if use_pdl else dict(PDL=False)  # the merge kernel: plain

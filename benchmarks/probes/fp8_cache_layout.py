@@ -1,0 +1,141 @@
+"""Probe (issue 17, twenty-eighth session): the FP8 KV cache's values stored in chunks of slots, against rows.
+
+The decode attention with an e4m3 cache ran at about twice its (halved) read floor (docs/PERF.md, eighteenth
+session): bound by instructions, not bytes. Its compiled code (sm_90, Triton 3.6) shows where: the product p v takes
+V as the tensor cores' second operand, which wants several consecutive slots of one dimension in each register;
+with values stored as rows [T, D] those bytes lie D apart, and the kernel gathers them one byte at a time from shared
+memory (128 ld.shared.b8 a thread and step of 128 slots, then byte shuffles). Stored in chunks [T / C, D, C] (slot t,
+dimension d at (t // C, d, t % C)) they are C contiguous bytes: copied to shared memory 16 bytes at a time and read by
+ldmatrix, as 16-bit values are. The step's own value is then written as D single bytes C apart (4 C sectors of 32
+bytes touched, against 4 for a row), which costs DRAM traffic of its own: hence several C.
+
+Timed, 16 layers in one CUDA graph, us a layer, each as the engine calls the kernel (the step's key and value from
+the qkv rows, written by the kernel, RoPE, PDL where the engine takes it): the bf16 cache; the FP8 cache in rows; the
+FP8 cache with values in chunks of each --chunks, with each --blocks slots per inner step. Every FP8 form attends to
+the same values, so their outputs must be equal (checked: max difference to the rows form), and the rows form is
+compared with float32 attention over the dequantized cache.
+
+    python3 benchmarks/probes/fp8_cache_layout.py --batch-sizes 64 256 --out result.json
+    TRITON_INTERPRET=1 python3 benchmarks/probes/fp8_cache_layout.py --tiny     (CPU: outputs compared only)
+"""
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes.common import us_a_layer, write_report  # noqa: E402
+
+LAYERS, GROUPS, GROUP_SIZE, HEAD_DIM = 16, 8, 2, 128  # the 1B model of docs/PERF.md
+BANDWIDTH = 4.2e12  # the H200's copy rate (docs/PERF.md)
+
+
+def chunked(values: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Values [..., T, D] -> a contiguous copy in chunks [..., T / chunk, D, chunk]."""
+    *lead, T, D = values.shape
+    as_bytes = values.view(torch.uint8) if values.dtype.itemsize == 1 else values  # e4m3: copied as bytes
+    out = as_bytes.reshape(*lead, T // chunk, chunk, D).transpose(-1, -2).contiguous()
+    return out.view(values.dtype)
+
+
+def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
+    """Every form timed and compared at batch size B (the report's row)."""
+    from aligner.generation.native.triton_decode import decode_attention, quantize_fp8
+
+    L, G, r, D = tiny_dims or (LAYERS, GROUPS, GROUP_SIZE, HEAD_DIM)
+    filled, T = (args.filled, args.max_seq) if tiny_dims is None else (9, 32)
+    act = torch.bfloat16 if gpu else torch.float32  # the interpreter: float32 only
+    scale = D**-0.5
+    g = torch.Generator(device=device).manual_seed(0)
+    kv = torch.zeros(L, 2, B, G, T, D, device=device, dtype=act)
+    for i in range(L):
+        kv[i, :, :, :, :filled] = torch.randn(2, B, G, filled, D, generator=g, device=device).to(act)
+    qkv5 = torch.randn(B, G, r + 2, D, generator=g, device=device).to(act)
+    q, new = qkv5[:, :, :r], (qkv5[:, :, r], qkv5[:, :, r + 1])
+    pos = torch.full((B,), filled - 1, device=device)
+    rope = (torch.ones(B, D, dtype=act, device=device), torch.zeros(B, D, dtype=act, device=device))
+    kv8, scales = quantize_fp8(kv)
+    kv8[:, :, :, :, filled:] = 0  # (quantize_fp8 leaves zeros zero; said here for the chunks past `filled`)
+    calls = {}
+    if gpu:  # the engine's bf16 cache, for the times (its outputs differ by the FP8 rounding)
+        calls["bf16"] = lambda i: decode_attention(q, kv[i, 0], kv[i, 1], pos, scale, new_kv=new, rope=rope)
+    k8 = {"rows": kv8[:, 0].clone()}
+    v8 = {"rows": kv8[:, 1].clone()}
+    sc = {"rows": scales.clone()}
+    for c in args.chunks:
+        k8[c], v8[c], sc[c] = kv8[:, 0].clone(), chunked(kv8[:, 1], c), scales.clone()
+    del kv8
+    for block, warps, stages, form in itertools.product(args.blocks, args.warps, args.stages, ["rows", *args.chunks]):
+        name = f"fp8_{'rows' if form == 'rows' else f'chunk{form}'}_b{block}"
+        name += "" if (warps, stages) == (4, 0) else f"_w{warps}_s{stages}"
+
+        def call(i, form=form, block=block, warps=warps, stages=stages):
+            s = sc[form]
+            return decode_attention(
+                q, k8[form][i], v8[form][i], pos, scale, 1, block, warps, new_kv=new, rope=rope,
+                kv_scales=(s[i, 0], s[i, 1]), num_stages=stages or None,
+            )  # fmt: skip
+
+        calls[name] = call
+    # every form writes the step's key and value (the same quantized values) in its first call, so the second
+    # calls attend to equal caches
+    for name, fn in list(calls.items()):
+        try:
+            fn(0)
+        except Exception as exc:  # noqa: BLE001 - a setting this GPU cannot build (shared memory): reported
+            print(f"  {name:20s} failed: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            del calls[name]
+    outs = {name: fn(0).float() for name, fn in calls.items()}
+    first = f"fp8_rows_b{args.blocks[0]}"
+    k_deq = k8["rows"][0].float() * sc["rows"][0, 0, ..., None]
+    v_deq = v8["rows"][0].float() * sc["rows"][0, 1, ..., None]
+    scores = torch.einsum("bgrd,bgtd->bgrt", q.float(), k_deq) * scale
+    beyond = torch.arange(T, device=device)[None, None, None, :] > pos[:, None, None, None]
+    ref = torch.einsum("bgrt,bgtd->bgrd", scores.masked_fill(beyond, float("-inf")).softmax(-1), v_deq)
+    row = {
+        "floor_us": {
+            "bf16": 2 * B * G * filled * D * 2 / BANDWIDTH * 1e6,
+            "fp8": 2 * B * G * filled * (D + 4) / BANDWIDTH * 1e6,
+        },
+        "max_diff_to_rows": {n: float((o - outs[first]).abs().max()) for n, o in outs.items() if "fp8" in n},
+        "rows_vs_float32": float((outs[first] - ref).abs().max()),
+        "us": {},
+    }
+    for name, fn in calls.items():
+        row["us"][name] = us_a_layer(lambda fn=fn: [fn(i) for i in range(L)], L, gpu)
+    f = row["floor_us"]
+    print(f"B={B} floor {f['bf16']:.1f} us a layer (bf16), {f['fp8']:.1f} (e4m3 + scales); rows vs float32 "
+          f"{row['rows_vs_float32']:.3g}", flush=True)  # fmt: skip
+    for name in calls:
+        diff = row["max_diff_to_rows"].get(name)
+        print(f"  {name:20s} {row['us'][name]:9.2f} us" + ("" if diff is None else f"  (diff {diff:.2g})"))
+    return row
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--filled", type=int, default=256, help="cached slots per row (the benchmark's average)")
+    parser.add_argument("--max-seq", type=int, default=384, help="slots per row in the cache (the engine's max_seq)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32], help="slots per chunk of values")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128], help="slots per inner step (FP8)")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0], help="pipeline stages (0: Triton's default)")
+    parser.add_argument("--tiny", action="store_true", help="CPU: 2 layers, small sizes, outputs compared only")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if gpu else "cpu")
+    tiny_dims = (2, 2, GROUP_SIZE, 16)
+    report = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "args": vars(args), "batches": {}}
+    for B in args.batch_sizes:
+        report["batches"][str(B)] = _batch(B, args, gpu, device, tiny_dims if args.tiny else None)
+    return write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
