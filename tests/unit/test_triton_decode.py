@@ -231,3 +231,37 @@ def test_value_chunks_written_whole_and_read_back():
         decode_attention(
             torch.randn(B, G, 1, D), keys, chunks[:, :, :2], torch.tensor([3, 4]), 1.0, kv_scales=(scales, scales)
         )
+
+
+@pytest.mark.parametrize("D", [64, 24])
+def test_prefill_fp8_writes_what_quantize_fp8_gives(D):
+    """prefill_fp8 (one kernel: a prompt's keys and values into an FP8 cache, values in chunks) against quantize_fp8
+    and write_value_chunks: the same e4m3 values and scales in the same places, the dequantized values returned for
+    the prompt's attention, nothing written past the prompt's slots; a NaN in the input leaves only finite values
+    in the cache (the decode kernel reads whole chunks of values)."""
+    from aligner.generation.native.triton_decode import FP8, prefill_fp8, quantize_fp8, value_rows, write_value_chunks
+
+    B, T, G, S, C = 2, 45, 3, 64, 16
+    g = torch.Generator().manual_seed(5)
+    kv = (torch.randn(2, B, T, G, D, generator=g) * torch.logspace(-3, 1, T)[None, None, :, None, None]).bfloat16()
+    kv[0, 1, 3, 2] = 0.0  # a zero row: scale 1
+    keys = torch.full((B, G, S, D), 7.0).to(FP8)
+    chunks = torch.full((B, G, S // C, D, C), 7.0).to(FP8)
+    scales = torch.full((2, B, G, S), -1.0)
+    deq = prefill_fp8(kv, keys, chunks, scales)
+    kv8, ref_scales = quantize_fp8(kv.transpose(2, 3))  # [2, B, G, T, D]
+    assert torch.equal(keys[:, :, :T].float(), kv8[0].float()) and (keys[:, :, T:].float() == 7.0).all()
+    assert torch.equal(value_rows(chunks)[:, :, :T].float(), kv8[1].float())
+    assert (value_rows(chunks)[:, :, T:].float() == 7.0).all()
+    assert torch.equal(scales[..., :T], ref_scales) and (scales[..., T:] == -1.0).all()
+    # (one bf16 step apart at most: Triton's interpreter truncates where the GPU rounds to bfloat16)
+    assert deq.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        deq.float(), (kv8.float() * ref_scales[..., None]).bfloat16().float(), rtol=2**-7, atol=0
+    )
+    ref_chunks = torch.full_like(chunks, 7.0)
+    write_value_chunks(ref_chunks, kv8[1])
+    assert torch.equal(chunks[:, :, :2].float(), ref_chunks[:, :, :2].float())  # chunks 0-1: slots 0-31
+    kv[1, 0, 5, 1, 2] = float("nan")
+    prefill_fp8(kv, keys, chunks, scales)
+    assert torch.isfinite(keys.float()).all() and torch.isfinite(chunks.float()).all()

@@ -361,10 +361,10 @@ class Decoder:
             if self.seq_major:
                 kv[i, :, row0 : row0 + B, :T] = kv_new
             elif self.kv_fp8:  # the prompt attends to its keys and values as the cache holds them, as decode does
-                kv8, scales = triton_decode.quantize_fp8(kv_2BGTD)
-                kv[i, 0, row0 : row0 + B, :, :T], self.kv_scale[i, :, row0 : row0 + B, :, :T] = kv8[0], scales
-                triton_decode.write_value_chunks(self.values(i, slice(row0, row0 + B)), kv8[1])
-                kv_2BGTD = (kv8.float() * scales[..., None]).to(q.dtype)
+                rows = slice(row0, row0 + B)
+                kv_2BGTD = triton_decode.prefill_fp8(
+                    kv_new, kv[i, 0, rows], self.values(i, rows), self.kv_scale[i, :, rows]
+                )
             else:
                 kv[i, :, row0 : row0 + B, :, :T] = kv_2BGTD
             q_BHTD = q.view(B, T, lo.heads, lo.head_dim).transpose(1, 2)

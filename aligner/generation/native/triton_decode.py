@@ -118,9 +118,86 @@ def unavailable(
 
 
 @lru_cache(maxsize=1)
+def _quantizer():
+    """The FP8 cache's quantization as a jit helper, made a module global (a jit function calls another through its
+    module's globals): the decode kernel's write of the step's key and value and the prefill kernel's use it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quantize_row(x, axis: tl.constexpr):
+        """float32 x -> (x / scale on e4m3's grid, in float32; scale), one scale per row along `axis`, by
+        quantize_fp8's rule (IEEE divisions). Rounded to the grid here (to nearest, ties to even: 3 mantissa bits,
+        or steps of 2^-9 below 2^-6), so the caller's cast only relabels (Triton's interpreter rounds wrongly across
+        powers of 2). The clamps take a number over a NaN (min/max), so whatever x holds the values are finite: the
+        decode kernel reads whole chunks of values, slots past a position included (times probability 0)."""
+        amax = tl.max(tl.abs(x), axis)
+        scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, tl.expand_dims(scale, axis)), -448.0), 448.0)
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer
+        sub = ((y * 512.0 + magic) - magic) / 512.0
+        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), sub), scale
+
+    @triton.jit
+    def prefill_fp8_write(
+        src_ptr, k_ptr, v_ptr, s_ptr, deq_ptr, T, G, s_c, s_b, s_t, s_g, sk_b, sk_g, sk_t, sv_b, sv_g, sv_n, ss_c,
+        ss_b, ss_g, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, V_CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        tb, bg, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # slots, (sample, group), key or value
+        b, g = bg // G, bg % G
+        t, dims = tb * BLOCK_T + tl.arange(0, BLOCK_T), tl.arange(0, D_PAD)
+        ok = (t < T)[:, None] & (dims < D)[None, :]
+        x = tl.load(src_ptr + c * s_c + b * s_b + t[:, None] * s_t + g * s_g + dims[None, :], mask=ok, other=0.0)
+        y, scale = _quantize_row(x.to(tl.float32), 1)
+        tl.store(s_ptr + c * ss_c + b * ss_b + g * ss_g + t, scale, mask=t < T)
+        # what the prompt attends to: the values as the cache holds them, in the activations' dtype
+        deq = deq_ptr + ((c * tl.num_programs(1) + bg) * T + t[:, None]) * D + dims[None, :]
+        tl.store(deq, (y * scale[:, None]).to(deq_ptr.dtype.element_ty), mask=ok)
+        y8 = y.to(k_ptr.dtype.element_ty)
+        if c == 0:
+            tl.store(k_ptr + b * sk_b + g * sk_g + t[:, None] * sk_t + dims[None, :], y8, mask=ok)
+        else:
+            v_at = (t[:, None] // V_CHUNK) * sv_n + dims[None, :] * V_CHUNK + t[:, None] % V_CHUNK
+            tl.store(v_ptr + b * sv_b + g * sv_g + v_at, y8, mask=ok)
+
+    global _quantize_row
+    _quantize_row = quantize_row
+    return prefill_fp8_write
+
+
+def prefill_fp8(
+    kv_2BTGD: torch.Tensor, keys_BGTD: torch.Tensor, value_chunks: torch.Tensor, scales_2BGT: torch.Tensor
+) -> torch.Tensor:
+    """A prompt's keys and values [2, B, T, G, D] (the activations' dtype, last dimension contiguous) quantized into
+    an FP8 cache in one kernel: keys into slots [0, T) of keys [B, G, S, D], values into chunked values
+    [B, G, S / C, D, C], their scales into [2, B, G, S] (quantize_fp8's rule, as the decode kernel writes a step's).
+    Returns what the prompt's attention reads, [2, B, G, T, D] in the activations' dtype: the values as the cache
+    holds them."""
+    write = _quantizer()
+    _, B, T, G, D = kv_2BTGD.shape
+    if kv_2BTGD.stride(-1) != 1 or keys_BGTD.stride(-1) != 1 or scales_2BGT.stride(-1) != 1:
+        raise ValueError("prefill_fp8 needs contiguous last dimensions")
+    C = value_chunks.shape[-1]
+    if value_chunks.stride(-2) != C or value_chunks.stride(-1) != 1:
+        raise ValueError("prefill_fp8: chunked values need their last two dimensions contiguous")
+    deq = torch.empty((2, B, G, T, D), dtype=kv_2BTGD.dtype, device=kv_2BTGD.device)
+    block_t = 32
+    write[(-(-T // block_t), B * G, 2)](
+        kv_2BTGD, keys_BGTD, value_chunks, scales_2BGT, deq, T, G, kv_2BTGD.stride(0), kv_2BTGD.stride(1),
+        kv_2BTGD.stride(2), kv_2BTGD.stride(3), *keys_BGTD.stride()[:3], *value_chunks.stride()[:3],
+        *scales_2BGT.stride()[:3], D=D, D_PAD=max(16, 1 << (D - 1).bit_length()), BLOCK_T=block_t, V_CHUNK=C,
+    )  # fmt: skip
+    return deq
+
+
+@lru_cache(maxsize=1)
 def _kernels():
     import triton
     import triton.language as tl
+
+    _quantizer()
 
     @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
@@ -220,20 +297,8 @@ def _kernels():
                 if ROPE:
                     k_new = (k_new.to(tl.float32) * cos + k_sw * sin).to(act_t if KV_FP8 else op_t)
                 if KV_FP8:  # quantized by quantize_fp8's rule (IEEE divisions); attended as later steps read them
-                    k_amax, v_amax = tl.max(tl.abs(k_new.to(tl.float32)), 0), tl.max(tl.abs(v_new.to(tl.float32)), 0)
-                    k_s = tl.where(k_amax > 0, tl.div_rn(k_amax, 448.0), 1.0)
-                    v_s = tl.where(v_amax > 0, tl.div_rn(v_amax, 448.0), 1.0)
-                    k8 = tl.minimum(tl.maximum(tl.div_rn(k_new.to(tl.float32), k_s), -448.0), 448.0)
-                    v8 = tl.minimum(tl.maximum(tl.div_rn(v_new.to(tl.float32), v_s), -448.0), 448.0)
-                    # rounded to e4m3's grid here (to nearest, ties to even: 3 mantissa bits, or steps of 2^-9 below
-                    # 2^-6), so the conversion only relabels; Triton's interpreter rounds wrongly across powers of 2
-                    k_bits, v_bits = k8.to(tl.int32, bitcast=True), v8.to(tl.int32, bitcast=True)
-                    k_bits = (k_bits + 0x7FFFF + ((k_bits >> 20) & 1)) & -0x100000
-                    v_bits = (v_bits + 0x7FFFF + ((v_bits >> 20) & 1)) & -0x100000
-                    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer
-                    k_sub, v_sub = ((k8 * 512.0 + magic) - magic) / 512.0, ((v8 * 512.0 + magic) - magic) / 512.0
-                    k8 = tl.where(tl.abs(k8) >= 0.015625, k_bits.to(tl.float32, bitcast=True), k_sub)
-                    v8 = tl.where(tl.abs(v8) >= 0.015625, v_bits.to(tl.float32, bitcast=True), v_sub)
+                    k8, k_s = _quantize_row(k_new.to(tl.float32), 0)
+                    v8, v_s = _quantize_row(v_new.to(tl.float32), 0)
                     k8, v8 = k8.to(k_ptr.dtype.element_ty), v8.to(v_ptr.dtype.element_ty)
                     tl.store(k_base + pos * sk_t + dims, k8, mask=dmask)
                     if V_CHUNK:
