@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "triton_sm90.py")
 KERNELS = [
     "decode_attention_fwd", "splitk_gemm", "gated_gemm", "splitk_fp8_gemm", "gated_fp8_gemm", "quantize_rows_k",
-    "add_norm_rows", "choice_parts", "choice_merge",
+    "add_norm_rows", "choice_parts", "choice_merge", "prefill_fp8_write",
 ]  # fmt: skip
 
 
@@ -32,8 +32,11 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     ok = [line.split()[1:3] for line in compiled.stdout.splitlines() if line.startswith("OK ")]
     # each of the engine's kernels, in every specialization the CPU run took; for an A100 those without FP8
     assert {name for target, name in ok if target == "sm_90"} == set(KERNELS), ok
-    assert {name for target, name in ok if target == "sm_80"} == set(KERNELS) - {"splitk_fp8_gemm", "gated_fp8_gemm"}
-    # FP8 cache with the kernel's own write, with and without RoPE (where a type change once broke the GPU build)
+    fp8_only = {"splitk_fp8_gemm", "gated_fp8_gemm", "prefill_fp8_write"}
+    assert {name for target, name in ok if target == "sm_80"} == set(KERNELS) - fp8_only
+    # FP8 cache with the kernel's own write, with and without RoPE (where a type change once broke the GPU build),
+    # its values in the engine's chunks
     assert compiled.stdout.count("'WRITE_NEW': True") >= 4 and "'KV_FP8': True" in compiled.stdout
+    assert "'V_CHUNK': 64" in compiled.stdout
     # and what steps above 128 rows take: FP8 fc1 and qkv in row blocks, 64 attention slots a step
     assert compiled.stdout.count("'BLOCK_M': 128") == 2 and "'BLOCK': 64," in compiled.stdout
