@@ -11,11 +11,14 @@ bytes touched, against 4 for a row), which costs DRAM traffic of its own: hence 
 
 Timed, 16 layers in one CUDA graph, us a layer, each as the engine calls the kernel (the step's key and value from
 the qkv rows, written by the kernel, RoPE, PDL where the engine takes it): the bf16 cache; the FP8 cache in rows; the
-FP8 cache with values in chunks of each --chunks, with each --blocks slots per inner step. Every FP8 form attends to
-the same values, so their outputs must be equal (checked: max difference to the rows form), and the rows form is
-compared with float32 attention over the dequantized cache.
+FP8 cache with values in chunks of each --chunks, with each --blocks slots per inner step. --ragged spreads the rows'
+positions over [filled / 2, 3 filled / 2), as a generate call's steps do (a step of 128 slots costs its width however
+few it holds: 65 against 56 us a layer at 256 rows, twenty-eighth session). Every FP8 form attends to the same
+values, so their outputs must be equal (checked: max difference to the rows form), and the rows form is compared with
+float32 attention over the dequantized cache.
 
     python3 benchmarks/probes/fp8_cache_layout.py --batch-sizes 64 256 --out result.json
+    python3 benchmarks/probes/fp8_cache_layout.py --ragged --chunks 64 --blocks 64 128 --stages 2   (a call's spread)
     TRITON_INTERPRET=1 python3 benchmarks/probes/fp8_cache_layout.py --tiny     (CPU: outputs compared only)
 """
 
@@ -53,13 +56,14 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     kv = torch.zeros(L, 2, B, G, T, D, device=device, dtype=act)
     for i in range(L):
-        kv[i, :, :, :, :filled] = torch.randn(2, B, G, filled, D, generator=g, device=device).to(act)
+        kv[i, :, :, :, :T] = torch.randn(2, B, G, T, D, generator=g, device=device).to(act)
     qkv5 = torch.randn(B, G, r + 2, D, generator=g, device=device).to(act)
     q, new = qkv5[:, :, :r], (qkv5[:, :, r], qkv5[:, :, r + 1])
     pos = torch.full((B,), filled - 1, device=device)
+    if args.ragged:  # as in a generate call's steps: prompts of filled / 2 slots plus 0 .. filled new tokens
+        pos = filled // 2 - 1 + torch.arange(B, device=device) * filled // B
     rope = (torch.ones(B, D, dtype=act, device=device), torch.zeros(B, D, dtype=act, device=device))
     kv8, scales = quantize_fp8(kv)
-    kv8[:, :, :, :, filled:] = 0  # (quantize_fp8 leaves zeros zero; said here for the chunks past `filled`)
     calls = {}
     if gpu:  # the engine's bf16 cache, for the times (its outputs differ by the FP8 rounding)
         calls["bf16"] = lambda i: decode_attention(q, kv[i, 0], kv[i, 1], pos, scale, new_kv=new, rope=rope)
@@ -69,7 +73,8 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
     for c in args.chunks:
         k8[c], v8[c], sc[c] = kv8[:, 0].clone(), chunked(kv8[:, 1], c), scales.clone()
     del kv8
-    for block, warps, stages, form in itertools.product(args.blocks, args.warps, args.stages, ["rows", *args.chunks]):
+    forms = itertools.product(args.blocks, args.warps, args.stages, ["rows", *args.chunks])
+    for block, warps, stages, form in forms:
         name = f"fp8_{'rows' if form == 'rows' else f'chunk{form}'}_b{block}"
         name += "" if (warps, stages) == (4, 0) else f"_w{warps}_s{stages}"
 
@@ -90,7 +95,7 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
             print(f"  {name:20s} failed: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
             del calls[name]
     outs = {name: fn(0).float() for name, fn in calls.items()}
-    first = f"fp8_rows_b{args.blocks[0]}"
+    first = next(name for name in outs if name.startswith("fp8_rows"))
     k_deq = k8["rows"][0].float() * sc["rows"][0, 0, ..., None]
     v_deq = v8["rows"][0].float() * sc["rows"][0, 1, ..., None]
     scores = torch.einsum("bgrd,bgtd->bgrt", q.float(), k_deq) * scale
@@ -98,8 +103,8 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
     ref = torch.einsum("bgrt,bgtd->bgrd", scores.masked_fill(beyond, float("-inf")).softmax(-1), v_deq)
     row = {
         "floor_us": {
-            "bf16": 2 * B * G * filled * D * 2 / BANDWIDTH * 1e6,
-            "fp8": 2 * B * G * filled * (D + 4) / BANDWIDTH * 1e6,
+            "bf16": 2 * G * int((pos + 1).sum()) * D * 2 / BANDWIDTH * 1e6,  # the slots read: pos + 1 per row
+            "fp8": 2 * G * int((pos + 1).sum()) * (D + 4) / BANDWIDTH * 1e6,
         },
         "max_diff_to_rows": {n: float((o - outs[first]).abs().max()) for n, o in outs.items() if "fp8" in n},
         "rows_vs_float32": float((outs[first] - ref).abs().max()),
@@ -125,6 +130,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128], help="slots per inner step (FP8)")
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
     parser.add_argument("--stages", type=int, nargs="+", default=[0], help="pipeline stages (0: Triton's default)")
+    parser.add_argument(
+        "--ragged", action="store_true", help="row b holds filled / 2 + b * filled / B slots (a call's spread)"
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU: 2 layers, small sizes, outputs compared only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

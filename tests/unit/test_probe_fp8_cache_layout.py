@@ -21,3 +21,11 @@ def test_every_layout_attends_to_the_same_values(tmp_path):
     assert all(d < 1e-6 for d in row["max_diff_to_rows"].values()), row["max_diff_to_rows"]
     assert row["rows_vs_float32"] < 1e-5
     assert (tmp_path / "r.json").exists()
+
+
+def test_ragged_rows_attend_to_the_same_values():
+    """--ragged: each row its own position (a generate call's spread); still every layout gives the rows' output."""
+    row = fp8_cache_layout.main(["--tiny", "--ragged", "--batch-sizes", "3", "--chunks", "16", "--blocks", "16"])[
+        "batches"
+    ]["3"]
+    assert row["max_diff_to_rows"]["fp8_chunk16_b16"] < 1e-6 and row["rows_vs_float32"] < 1e-5
