@@ -19,9 +19,9 @@ on tensor cores, each slot's scale applied to its score and its probability; the
 value into it quantized (quantize_fp8's rule). The engine stores its values in chunks of V_CHUNK slots, [T / C, D, C]
 (slot t, dimension d at (t // C, d, t % C)): the product p v takes V as the tensor cores' second operand, which holds
 consecutive slots of one dimension in each register; from rows [T, D] the kernel gathered those bytes one at a time
-from shared memory, from chunks they are contiguous and copied and read as 16-bit operands are (the attention 24-32 %
-faster, below the bf16 cache's time: docs/PERF.md, twenty-eighth session). The step's own value is then written as D
-single bytes C apart.
+from shared memory, from chunks they are contiguous and copied and read as 16-bit operands are (the kernel alone
+23-33 % faster than with rows, and under the bf16 cache's time: docs/PERF.md, twenty-eighth session). The step's own
+value is then written as D single bytes C apart.
 With few (sample, group) pairs and long caches the slots are cut into `splits` ranges handled by separate programs
 and merged by a second small kernel (each range's max, sum and weighted values), so every SM has work.
 
