@@ -20,6 +20,7 @@ Contract
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -299,6 +300,35 @@ class _TritonExited(Exception):
     """Raised in the Triton start thread when tritonserver exited while PyTriton was still waiting for it."""
 
 
+TEXT_FILE_BUSY_ATTEMPTS = 3  # Triton starts tried where the first fail on ETXTBSY (retry_text_file_busy)
+
+
+def text_file_busy(exc: BaseException) -> bool:
+    """Whether a start failed to execute a file still open for writing (ETXTBSY), however wrapped (sh's
+    ForkException carries the child's OSError as text)."""
+    return getattr(exc, "errno", None) == errno.ETXTBSY or "Text file busy" in repr(exc)
+
+
+def retry_text_file_busy(
+    start: Callable[[], None], clean_up: Callable[[], None], attempts: int = TEXT_FILE_BUSY_ATTEMPTS, wait_s=0.5
+) -> None:
+    """start(), again (after clean_up() and a pause) while it fails on ETXTBSY, up to `attempts` times in all.
+
+    PyTriton copies tritonserver into its workspace and executes the copy at once; a process forked meanwhile by any
+    thread of ours (a library's subprocess while the models build) inherits the copy's open write handle and holds
+    it until it executes or exits, and the execution fails with "Text file busy" (seen in CI). Any other error is
+    raised at once."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except Exception as exc:
+            if attempt + 1 == attempts or not text_file_busy(exc):
+                raise
+            LOG.warning("Triton's start met a file still being written (%r); starting again", exc)
+            clean_up()
+            time.sleep(wait_s * (attempt + 1))
+
+
 TRITON_EXIT_WAIT_S = 20.0  # tritonserver's exit: up to exit_timeout_secs (3) per wait, with room for a loaded machine
 
 
@@ -470,7 +500,6 @@ class CriticServer:
         self._signal = signum
 
     def _start_triton(self) -> None:
-        from pytriton.model_config import ModelConfig, Tensor
         from pytriton.triton import Triton, TritonConfig
 
         s = self.cfg.server
@@ -497,8 +526,29 @@ class CriticServer:
         from pytriton.constants import PYTRITON_HOME
 
         os.makedirs(PYTRITON_HOME, exist_ok=True)
-        self._workspace = tempfile.mkdtemp(prefix="critic_", dir=PYTRITON_HOME)
-        self._triton = Triton(config=config, workspace=os.path.join(self._workspace, "w"))
+
+        def start() -> None:
+            self._workspace = tempfile.mkdtemp(prefix="critic_", dir=PYTRITON_HOME)
+            self._triton = Triton(config=config, workspace=os.path.join(self._workspace, "w"))
+            self._bind_endpoints()
+            self._triton.run()
+
+        def clean_up() -> None:  # a start that failed before tritonserver ran: its PyTriton and workspace
+            try:
+                self._triton.stop()
+            except Exception:  # noqa: BLE001 - best effort; the next start uses a new workspace
+                LOG.warning("stopping PyTriton after a failed start failed", exc_info=True)
+            shutil.rmtree(self._workspace, ignore_errors=True)
+
+        try:
+            retry_text_file_busy(start, clean_up)
+        except Exception as exc:
+            raise self._start_failure(exc) from exc
+        self._check_endpoints()
+
+    def _bind_endpoints(self) -> None:
+        from pytriton.model_config import ModelConfig, Tensor
+
         i64, f32 = np.int64, np.float32
         no_batching = ModelConfig(batching=False)  # shapes include B; the server checks B itself, with clear errors
         self._triton.bind(
@@ -539,11 +589,6 @@ class CriticServer:
                     ],
                     outputs=[Tensor(name="path", dtype=bytes, shape=(1,))],
                 )
-        try:
-            self._triton.run()
-        except Exception as exc:
-            raise self._start_failure(exc) from exc
-        self._check_endpoints()
 
     def _start_failure(self, exc: Exception) -> Exception:
         return start_failure(

@@ -1,10 +1,14 @@
 """A critic port taken between the critic's own check and Triton's start is named as a port in use (the launcher
 then starts the critic again on other ports), from tritonserver's log: a CI run lost a metrics port that way. And
-the critic's own tritonserver, still exiting after a failed start, is not taken for another program."""
+the critic's own tritonserver, still exiting after a failed start, is not taken for another program. A start whose
+tritonserver copy could not be executed yet ("Text file busy", another CI run) is tried again."""
 
+import errno
+import os
 import subprocess
 import sys
 
+import pytest
 from critic_harness import free_ports
 
 from aligner.critic.server import port_taken_line
@@ -100,3 +104,63 @@ def test_a_port_held_by_another_program_is_named():
         other.kill()
         other.wait()
     assert isinstance(err, PortInUseError) and f"port {server.port + 2} (metrics)" in str(err), err
+
+
+def _busy_script(tmp_path):
+    """An executable script with a handle to it still open for writing: executing it fails with ETXTBSY (Linux)."""
+    script = tmp_path / "run.sh"
+    writer = open(script, "w")
+    writer.write("#!/bin/sh\nexit 0\n")
+    writer.flush()
+    os.chmod(script, 0o755)
+    return str(script), writer
+
+
+def test_a_start_that_meets_a_file_still_being_written_is_tried_again(tmp_path):
+    """retry_text_file_busy with a real ETXTBSY, through sh as PyTriton starts tritonserver: the first start fails
+    ("Text file busy" inside sh's ForkException), the clean-up runs, the second start succeeds."""
+    import sh
+
+    from aligner.critic.server import retry_text_file_busy, text_file_busy
+
+    script, writer = _busy_script(tmp_path)
+    calls = []
+
+    def start():
+        calls.append("start")
+        sh.Command(script)()
+
+    def clean_up():
+        calls.append("clean_up")
+        writer.close()
+
+    with pytest.raises(Exception) as first:  # what the first start meets, on its own
+        sh.Command(script)()
+    assert text_file_busy(first.value), repr(first.value)
+    retry_text_file_busy(start, clean_up, wait_s=0)
+    assert calls == ["start", "clean_up", "start"]
+
+
+def test_other_start_errors_and_the_last_attempt_are_raised(tmp_path):
+    from aligner.critic.server import retry_text_file_busy
+
+    calls = []
+
+    def missing():
+        calls.append("start")
+        raise FileNotFoundError("tritonserver")
+
+    with pytest.raises(FileNotFoundError):
+        retry_text_file_busy(missing, lambda: calls.append("clean_up"), wait_s=0)
+    assert calls == ["start"]  # not ETXTBSY: at once, no clean-up
+    script, writer = _busy_script(tmp_path)
+    calls.clear()
+
+    def busy():
+        calls.append("start")
+        subprocess.run([script], check=True)
+
+    with pytest.raises(OSError) as busy_error:
+        retry_text_file_busy(busy, lambda: calls.append("clean_up"), attempts=3, wait_s=0)
+    writer.close()
+    assert busy_error.value.errno == errno.ETXTBSY and calls == ["start", "clean_up"] * 2 + ["start"]
