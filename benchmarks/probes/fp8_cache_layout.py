@@ -54,9 +54,9 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
     act = torch.bfloat16 if gpu else torch.float32  # the interpreter: float32 only
     scale = D**-0.5
     g = torch.Generator(device=device).manual_seed(0)
-    kv = torch.zeros(L, 2, B, G, T, D, device=device, dtype=act)
-    for i in range(L):
-        kv[i, :, :, :, :T] = torch.randn(2, B, G, T, D, generator=g, device=device).to(act)
+    kv = torch.empty(L, 2, B, G, T, D, device=device, dtype=act)
+    for i in range(L):  # every slot finite (the chunked forms read whole chunks), a layer at a time (memory)
+        kv[i] = torch.randn(2, B, G, T, D, generator=g, device=device).to(act)
     qkv5 = torch.randn(B, G, r + 2, D, generator=g, device=device).to(act)
     q, new = qkv5[:, :, :r], (qkv5[:, :, r], qkv5[:, :, r + 1])
     pos = torch.full((B,), filled - 1, device=device)
