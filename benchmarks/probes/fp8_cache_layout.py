@@ -38,11 +38,13 @@ BANDWIDTH = 4.2e12  # the H200's copy rate (docs/PERF.md)
 
 
 def chunked(values: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Values [..., T, D] -> a contiguous copy in chunks [..., T / chunk, D, chunk]."""
+    """Values [..., T, D] -> a copy in chunks [..., T / chunk, D, chunk] (the engine's writer)."""
+    from aligner.generation.native.triton_decode import write_value_chunks
+
     *lead, T, D = values.shape
-    as_bytes = values.view(torch.uint8) if values.dtype.itemsize == 1 else values  # e4m3: copied as bytes
-    out = as_bytes.reshape(*lead, T // chunk, chunk, D).transpose(-1, -2).contiguous()
-    return out.view(values.dtype)
+    out = torch.empty(*lead, T // chunk, D, chunk, dtype=values.dtype, device=values.device)
+    write_value_chunks(out, values)
+    return out
 
 
 def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:

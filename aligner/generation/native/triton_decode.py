@@ -64,21 +64,21 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_value_chunks(dst: torch.Tensor, values: torch.Tensor) -> None:
-    """Values [B, G, t, D] into slots [0, t) of chunked values dst [B, G, T / C, D, C] (the kernel's chunked layout).
+    """Values [..., t, D] into slots [0, t) of chunked values dst [..., T / C, D, C] (the kernel's chunked layout).
     Whole chunks are written: slots [t, ceil(t / C) * C) get zeros (slots past a prompt, written by decode before
     they are read)."""
-    B, G, t, D = values.shape
+    *lead, t, D = values.shape
     C = dst.shape[-1]
     n = -(-t // C)
     as_bytes = values.view(torch.uint8) if values.dtype.itemsize == 1 else values  # e4m3: padded as bytes
     padded = torch.nn.functional.pad(as_bytes, (0, 0, 0, n * C - t)).view(values.dtype)
-    dst[:, :, :n] = padded.view(B, G, n, C, D).transpose(-1, -2)
+    dst[..., :n, :, :] = padded.view(*lead, n, C, D).transpose(-1, -2)
 
 
 def value_rows(chunks: torch.Tensor) -> torch.Tensor:
-    """Chunked values [B, G, T / C, D, C] as rows [B, G, T, D] (a copy)."""
-    B, G, n, D, C = chunks.shape
-    return chunks.transpose(-1, -2).reshape(B, G, n * C, D)
+    """Chunked values [..., T / C, D, C] as rows [..., T, D] (a copy)."""
+    *lead, n, D, C = chunks.shape
+    return chunks.transpose(-1, -2).reshape(*lead, n * C, D)
 
 
 def unavailable(
