@@ -183,7 +183,7 @@ def compile_all(path: str) -> int:
                 if name in constexprs:
                     constexprs[name] = value
                     seen_overrides.add(name)
-            options = {k: v for k, v in spec["options"].items() if k in ("num_warps", "num_stages")}
+            options = {k: v for k, v in spec["options"].items() if k in ("num_warps", "num_stages", "maxnreg")}
             key = json.dumps([target, spec["qualname"], spec["signature"], constexprs, options], sort_keys=True)
             if key in done:
                 continue

@@ -1,6 +1,8 @@
 """What the probes in this folder share: their command lines, their random bf16 tensors, the engine probes' engine."""
 
 import argparse
+import ast
+import importlib
 import json
 import time
 
@@ -40,15 +42,41 @@ def us_a_layer(every_layer, layers: int, gpu: bool) -> float:
 
 
 def engine_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
-    """The engine probes' command line: --decode-weights, --kv-dtype, --repeats, --batch-sizes (64 128), --out; the
-    caller may add its own options before parsing."""
+    """The engine probes' command line: --decode-weights, --kv-dtype, --repeats, --batch-sizes (64 128), --set,
+    --out; the caller may add its own options before parsing."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--decode-weights", default="same", help="generation.decode_weights (same | fp8)")
     parser.add_argument("--kv-dtype", default="auto", help="generation.kv_dtype (auto | fp8)")
     parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",
+        help="a constant of aligner.generation.native.MODULE set before the engine is built, e.g. "
+        "triton_decode.FP8_MAXNREG=128 (settings compared in one tree)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write the result here as JSON")
     return parser
+
+
+def apply_settings(settings: list[str]) -> dict:
+    """--set's MODULE.NAME=VALUE items applied to aligner.generation.native.MODULE (VALUE a Python literal); only
+    names the module already has. Returns {item: value}."""
+    applied = {}
+    for item in settings:
+        target, sep, text = item.partition("=")
+        module_name, _, name = target.rpartition(".")
+        if not sep or not module_name:
+            raise SystemExit(f"--set {item!r}: write MODULE.NAME=VALUE, e.g. triton_decode.FP8_MAXNREG=128")
+        module = importlib.import_module(f"aligner.generation.native.{module_name}")
+        if not hasattr(module, name):
+            raise SystemExit(f"--set {item!r}: aligner.generation.native.{module_name} has no {name}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--set {item!r}: {text!r} is not a Python literal") from None
+        setattr(module, name, value)
+        applied[item] = value
+    return applied
 
 
 def bench_engine(args: argparse.Namespace, cfg, prompt_len: int, new_tokens: int, **gen_options):
@@ -59,6 +87,7 @@ def bench_engine(args: argparse.Namespace, cfg, prompt_len: int, new_tokens: int
     from aligner.parallel import initialize
 
     initialize(1, 1)
+    apply_settings(getattr(args, "set", []))
     torch.manual_seed(0)
     policy = build_gpt(cfg).eval()
     gen = GenerationConfig(

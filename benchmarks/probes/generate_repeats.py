@@ -7,6 +7,8 @@ tokens and 256 new tokens as bench_generation.py draws them.
 
     python3 benchmarks/probes/generate_repeats.py --decode-weights fp8 --repeats 9 --out result.json
     python3 benchmarks/probes/generate_repeats.py --prefill-graph-max-tokens 0 ...    (prefill without CUDA graphs)
+    python3 benchmarks/probes/generate_repeats.py --decode-weights fp8 --kv-dtype fp8 \
+        --set triton_decode.FP8_MAXNREG=128 triton_decode.EXP2=True ...     (candidate settings, same tree)
 """
 
 import argparse

@@ -24,8 +24,10 @@ def test_every_layout_attends_to_the_same_values(tmp_path):
 
 
 def test_ragged_rows_attend_to_the_same_values():
-    """--ragged: each row its own position (a generate call's spread); still every layout gives the rows' output."""
-    row = fp8_cache_layout.main(["--tiny", "--ragged", "--batch-sizes", "3", "--chunks", "16", "--blocks", "16"])[
-        "batches"
-    ]["3"]
+    """--ragged: each row its own position (a generate call's spread); still every layout gives the rows' output,
+    and so does the base-2 softmax (--exp2)."""
+    argv = ["--tiny", "--ragged", "--batch-sizes", "3", "--chunks", "16", "--blocks", "16", "--exp2", "0", "1"]
+    row = fp8_cache_layout.main(argv)["batches"]["3"]
     assert row["max_diff_to_rows"]["fp8_chunk16_b16"] < 1e-6 and row["rows_vs_float32"] < 1e-5
+    # the softmax in base 2 (--exp2 1): the same attention within float32 rounding
+    assert 0 < row["max_diff_to_rows"]["fp8_chunk16_b16_exp2"] < 1e-5

@@ -24,3 +24,25 @@ def test_every_call_is_reported(tmp_path):
     for B in ("2", "3"):
         assert {k: len(v) for k, v in report[B].items()} == {"tok_s": 2, "prefill_ms": 2, "decode_ms": 2}
         assert all(v > 0 for values in report[B].values() for v in values)
+
+
+def test_set_changes_a_constant_of_the_engine_modules(monkeypatch):
+    """--set MODULE.NAME=VALUE (the engine probes' A/B of a setting in one tree): applied as a Python literal to a
+    name the module has; anything else is one line naming the item."""
+    import pytest
+
+    from aligner.generation.native import triton_decode
+    from benchmarks.probes.common import apply_settings, engine_parser
+
+    monkeypatch.setattr(triton_decode, "FP8_MAXNREG", triton_decode.FP8_MAXNREG)  # restored afterwards
+    monkeypatch.setattr(triton_decode, "EXP2", triton_decode.EXP2)
+    args = engine_parser("probe", 1).parse_args(["--set", "triton_decode.FP8_MAXNREG=128", "triton_decode.EXP2=True"])
+    assert apply_settings(args.set) == {"triton_decode.FP8_MAXNREG=128": 128, "triton_decode.EXP2=True": True}
+    assert triton_decode.FP8_MAXNREG == 128 and triton_decode.EXP2 is True
+    for item, message in (
+        ("triton_decode.NO_SUCH=1", "has no NO_SUCH"),
+        ("triton_decode.EXP2=yes", "is not a Python literal"),
+        ("EXP2=1", "write MODULE.NAME=VALUE"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            apply_settings([item])

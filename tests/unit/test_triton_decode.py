@@ -194,6 +194,39 @@ def test_fp8_cache_read_and_written_by_the_kernel(act, splits, rope, chunk):
         decode_attention(q, cache[0], cache[1], pos, 1.0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32_cache", "fp8_cache"])
+def test_softmax_in_base_2_gives_the_same_attention(splits, fp8):
+    """exp2=True (triton_decode.EXP2: scale times log2(e), exp2 for every exponential, the split merge's included)
+    attends as the natural-base softmax does: both within float32 rounding of plain attention, with the step's own
+    key and value written (their score's exponential too) and, for an FP8 cache, values in chunks."""
+    from aligner.generation.native.triton_decode import quantize_fp8, value_rows, write_value_chunks
+
+    B, G, r, D, T = 3, 2, 2, 32, 48
+    g = torch.Generator().manual_seed(5 + splits)
+    qkv = torch.randn(B, G, r + 2, D, generator=g)
+    q, new = qkv[:, :, :r], (qkv[:, :, r], qkv[:, :, r + 1])
+    pos = torch.tensor([0, T - 1, T // 2])
+    rows = torch.arange(B)
+    outs = {}
+    for exp2 in (False, True):
+        kv = torch.randn(2, B, G, T, D, generator=torch.Generator().manual_seed(1))
+        extra, values = {}, kv[1]
+        if fp8:
+            kv8, scales = quantize_fp8(kv)
+            values = torch.zeros(B, G, T // 16, D, 16).to(kv8.dtype)
+            write_value_chunks(values, kv8[1])
+            extra["kv_scales"] = (scales[0], scales[1])
+            kv = kv8
+        outs[exp2] = decode_attention(q, kv[0], values, pos, D**-0.5, splits=splits, new_kv=new, exp2=exp2, **extra)
+        if fp8:  # the cache as the kernel left it (the step's key and value written), dequantized
+            kv = torch.stack([kv8[0], value_rows(values)]).float() * scales[..., None]
+        else:
+            kv[0, rows, :, pos], kv[1, rows, :, pos] = new
+        torch.testing.assert_close(outs[exp2], _reference(q, kv[0], kv[1], pos, D**-0.5), rtol=0, atol=1e-5)
+    assert not torch.equal(outs[True], outs[False])  # the base-2 path did run
+
+
 def test_non_contiguous_head_dimension_is_refused():
     q = torch.randn(1, 1, 2, 16)
     kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D

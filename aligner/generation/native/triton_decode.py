@@ -43,6 +43,15 @@ BLOCK_N = 32  # cache slots per inner step
 WIDE_BLOCK_N, WIDE_MIN_BATCH = 64, 256  # ... from this many rows on (measured faster there: docs/PERF.md)
 FP8_BLOCK_N, FP8_STAGES = 128, 2  # ... and pipeline stages with an FP8 cache on the GPU (measured: docs/PERF.md)
 V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module docstring; measured: docs/PERF.md)
+# Candidates read in the FP8 kernel's sm_90 code without a GPU (benchmarks/probes/attention_code.py; docs/PERF.md,
+# twenty-ninth session), each off until timed on one: the softmax in base 2 (EXP2: fewer products in the slot loop;
+# alone it measured slower at 256 rows, its 200 registers a thread leaving room for 2 programs an SM), a register
+# cap (FP8_MAXNREG: 168 registers give 3 programs of 4 warps an SM, 128 give 4, with no spill inside the slot loop),
+# and 2 warps a program (FP8_WARPS, with FP8_BLOCK_N 64: as many instructions a slot, shorter last steps).
+EXP2 = False
+FP8_MAXNREG: int | None = None
+FP8_WARPS = 4
+LOG2E = 1.4426950408889634
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
 NATIVE_PV = True  # probabilities rounded to the cache's 16-bit dtype for the product with V; False: TF32
@@ -207,8 +216,10 @@ def _kernels():
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
-        KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr,
+        KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr,
     ):  # fmt: skip
+        # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
+        # 2: the same softmax, fewer products than exp's own x * log2(e))
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         # pos was written by an earlier step's token choice, and with PDL every kernel releases the next only after
         # its own wait: when this kernel starts, all kernels two or more before it are complete. So pos is read
@@ -262,15 +273,17 @@ def _kernels():
             if KV_FP8:
                 k = k.to(op_t)
             if NATIVE_QK:  # the cache's 16-bit operands, float32 sums: the same products as TF32 on these values
-                scores = tl.dot(q16, tl.trans(k)) * scale
+                scores = tl.dot(q16, tl.trans(k))
             else:
-                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
-            if KV_FP8:
-                scores = scores * tl.load(ks_base + slots, mask=slots < stop, other=0.0)[None, :]
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+            if KV_FP8:  # each slot's key scale times the softmax's: one product a score
+                scores = scores * (tl.load(ks_base + slots, mask=slots < stop, other=0.0) * scale)[None, :]
+            else:
+                scores = scores * scale
             scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new) if EXP2 else tl.exp(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None]) if EXP2 else tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if V_CHUNK:  # values in chunks [T / V_CHUNK, D, V_CHUNK]: slot t, dim d at (t // C, d, t % C), read
                 # in whole chunks (a mask constant over each chunk lets the loads be vectors; the slots past `stop`
@@ -316,8 +329,8 @@ def _kernels():
                     k_att, v_att = k_new.to(tl.float32), v_new.to(tl.float32)
                 score = tl.sum(q * k_att[None, :], 1) * scale
                 m_new = tl.maximum(m_i, score)
-                alpha = tl.exp(m_i - m_new)
-                p_new = tl.exp(score - m_new)
+                alpha = tl.exp2(m_i - m_new) if EXP2 else tl.exp(m_i - m_new)
+                p_new = tl.exp2(score - m_new) if EXP2 else tl.exp(score - m_new)
                 l_i = l_i * alpha + p_new
                 acc = acc * alpha[:, None] + p_new[:, None] * v_att[None, :]
                 m_i = m_new
@@ -335,6 +348,7 @@ def _kernels():
     def decode_attention_merge(
         acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_g, so_r,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
+        EXP2: tl.constexpr,
     ):  # fmt: skip
         b, g = tl.program_id(0), tl.program_id(1)
         rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
@@ -347,7 +361,7 @@ def _kernels():
         acc = tl.zeros([R_PAD, D_PAD], tl.float32)
         for s in range(SPLITS):
             m_s = tl.load(m_ptr + (first + s) * R + rows, mask=rows < R, other=float("-inf"))
-            w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m))
+            w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m) if EXP2 else tl.exp(m_s - m))
             total += w * tl.load(l_ptr + (first + s) * R + rows, mask=rows < R, other=0.0)
             part = tl.load(acc_ptr + (first + s) * R * D + rows[:, None] * D + dims[None, :], mask=qmask, other=0.0)
             acc += w[:, None] * part
@@ -375,11 +389,13 @@ def decode_attention(
     scale: float,
     splits: int = 1,
     block: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_stages: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    exp2: bool | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -399,7 +415,10 @@ def decode_attention(
     in q's dtype and the kernel quantizes it (quantize_fp8's rule) into the cache and the scales. The result is in
     q's dtype then. Values may come in chunks of C slots, [B, G, T / C, D, C] (the engine's FP8 layout: module
     docstring; write_value_chunks); the kernel reads whole chunks, so the slots past a sample's position in its last
-    chunk must hold finite values (they get probability 0)."""
+    chunk must hold finite values (they get probability 0).
+
+    `exp2` (default: EXP2) takes the softmax in base 2; `maxnreg` caps the kernel's registers a thread (a Triton
+    launch option; default FP8_MAXNREG with an FP8 cache on the GPU, else none)."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
@@ -459,14 +478,21 @@ def decode_attention(
         rope_stride = cos.stride(0)
     native = keys_BGTD.device.type == "cuda" and act_dtype != torch.float32  # the interpreter: float32 only
     use_pdl = pdl.wanted(keys_BGTD.device, B)
+    exp2 = EXP2 if exp2 is None else exp2
+    scale = scale * LOG2E if exp2 else scale
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
-        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk,
+        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
     )  # fmt: skip
-    if num_stages is None and kv_fp8 and keys_BGTD.device.type == "cuda":
-        num_stages = FP8_STAGES
+    fp8_gpu = kv_fp8 and keys_BGTD.device.type == "cuda"
+    num_warps = num_warps or (FP8_WARPS if fp8_gpu else 4)
+    if fp8_gpu:
+        num_stages = FP8_STAGES if num_stages is None else num_stages
+        maxnreg = FP8_MAXNREG if maxnreg is None else maxnreg
     if num_stages is not None:
         common["num_stages"] = num_stages
+    if maxnreg:
+        common["maxnreg"] = maxnreg
     launch = dict(PDL=use_pdl, launch_pdl=True) if use_pdl else dict(PDL=False)  # the merge kernel: plain
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
     precision = "ieee" if act_dtype == torch.float32 else "tf32"
@@ -486,5 +512,5 @@ def decode_attention(
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
         **launch,
     )  # fmt: skip
-    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD)
+    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, EXP2=exp2)
     return out

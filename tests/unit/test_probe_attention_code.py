@@ -1,0 +1,46 @@
+"""benchmarks/probes/attention_code.py on the CPU: the decode attention kernel compiled for sm_90 (Triton's own ptxas,
+cuobjdump and nvdisasm; no GPU) and its resources read back. What the twenty-ninth session found with it must hold
+for the probe to be believed: a register cap of 128 leaves the FP8 kernel's slot loop without spills and fits 4
+programs an SM where the uncapped kernel fits fewer, and the base-2 softmax takes products out of the loop."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
+
+from benchmarks.probes.attention_code import programs_per_sm  # noqa: E402
+
+
+def test_programs_per_sm_by_hand():
+    # 168 registers: 5376 a warp (21 x 256), 21504 a program of 4 warps: 3 in 65536; 43008 + 1024 bytes: 5 in 228 KB
+    assert programs_per_sm(168, 41984, 4) == {"registers_limit": 3, "shared_limit": 5, "warps_limit": 16, "programs": 3}
+    # 101 registers round up to 104 (3328 a warp, 13 x 256): 4 programs; 8 warps of 128: 2
+    assert programs_per_sm(101, 1024, 4)["programs"] == 4 and programs_per_sm(128, 1024, 8)["programs"] == 2
+
+
+def test_the_fp8_kernel_compiled_for_sm90(tmp_path):
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--maxnreg", "0", "128",
+         "--exp2", "0", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    import json
+
+    rows = {(r["maxnreg"], r["exp2"]): r for r in json.load(open(out))["settings"]}
+    for row in rows.values():
+        assert row["block"] == 128 and row["stages"] == 2 and row["shared_bytes"] > 0  # the engine's FP8 settings
+        assert row["loop"]["HMMA"] == 64 and row["loop"]["F2FP"] >= 128  # 2 products of 16 x 128 x 128 a step
+    for exp2 in (False, True):
+        capped, free = rows[(128, exp2)], rows[(0, exp2)]
+        assert capped["registers"] <= 128 and capped["programs"] == 4 and free["programs"] < 4
+        assert capped["loop"]["STL"] == capped["loop"]["LDL"] == 0  # no spill inside the slot loop
+    assert rows[(128, True)]["loop"]["FMUL"] < rows[(128, False)]["loop"]["FMUL"]
+    assert rows[(128, True)]["stack_bytes"] == 0
