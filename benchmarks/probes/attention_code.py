@@ -101,7 +101,7 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
     return {**by, "programs": min(by.values())}
 
 
-def compile_one(kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2: bool) -> dict:
+def compile_one(kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2: bool, warp_slots: bool) -> dict:
     """One setting compiled for sm_90: its resources and its slot loop."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -114,7 +114,7 @@ def compile_one(kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2
     constexprs = dict(
         R=GROUP_SIZE, D=HEAD_DIM, R_PAD=16, D_PAD=HEAD_DIM, BLOCK=block, SPLIT_LEN=384, SPLITS=1, PRECISION="tf32",
         WRITE_NEW=True, ROPE=True, NATIVE_QK=True, NATIVE_PV=True, KV_FP8=kv == "fp8", PDL=True,
-        V_CHUNK=triton_decode.V_CHUNK if kv == "fp8" else 0, EXP2=exp2,
+        V_CHUNK=triton_decode.V_CHUNK if kv == "fp8" else 0, EXP2=exp2, WARP_SLOTS=warps if warp_slots else 0,
     )  # fmt: skip
     options = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
@@ -148,6 +148,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--stages", type=int, nargs="+", default=None, help="default: the engine's (FP8: 2, else 3)")
     parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps (0: none)")
     parser.add_argument("--exp2", type=int, nargs="+", default=[0], help="0: natural-base softmax, 1: base 2")
+    parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots a step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs it off (the test suite's conftest sets it)
@@ -157,14 +158,19 @@ def main(argv=None) -> dict:
     blocks = args.blocks or ([triton_decode.FP8_BLOCK_N] if fp8 else [triton_decode.WIDE_BLOCK_N])
     stages = args.stages or [triton_decode.FP8_STAGES if fp8 else 3]
     report = {"target": "sm_90", "args": vars(args), "settings": []}
-    print("kv    block warps stages maxnreg exp2 | regs stack shared programs/SM (by regs, shared) | loop: "
+    print("kv    block warps stages maxnreg exp2 warp_slots | regs stack shared programs/SM (by regs, shared) | loop: "
           + " ".join(KINDS), flush=True)  # fmt: skip
-    for block, warps, stage, cap, exp2 in itertools.product(blocks, args.warps, stages, args.maxnreg, args.exp2):
-        row = compile_one(args.kv, block, warps, stage, cap, bool(exp2))
-        row.update(kv=args.kv, block=block, warps=warps, stages=stage, maxnreg=cap, exp2=bool(exp2))
+    settings = itertools.product(blocks, args.warps, stages, args.maxnreg, args.exp2, args.warp_slots)
+    for block, warps, stage, cap, exp2, own in settings:
+        if own and (block % warps or block // warps < 16):  # decode_attention refuses it
+            continue
+        row = compile_one(args.kv, block, warps, stage, cap, bool(exp2), bool(own))
+        row.update(
+            kv=args.kv, block=block, warps=warps, stages=stage, maxnreg=cap, exp2=bool(exp2), warp_slots=bool(own)
+        )
         report["settings"].append(row)
         print(
-            f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} | {row['registers']:4d} "
+            f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} {own:10d} | {row['registers']:4d} "
             f"{row['stack_bytes']:5d} {row['shared_bytes']:6d} {row['programs']:3d} ({row['registers_limit']}, "
             f"{row['shared_limit']}) | {row['loop_instructions']}: " + " ".join(str(row["loop"][k]) for k in KINDS),
             flush=True,

@@ -19,8 +19,9 @@ float32 attention over the dequantized cache.
 
     python3 benchmarks/probes/fp8_cache_layout.py --batch-sizes 64 256 --out result.json
     python3 benchmarks/probes/fp8_cache_layout.py --ragged --chunks 64 --blocks 64 128 --stages 2   (a call's spread)
-    python3 benchmarks/probes/fp8_cache_layout.py --ragged --chunks 64 --blocks 128 --stages 2 --maxnreg 0 128 \
-        --exp2 0 1          (register caps and the base-2 softmax: attention_code.py shows their code)
+    python3 benchmarks/probes/fp8_cache_layout.py --ragged --chunks 64 --blocks 64 128 --warps 2 4 --stages 2 \
+        --maxnreg 0 128 168 --exp2 0 1 --warp-slots 0 1     (the twenty-ninth session's candidates, whose compiled
+                                                             code attention_code.py shows)
     TRITON_INTERPRET=1 python3 benchmarks/probes/fp8_cache_layout.py --tiny     (CPU: outputs compared only)
 """
 
@@ -77,17 +78,22 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
     for c in args.chunks:
         k8[c], v8[c], sc[c] = kv8[:, 0].clone(), chunked(kv8[:, 1], c), scales.clone()
     del kv8
-    forms = itertools.product(args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, ["rows", *args.chunks])
-    for block, warps, stages, cap, exp2, form in forms:
+    forms = itertools.product(
+        args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, ["rows", *args.chunks]
+    )
+    for block, warps, stages, cap, exp2, own, form in forms:
+        if own and (block % warps or block // warps < 16):  # decode_attention refuses it
+            continue
         name = f"fp8_{'rows' if form == 'rows' else f'chunk{form}'}_b{block}"
         name += "" if (warps, stages) == (4, 0) else f"_w{warps}_s{stages}"
-        name += (f"_r{cap}" if cap else "") + ("_exp2" if exp2 else "")
+        name += (f"_r{cap}" if cap else "") + ("_exp2" if exp2 else "") + ("_own" if own else "")
 
-        def call(i, form=form, block=block, warps=warps, stages=stages, cap=cap, exp2=exp2):
+        def call(i, form=form, block=block, warps=warps, stages=stages, cap=cap, exp2=exp2, own=own):
             s = sc[form]
             return decode_attention(
                 q, k8[form][i], v8[form][i], pos, scale, 1, block, warps, new_kv=new, rope=rope,
                 kv_scales=(s[i, 0], s[i, 1]), num_stages=stages or None, exp2=bool(exp2), maxnreg=cap or None,
+                warp_slots=bool(own),
             )  # fmt: skip
 
         calls[name] = call
@@ -137,6 +143,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--stages", type=int, nargs="+", default=[0], help="pipeline stages (0: Triton's default)")
     parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps (0: triton_decode's)")
     parser.add_argument("--exp2", type=int, nargs="+", default=[0], help="softmax in base 2 (0 / 1)")
+    parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots (0 / 1)")
     parser.add_argument(
         "--ragged", action="store_true", help="row b holds filled / 2 + b * filled / B slots (a call's spread)"
     )

@@ -1,7 +1,8 @@
 """benchmarks/probes/attention_code.py on the CPU: the decode attention kernel compiled for sm_90 (Triton's own ptxas,
 cuobjdump and nvdisasm; no GPU) and its resources read back. What the twenty-ninth session found with it must hold
 for the probe to be believed: a register cap of 128 leaves the FP8 kernel's slot loop without spills and fits 4
-programs an SM where the uncapped kernel fits fewer, and the base-2 softmax takes products out of the loop."""
+programs an SM where the uncapped kernel fits fewer, the base-2 softmax takes products out of the loop, and with each
+warp its own slots the loop exchanges nothing between warps and is shorter."""
 
 import os
 import subprocess
@@ -28,19 +29,26 @@ def test_the_fp8_kernel_compiled_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--maxnreg", "0", "128",
-         "--exp2", "0", "1", "--out", str(out)],
+         "168", "--exp2", "0", "1", "--warp-slots", "0", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     import json
 
-    rows = {(r["maxnreg"], r["exp2"]): r for r in json.load(open(out))["settings"]}
+    rows = {(r["maxnreg"], r["exp2"], r["warp_slots"]): r for r in json.load(open(out))["settings"]}
+    shared = {(cap, exp2): row for (cap, exp2, own), row in rows.items() if not own}
     for row in rows.values():
         assert row["block"] == 128 and row["stages"] == 2 and row["shared_bytes"] > 0  # the engine's FP8 settings
         assert row["loop"]["HMMA"] == 64 and row["loop"]["F2FP"] >= 128  # 2 products of 16 x 128 x 128 a step
     for exp2 in (False, True):
-        capped, free = rows[(128, exp2)], rows[(0, exp2)]
+        capped, free = shared[(128, exp2)], shared[(0, exp2)]
         assert capped["registers"] <= 128 and capped["programs"] == 4 and free["programs"] < 4
         assert capped["loop"]["STL"] == capped["loop"]["LDL"] == 0  # no spill inside the slot loop
-    assert rows[(128, True)]["loop"]["FMUL"] < rows[(128, False)]["loop"]["FMUL"]
-    assert rows[(128, True)]["stack_bytes"] == 0
+    assert shared[(128, True)]["loop"]["FMUL"] < shared[(128, False)]["loop"]["FMUL"]
+    assert shared[(128, True)]["stack_bytes"] == 0
+    # each warp its own slots: no probabilities through shared memory, fewer barriers and copies, fewer
+    # instructions at the same register cap (168: 3 programs an SM, as the shared form uncapped)
+    own, same = rows[(168, True, True)], shared[(168, True)]
+    assert own["programs"] == same["programs"] == shared[(0, False)]["programs"] == 3
+    assert own["loop"]["STS"] == 0 < same["loop"]["STS"] and own["loop"]["BAR"] < same["loop"]["BAR"]
+    assert own["loop_instructions"] < 0.9 * same["loop_instructions"] and own["loop"]["MOV"] < same["loop"]["MOV"] / 4

@@ -227,6 +227,44 @@ def test_softmax_in_base_2_gives_the_same_attention(splits, fp8):
     assert not torch.equal(outs[True], outs[False])  # the base-2 path did run
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("cache", ["fp32", "fp8"])
+@pytest.mark.parametrize("exp2", [False, True], ids=["exp", "exp2"])
+def test_warp_slots_give_the_same_attention(splits, cache, exp2):
+    """warp_slots=True (triton_decode.FP8_WARP_SLOTS: each warp its own block / num_warps slots of a step, its own
+    running max, sum and output, merged after the loop) attends as the shared form does, within float32 rounding:
+    positions where some warps' slots all lie past the last one (pos 3: three of four warps hold none in the only
+    step; pos 0 with the step's own key: no step at all), the split ranges and their merge, the step's own key and
+    value with RoPE, an FP8 cache with values in chunks, either base of the softmax."""
+    from aligner.generation.native.triton_decode import quantize_fp8, write_value_chunks
+
+    B, G, r, D, T = 4, 2, 2, 32, 192
+    g = torch.Generator().manual_seed(3 + splits)
+    qkv = torch.randn(B, G, r + 2, D, generator=g)
+    q, new = qkv[:, :, :r], (qkv[:, :, r], qkv[:, :, r + 1])
+    angles = torch.rand(B, D // 2, generator=g) * 6.0
+    rope = (torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1))
+    pos = torch.tensor([0, 3, T - 1, 100])
+    outs = {}
+    for warp_slots in (False, True):
+        kv = torch.randn(2, B, G, T, D, generator=torch.Generator().manual_seed(1))
+        extra, values = {}, kv[1]
+        if cache == "fp8":
+            kv, scales = quantize_fp8(kv)
+            values = torch.zeros(B, G, T // 64, D, 64).to(kv.dtype)
+            write_value_chunks(values, kv[1])
+            extra["kv_scales"] = (scales[0], scales[1])
+        outs[warp_slots] = decode_attention(
+            q, kv[0], values, pos, D**-0.5, splits=splits, block=64, num_warps=4, new_kv=new, rope=rope, exp2=exp2,
+            warp_slots=warp_slots, **extra,
+        )  # fmt: skip
+    assert not outs[True].isnan().any()
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=1e-5)
+    assert not torch.equal(outs[True], outs[False])  # summed in another order: the warp-slots form did run
+    with pytest.raises(ValueError, match="warp_slots needs the 32 slots of a step in 4 warps' shares of 16"):
+        decode_attention(q, kv[0], values, pos, 1.0, block=32, num_warps=4, warp_slots=True, **extra)
+
+
 def test_non_contiguous_head_dimension_is_refused():
     q = torch.randn(1, 1, 2, 16)
     kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D

@@ -51,6 +51,7 @@ V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module d
 EXP2 = False
 FP8_MAXNREG: int | None = None
 FP8_WARPS = 4
+FP8_WARP_SLOTS = False
 LOG2E = 1.4426950408889634
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
@@ -216,7 +217,7 @@ def _kernels():
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
-        KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr,
+        KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr, WARP_SLOTS: tl.constexpr,
     ):  # fmt: skip
         # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
         # 2: the same softmax, fewer products than exp's own x * log2(e))
@@ -266,43 +267,96 @@ def _kernels():
         stop = tl.minimum(start + SPLIT_LEN, n_keys)
         k_base, v_base = k_ptr + b * sk_b + g * sk_g, v_ptr + b * sv_b + g * sv_g
         ks_base, vs_base = ks_ptr + b * ss_b + g * ss_g, vs_ptr + b * ss_b + g * ss_g
-        for lo in range(start, stop, BLOCK):
-            slots = lo + tl.arange(0, BLOCK)
-            kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
-            k = tl.load(k_base + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
-            if KV_FP8:
-                k = k.to(op_t)
-            if NATIVE_QK:  # the cache's 16-bit operands, float32 sums: the same products as TF32 on these values
-                scores = tl.dot(q16, tl.trans(k))
-            else:
-                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
-            if KV_FP8:  # each slot's key scale times the softmax's: one product a score
-                scores = scores * (tl.load(ks_base + slots, mask=slots < stop, other=0.0) * scale)[None, :]
-            else:
-                scores = scores * scale
-            scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.exp2(m_i - m_new) if EXP2 else tl.exp(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None]) if EXP2 else tl.exp(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_CHUNK:  # values in chunks [T / V_CHUNK, D, V_CHUNK]: slot t, dim d at (t // C, d, t % C), read
-                # in whole chunks (a mask constant over each chunk lets the loads be vectors; the slots past `stop`
-                # are finite and get probability 0)
-                chunks = slots // V_CHUNK
-                v_at = chunks[:, None] * sv_t + dims[None, :] * V_CHUNK + slots[:, None] % V_CHUNK
-                v = tl.load(v_base + v_at, mask=(chunks * V_CHUNK < stop)[:, None], other=0.0)
-            else:
-                v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
-            p_v = p  # the probabilities, with an FP8 cache times each slot's value scale
-            if KV_FP8:
-                p_v = p * tl.load(vs_base + slots, mask=slots < stop, other=0.0)[None, :]
-                v = v.to(op_t)
-            if NATIVE_PV:  # probabilities rounded to the cache's dtype (as the matmul path's bmm takes them)
-                pv = tl.dot(p_v.to(v.dtype), v)
-            else:
-                pv = tl.dot(p_v, v.to(tl.float32), input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        if WARP_SLOTS == 0:  # the program's warps share each step's slots (Triton splits the products among them)
+            for lo in range(start, stop, BLOCK):
+                slots = lo + tl.arange(0, BLOCK)
+                kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
+                k = tl.load(k_base + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
+                if KV_FP8:
+                    k = k.to(op_t)
+                if NATIVE_QK:  # the cache's 16-bit operands, float32 sums: the same products as TF32 on these values
+                    scores = tl.dot(q16, tl.trans(k))
+                else:
+                    scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+                if KV_FP8:  # each slot's key scale times the softmax's: one product a score
+                    scores = scores * (tl.load(ks_base + slots, mask=slots < stop, other=0.0) * scale)[None, :]
+                else:
+                    scores = scores * scale
+                scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                alpha = tl.exp2(m_i - m_new) if EXP2 else tl.exp(m_i - m_new)
+                p = tl.exp2(scores - m_new[:, None]) if EXP2 else tl.exp(scores - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if V_CHUNK:  # values in chunks [T / V_CHUNK, D, V_CHUNK]: slot t, dim d at (t // C, d, t % C), read
+                    # in whole chunks (a mask constant over each chunk lets the loads be vectors; the slots past `stop`
+                    # are finite and get probability 0)
+                    chunks = slots // V_CHUNK
+                    v_at = chunks[:, None] * sv_t + dims[None, :] * V_CHUNK + slots[:, None] % V_CHUNK
+                    v = tl.load(v_base + v_at, mask=(chunks * V_CHUNK < stop)[:, None], other=0.0)
+                else:
+                    v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
+                p_v = p  # the probabilities, with an FP8 cache times each slot's value scale
+                if KV_FP8:
+                    p_v = p * tl.load(vs_base + slots, mask=slots < stop, other=0.0)[None, :]
+                    v = v.to(op_t)
+                if NATIVE_PV:  # probabilities rounded to the cache's dtype (as the matmul path's bmm takes them)
+                    pv = tl.dot(p_v.to(v.dtype), v)
+                else:
+                    pv = tl.dot(p_v, v.to(tl.float32), input_precision=PRECISION)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+        else:  # each of the WARP_SLOTS warps its own BLOCK / WARP_SLOTS slots of a step, with its own running max,
+            # sum and output: batched products over a leading warp dimension (Triton puts the warps on it), so no
+            # step exchanges scores or probabilities between warps; merged once after the loop
+            SUB: tl.constexpr = BLOCK // WARP_SLOTS
+            w_rows = tl.arange(0, WARP_SLOTS)
+            q3 = tl.broadcast_to(q16[None, :, :], (WARP_SLOTS, R_PAD, D_PAD))
+            m3 = tl.full([WARP_SLOTS, R_PAD], float("-inf"), tl.float32)
+            l3 = tl.zeros([WARP_SLOTS, R_PAD], tl.float32)
+            acc3 = tl.zeros([WARP_SLOTS, R_PAD, D_PAD], tl.float32)
+            dims3 = dims[None, None, :]
+            for lo in range(start, stop, BLOCK):
+                slots = lo + w_rows[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [warps, SUB]
+                inside = slots < stop
+                k = tl.load(k_base + slots[:, :, None] * sk_t + dims3, mask=inside[:, :, None] & (dims3 < D), other=0.0)
+                if NATIVE_QK:
+                    scores = tl.dot(q3, tl.permute(k.to(op_t), (0, 2, 1)))
+                else:
+                    k = tl.permute(k.to(tl.float32), (0, 2, 1))
+                    scores = tl.dot(q3.to(tl.float32), k, input_precision=PRECISION)
+                if KV_FP8:
+                    scores = scores * (tl.load(ks_base + slots, mask=inside, other=0.0) * scale)[:, None, :]
+                else:
+                    scores = scores * scale
+                scores = tl.where(inside[:, None, :], scores, float("-inf"))
+                m_new = tl.maximum(m3, tl.max(scores, 2))
+                # a warp whose slots all lie past `stop` so far has max -inf: its exponentials are taken from 0
+                m_from = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m3 - m_from) if EXP2 else tl.exp(m3 - m_from)
+                p = tl.exp2(scores - m_from[:, :, None]) if EXP2 else tl.exp(scores - m_from[:, :, None])
+                l3 = l3 * alpha + tl.sum(p, 2)
+                if V_CHUNK:  # whole chunks, as above
+                    chunks = slots // V_CHUNK
+                    v_at = chunks[:, :, None] * sv_t + dims3 * V_CHUNK + (slots % V_CHUNK)[:, :, None]
+                    v = tl.load(v_base + v_at, mask=(chunks * V_CHUNK < stop)[:, :, None], other=0.0)
+                else:
+                    v_mask = inside[:, :, None] & (dims3 < D)
+                    v = tl.load(v_base + slots[:, :, None] * sv_t + dims3, mask=v_mask, other=0.0)
+                p_v = p
+                if KV_FP8:
+                    p_v = p * tl.load(vs_base + slots, mask=inside, other=0.0)[:, None, :]
+                    v = v.to(op_t)
+                if NATIVE_PV:
+                    pv = tl.dot(p_v.to(v.dtype), v)
+                else:
+                    pv = tl.dot(p_v, v.to(tl.float32), input_precision=PRECISION)
+                acc3 = acc3 * alpha[:, :, None] + pv
+                m3 = m_new
+            m_i = tl.max(m3, 0)
+            m_from = tl.where(m_i == float("-inf"), 0.0, m_i)
+            share = tl.exp2(m3 - m_from[None, :]) if EXP2 else tl.exp(m3 - m_from[None, :])
+            l_i = tl.sum(l3 * share, 0)
+            acc = tl.sum(acc3 * share[:, :, None], 0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         if WRITE_NEW:
@@ -396,6 +450,7 @@ def decode_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     exp2: bool | None = None,
     maxnreg: int | None = None,
+    warp_slots: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -418,7 +473,9 @@ def decode_attention(
     chunk must hold finite values (they get probability 0).
 
     `exp2` (default: EXP2) takes the softmax in base 2; `maxnreg` caps the kernel's registers a thread (a Triton
-    launch option; default FP8_MAXNREG with an FP8 cache on the GPU, else none)."""
+    launch option; default FP8_MAXNREG with an FP8 cache on the GPU, else none); `warp_slots` (default
+    FP8_WARP_SLOTS with an FP8 cache on the GPU, else False) gives each warp its own block / num_warps slots of a
+    step (at least 16), merged once at the end, instead of sharing every slot among the warps."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
@@ -480,15 +537,22 @@ def decode_attention(
     use_pdl = pdl.wanted(keys_BGTD.device, B)
     exp2 = EXP2 if exp2 is None else exp2
     scale = scale * LOG2E if exp2 else scale
-    common = dict(
-        R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
-        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
-    )  # fmt: skip
     fp8_gpu = kv_fp8 and keys_BGTD.device.type == "cuda"
     num_warps = num_warps or (FP8_WARPS if fp8_gpu else 4)
     if fp8_gpu:
         num_stages = FP8_STAGES if num_stages is None else num_stages
         maxnreg = FP8_MAXNREG if maxnreg is None else maxnreg
+        warp_slots = FP8_WARP_SLOTS if warp_slots is None else warp_slots
+    if warp_slots and (block % num_warps or block // num_warps < 16):
+        raise ValueError(
+            f"decode_attention: warp_slots needs the {block} slots of a step in {num_warps} warps' shares of 16 or "
+            "more (fewer warps or a wider step)"
+        )
+    common = dict(
+        R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
+        NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
+        WARP_SLOTS=num_warps if warp_slots else 0,
+    )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
     if maxnreg:
