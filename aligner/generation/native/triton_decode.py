@@ -45,9 +45,10 @@ FP8_BLOCK_N, FP8_STAGES = 128, 2  # ... and pipeline stages with an FP8 cache on
 V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module docstring; measured: docs/PERF.md)
 # Candidates read in the FP8 kernel's sm_90 code without a GPU (benchmarks/probes/attention_code.py; docs/PERF.md,
 # twenty-ninth session), each off until timed on one: the softmax in base 2 (EXP2: fewer products in the slot loop;
-# alone it measured slower at 256 rows, its 200 registers a thread leaving room for 2 programs an SM), a register
+# alone it measured slower at 256 rows, its 198 registers a thread leaving room for 2 programs an SM), a register
 # cap (FP8_MAXNREG: 168 registers give 3 programs of 4 warps an SM, 128 give 4, with no spill inside the slot loop),
-# and 2 warps a program (FP8_WARPS, with FP8_BLOCK_N 64: as many instructions a slot, shorter last steps).
+# each warp its own slots of a step (FP8_WARP_SLOTS: nothing exchanged between warps inside the loop; 20 % fewer
+# loop instructions at a cap of 168), and 2 warps a program (FP8_WARPS, with FP8_BLOCK_N 64: shorter last steps).
 EXP2 = False
 FP8_MAXNREG: int | None = None
 FP8_WARPS = 4
@@ -307,7 +308,8 @@ def _kernels():
                 m_i = m_new
         else:  # each of the WARP_SLOTS warps its own BLOCK / WARP_SLOTS slots of a step, with its own running max,
             # sum and output: batched products over a leading warp dimension (Triton puts the warps on it), so no
-            # step exchanges scores or probabilities between warps; merged once after the loop
+            # step exchanges scores or probabilities between warps; merged once after the loop. (The loop above as
+            # this form with one warp compiles to 2.5x its instructions for sm_90: hence two loops.)
             SUB: tl.constexpr = BLOCK // WARP_SLOTS
             w_rows = tl.arange(0, WARP_SLOTS)
             q3 = tl.broadcast_to(q16[None, :, :], (WARP_SLOTS, R_PAD, D_PAD))
