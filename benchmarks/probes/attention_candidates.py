@@ -1,0 +1,126 @@
+"""Probe (issue 17, twenty-ninth session): the FP8 cache attention's candidate settings, timed in one go on a GPU.
+
+The twenty-ninth session read the FP8 cache's decode attention in its compiled sm_90 code (attention_code.py, no GPU)
+and left switches in triton_decode off until timed: EXP2, FP8_MAXNREG, FP8_WARP_SLOTS, with FP8_WARPS, FP8_BLOCK_N
+and FP8_STAGES (docs/PERF.md). This runs
+1. the kernel alone: each candidate of CANDIDATES as a form of fp8_cache_layout.py (--ragged: a generate call's
+   spread of positions; values in the engine's chunks), at each batch size: us a layer, and how far its output lies
+   from float32 attention over the dequantized cache at most (the probe's rows form with the same settings against
+   float32, plus the chunked form's difference to it);
+2. the engine (generate_repeats.py with FP8 weights and cache): its own settings and the --top fastest candidates'
+   (by the kernel's time at the largest batch size), each in a process of its own with its constants set by --set;
+then prints one table. --tiny: the CPU's smoke run (Triton's interpreter; the engine with its CPU settings).
+
+    python3 benchmarks/probes/attention_candidates.py --out result.json
+    python3 benchmarks/probes/attention_candidates.py --batch-sizes 256 --top 3 --repeats 5
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes import fp8_cache_layout  # noqa: E402
+from benchmarks.probes.common import write_report  # noqa: E402
+
+# name: (slots a step, warps, pipeline stages, register cap (0: none), softmax in base 2, each warp its own slots)
+CANDIDATES = {
+    "engine": (128, 4, 2, 0, 0, 0),
+    "cap128": (128, 4, 2, 128, 0, 0),
+    "exp2_cap128": (128, 4, 2, 128, 1, 0),
+    "own_exp2": (128, 4, 2, 0, 1, 1),
+    "own_exp2_cap168": (128, 4, 2, 168, 1, 1),
+    "own_exp2_cap168_s3": (128, 4, 3, 168, 1, 1),
+    "w2_b64_exp2_cap128": (64, 2, 2, 128, 1, 0),
+    "w2_b64_own_exp2_cap168": (64, 2, 2, 168, 1, 1),
+}
+REPEATS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate_repeats.py")
+
+
+def settings(candidate: tuple) -> list[str]:
+    """The candidate as generate_repeats.py's --set items (the engine's triton_decode constants)."""
+    block, warps, stages, cap, exp2, own = candidate
+    return [
+        f"triton_decode.FP8_BLOCK_N={block}", f"triton_decode.FP8_WARPS={warps}", f"triton_decode.FP8_STAGES={stages}",
+        f"triton_decode.FP8_MAXNREG={cap or None}", f"triton_decode.EXP2={bool(exp2)}",
+        f"triton_decode.FP8_WARP_SLOTS={bool(own)}",
+    ]  # fmt: skip
+
+
+def kernel_alone(name: str, candidate: tuple, args) -> dict:
+    """Stage 1 for one candidate: {batch size: {"us": us a layer, "vs_float32": a bound on its distance to float32
+    attention}}."""
+    block, warps, stages, cap, exp2, own = candidate
+    chunk = 16 if args.tiny else 64
+    argv = ["--ragged", "--batch-sizes", *map(str, args.batch_sizes), "--chunks", str(chunk), "--blocks", str(block)]
+    argv += ["--warps", str(warps), "--stages", str(stages), "--maxnreg", str(cap), "--exp2", str(exp2)]
+    argv += ["--warp-slots", str(own)] + (["--tiny"] if args.tiny else [])
+    print(f"== {name}: kernel alone", flush=True)
+    report = fp8_cache_layout.main(argv)
+    out = {}
+    for B, row in report["batches"].items():
+        form = next((n for n in row["us"] if n.startswith(f"fp8_chunk{chunk}_")), None)
+        if form is not None:  # absent: this GPU could not build it (reported above)
+            out[B] = {"us": row["us"][form], "vs_float32": row["rows_vs_float32"] + row["max_diff_to_rows"][form]}
+    return out
+
+
+def engine(name: str, items: list[str], args) -> dict:
+    """Stage 2 for one setting: generate_repeats.py's report, in a process of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        cmd = [sys.executable, REPEATS, "--repeats", str(args.repeats), "--batch-sizes", *map(str, args.batch_sizes)]
+        cmd += ["--tiny"] if args.tiny else ["--decode-weights", "fp8", "--kv-dtype", "fp8"]
+        cmd += ["--out", out] + (["--set", *items] if items else [])
+        print(f"== {name}: engine", flush=True)
+        run = subprocess.run(cmd)
+        if run.returncode:
+            return {"failed": run.returncode}
+        with open(out) as f:
+            return json.load(f)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--top", type=int, default=2, help="candidates timed in the engine besides its own settings")
+    parser.add_argument("--repeats", type=int, default=5, help="generate calls per batch size in the engine")
+    parser.add_argument("--tiny", action="store_true", help="CPU: the smoke forms of both stages")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    report = {"args": vars(args), "kernel": {}, "engine": {}}
+    for name in args.candidates:
+        report["kernel"][name] = kernel_alone(name, CANDIDATES[name], args)
+    largest = str(max(args.batch_sizes))
+    timed = [n for n in args.candidates if n != "engine" and largest in report["kernel"][n]]
+    best = sorted(timed, key=lambda n: report["kernel"][n][largest]["us"])[: args.top]
+    report["engine"]["engine"] = engine("engine", [], args)
+    for name in best:
+        report["engine"][name] = engine(name, settings(CANDIDATES[name]), args)
+    print(
+        "candidate                  "
+        + "".join(f"| B={B}: kernel us, vs float32, decode ms, tok/s " for B in args.batch_sizes)
+    )
+    for name in args.candidates:
+        line = f"{name:26s} "
+        for B in map(str, args.batch_sizes):
+            k = report["kernel"][name].get(B)
+            e = report["engine"].get(name, {}).get(B)
+            line += f"| {k['us']:8.2f} {k['vs_float32']:8.2g} " if k else "|   failed          "
+            line += f"{_median(e['decode_ms']):8.4f} {_median(e['tok_s']):8.0f} " if e else " " * 18
+        print(line, flush=True)
+    return write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

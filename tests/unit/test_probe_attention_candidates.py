@@ -1,0 +1,41 @@
+"""benchmarks/probes/attention_candidates.py on the CPU (--tiny: Triton's interpreter for the kernel stage, the
+engine's CPU settings for the engine stage): every candidate attends as float32 attention does, the engine runs with
+its own settings and with the fastest candidates' constants set (each in a process of its own)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from benchmarks.probes import attention_candidates  # noqa: E402
+
+
+def test_settings_name_the_engine_constants():
+    assert attention_candidates.settings(attention_candidates.CANDIDATES["own_exp2_cap168"]) == [
+        "triton_decode.FP8_BLOCK_N=128", "triton_decode.FP8_WARPS=4", "triton_decode.FP8_STAGES=2",
+        "triton_decode.FP8_MAXNREG=168", "triton_decode.EXP2=True", "triton_decode.FP8_WARP_SLOTS=True",
+    ]  # fmt: skip
+    assert "triton_decode.FP8_MAXNREG=None" in attention_candidates.settings(attention_candidates.CANDIDATES["engine"])
+
+
+def test_candidates_timed_alone_and_in_the_engine(tmp_path):
+    names = ["engine", "own_exp2_cap168", "w2_b64_exp2_cap128"]
+    argv = ["--tiny", "--batch-sizes", "3", "--repeats", "1", "--top", "1", "--candidates", *names]
+    report = attention_candidates.main([*argv, "--out", str(tmp_path / "r.json")])
+    assert (tmp_path / "r.json").exists()
+    for name in names:
+        row = report["kernel"][name]["3"]
+        assert row["us"] > 0 and row["vs_float32"] < 1e-5, (name, row)
+    # the engine's own settings and the one faster candidate (by the kernel's time alone), every call reported
+    faster = min(names[1:], key=lambda n: report["kernel"][n]["3"]["us"])
+    assert set(report["engine"]) == {"engine", faster}
+    for run in report["engine"].values():
+        assert len(run["3"]["decode_ms"]) == 1 and run["args"]["batch_sizes"] == [3]
+    assert report["engine"][faster]["args"]["set"] == attention_candidates.settings(
+        attention_candidates.CANDIDATES[faster]
+    )
+    assert report["engine"]["engine"]["args"]["set"] == []
