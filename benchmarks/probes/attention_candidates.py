@@ -31,6 +31,7 @@ from benchmarks.probes.common import write_report  # noqa: E402
 CANDIDATES = {
     "engine": (128, 4, 2, 0, 0, 0),
     "cap128": (128, 4, 2, 128, 0, 0),
+    "exp2_cap168": (128, 4, 2, 168, 1, 0),
     "exp2_cap128": (128, 4, 2, 128, 1, 0),
     "own_exp2": (128, 4, 2, 0, 1, 1),
     "own_exp2_cap168": (128, 4, 2, 168, 1, 1),
