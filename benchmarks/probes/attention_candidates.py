@@ -18,6 +18,7 @@ then prints one table. --tiny: the CPU's smoke run (Triton's interpreter; the en
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,11 +86,6 @@ def engine(name: str, items: list[str], args) -> dict:
             return json.load(f)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
@@ -118,7 +114,7 @@ def main(argv=None) -> dict:
             k = report["kernel"][name].get(B)
             e = report["engine"].get(name, {}).get(B)
             line += f"| {k['us']:8.2f} {k['vs_float32']:8.2g} " if k else "|   failed          "
-            line += f"{_median(e['decode_ms']):8.4f} {_median(e['tok_s']):8.0f} " if e else " " * 18
+            line += f"{statistics.median(e['decode_ms']):8.4f} {statistics.median(e['tok_s']):8.0f} " if e else " " * 18
         print(line, flush=True)
     return write_report(report, args.out)
 
