@@ -47,8 +47,8 @@ V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module d
 # twenty-ninth session), each off until timed on one: the softmax in base 2 (EXP2: fewer products in the slot loop;
 # alone it measured slower at 256 rows, its 198 registers a thread leaving room for 2 programs an SM), a register
 # cap (FP8_MAXNREG: 168 registers give 3 programs of 4 warps an SM, 128 give 4, with no spill inside the slot loop),
-# each warp its own slots of a step (FP8_WARP_SLOTS: nothing exchanged between warps inside the loop; 20 % fewer
-# loop instructions at a cap of 168), and 2 warps a program (FP8_WARPS, with FP8_BLOCK_N 64: shorter last steps).
+# each warp its own slots of a step (FP8_WARP_SLOTS: nothing exchanged between warps inside the loop; a fifth
+# fewer loop instructions at a cap of 168), and 2 warps a program (FP8_WARPS, with FP8_BLOCK_N 64: shorter last steps).
 EXP2 = False
 FP8_MAXNREG: int | None = None
 FP8_WARPS = 4
@@ -276,13 +276,11 @@ def _kernels():
                 if KV_FP8:
                     k = k.to(op_t)
                 if NATIVE_QK:  # the cache's 16-bit operands, float32 sums: the same products as TF32 on these values
-                    scores = tl.dot(q16, tl.trans(k))
+                    scores = tl.dot(q16, tl.trans(k)) * scale
                 else:
-                    scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
-                if KV_FP8:  # each slot's key scale times the softmax's: one product a score
-                    scores = scores * (tl.load(ks_base + slots, mask=slots < stop, other=0.0) * scale)[None, :]
-                else:
-                    scores = scores * scale
+                    scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
+                if KV_FP8:
+                    scores = scores * tl.load(ks_base + slots, mask=slots < stop, other=0.0)[None, :]
                 scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, 1))
                 alpha = tl.exp2(m_i - m_new) if EXP2 else tl.exp(m_i - m_new)
@@ -322,14 +320,12 @@ def _kernels():
                 inside = slots < stop
                 k = tl.load(k_base + slots[:, :, None] * sk_t + dims3, mask=inside[:, :, None] & (dims3 < D), other=0.0)
                 if NATIVE_QK:
-                    scores = tl.dot(q3, tl.permute(k.to(op_t), (0, 2, 1)))
+                    scores = tl.dot(q3, tl.permute(k.to(op_t), (0, 2, 1))) * scale
                 else:
                     k = tl.permute(k.to(tl.float32), (0, 2, 1))
-                    scores = tl.dot(q3.to(tl.float32), k, input_precision=PRECISION)
+                    scores = tl.dot(q3.to(tl.float32), k, input_precision=PRECISION) * scale
                 if KV_FP8:
-                    scores = scores * (tl.load(ks_base + slots, mask=inside, other=0.0) * scale)[:, None, :]
-                else:
-                    scores = scores * scale
+                    scores = scores * tl.load(ks_base + slots, mask=inside, other=0.0)[:, None, :]
                 scores = tl.where(inside[:, None, :], scores, float("-inf"))
                 m_new = tl.maximum(m3, tl.max(scores, 2))
                 # a warp whose slots all lie past `stop` so far has max -inf: its exponentials are taken from 0
