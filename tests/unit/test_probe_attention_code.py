@@ -4,6 +4,7 @@ for the probe to be believed: a register cap of 128 leaves the FP8 kernel's slot
 programs an SM where the uncapped kernel fits fewer, the base-2 softmax takes products out of the loop, and with each
 warp its own slots the loop exchanges nothing between warps and is shorter."""
 
+import json
 import os
 import subprocess
 import sys
@@ -33,8 +34,6 @@ def test_the_fp8_kernel_compiled_for_sm90(tmp_path):
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    import json
-
     rows = {(r["maxnreg"], r["exp2"], r["warp_slots"]): r for r in json.load(open(out))["settings"]}
     shared = {(cap, exp2): row for (cap, exp2, own), row in rows.items() if not own}
     for row in rows.values():

@@ -492,10 +492,20 @@ def decode_attention(
     if kv_fp8 != (kv_scales is not None) or values_BGTD.dtype != keys_BGTD.dtype:
         raise ValueError("decode_attention: kv_scales go with an FP8 cache (float8_e4m3fn keys and values), only")
     act_dtype = q_BGrD.dtype if kv_fp8 else keys_BGTD.dtype
-    if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows), FP8_BLOCK_N for
-        # an FP8 cache on the GPU
-        block = BLOCK_N if B < WIDE_MIN_BATCH else WIDE_BLOCK_N
-        block = FP8_BLOCK_N if kv_fp8 and keys_BGTD.device.type == "cuda" else block
+    # the launch settings not given: an FP8 cache on the GPU takes the FP8_* ones (measured there or candidates, off)
+    fp8_gpu = kv_fp8 and keys_BGTD.device.type == "cuda"
+    if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows)
+        block = FP8_BLOCK_N if fp8_gpu else BLOCK_N if B < WIDE_MIN_BATCH else WIDE_BLOCK_N
+    num_warps = num_warps or (FP8_WARPS if fp8_gpu else 4)
+    if fp8_gpu:
+        num_stages = FP8_STAGES if num_stages is None else num_stages
+        maxnreg = FP8_MAXNREG if maxnreg is None else maxnreg
+        warp_slots = FP8_WARP_SLOTS if warp_slots is None else warp_slots
+    if warp_slots and (block % num_warps or block // num_warps < 16):
+        raise ValueError(
+            f"decode_attention: warp_slots needs the {block} slots of a step in {num_warps} warps' shares of 16 or "
+            "more (fewer warps or a wider step)"
+        )
     if kv_fp8:
         k_s, v_s = kv_scales
         if k_s.shape != (B, G, T) or k_s.stride() != v_s.stride() or k_s.stride(-1) != 1 or k_s.dtype != torch.float32:
@@ -535,17 +545,6 @@ def decode_attention(
     use_pdl = pdl.wanted(keys_BGTD.device, B)
     exp2 = EXP2 if exp2 is None else exp2
     scale = scale * LOG2E if exp2 else scale
-    fp8_gpu = kv_fp8 and keys_BGTD.device.type == "cuda"
-    num_warps = num_warps or (FP8_WARPS if fp8_gpu else 4)
-    if fp8_gpu:
-        num_stages = FP8_STAGES if num_stages is None else num_stages
-        maxnreg = FP8_MAXNREG if maxnreg is None else maxnreg
-        warp_slots = FP8_WARP_SLOTS if warp_slots is None else warp_slots
-    if warp_slots and (block % num_warps or block // num_warps < 16):
-        raise ValueError(
-            f"decode_attention: warp_slots needs the {block} slots of a step in {num_warps} warps' shares of 16 or "
-            "more (fewer warps or a wider step)"
-        )
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
         NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
