@@ -66,6 +66,7 @@ class BenchArgs:
     kv_dtype: str = "auto"  # generation.kv_dtype (fp8: an e4m3 KV cache)
     token_choice: str = "auto"  # generation.token_choice (triton: greedy / plain sampling by two Triton kernels)
     ragged: bool = False  # prompt lengths drawn from [prompt_len / 4, prompt_len] (native engine only)
+    samples_per_prompt: int = 1  # each prompt in this many neighbouring rows, as a GRPO group (prefilled once)
 
 
 def _sync(device):
@@ -151,11 +152,17 @@ def _logprob_gap(module, cfg, prompts, lengths, out, rows: int) -> dict[str, flo
 
 def _prompts(args, B: int, vocab: int, rng: torch.Generator, device):
     """B prompts of args.prompt_len tokens, or with `ragged` lengths drawn uniformly from [prompt_len / 4,
-    prompt_len] (right-padded): what real prompt data looks like to the engine."""
-    prompts = torch.randint(0, vocab, (B, args.prompt_len), generator=rng)
-    lengths = torch.full((B,), args.prompt_len, dtype=torch.long)
+    prompt_len] (right-padded): what real prompt data looks like to the engine. With `samples_per_prompt` n > 1, B / n
+    prompts, each in n neighbouring rows (a GRPO group's samples)."""
+    n = getattr(args, "samples_per_prompt", 1)
+    if n < 1 or B % n:
+        raise ValueError(f"batch {B} is not a whole number of groups of {n} samples per prompt")
+    prompts = torch.randint(0, vocab, (B // n, args.prompt_len), generator=rng)
+    lengths = torch.full((B // n,), args.prompt_len, dtype=torch.long)
     if args.ragged:
-        lengths = torch.randint(max(1, args.prompt_len // 4), args.prompt_len + 1, (B,), generator=rng)
+        lengths = torch.randint(max(1, args.prompt_len // 4), args.prompt_len + 1, (B // n,), generator=rng)
+    if n > 1:
+        prompts, lengths = prompts.repeat_interleave(n, dim=0), lengths.repeat_interleave(n)
     return prompts.to(device), lengths.to(device)
 
 
@@ -211,6 +218,7 @@ def run(args: BenchArgs) -> dict:
         "cuda_graphs": engine.use_graphs,
         "prompt_len": args.prompt_len,
         "ragged": args.ragged,
+        "samples_per_prompt": args.samples_per_prompt,
         "new_tokens": args.new_tokens,
         "copy_bandwidth_GBps": bw / 1e9,
         "weight_bytes": weight_bytes,
@@ -303,6 +311,7 @@ def format_table(report: dict) -> str:
             f"token choice {report.get('token_choice', 'torch')}, "
             f"prompt {'up to ' if report.get('ragged') else ''}{report['prompt_len']} + {report['new_tokens']} new "
             f"tokens{' (ragged prompt lengths)' if report.get('ragged') else ''}"
+            + (f", {report['samples_per_prompt']} samples a prompt" if report.get("samples_per_prompt", 1) > 1 else "")
         ),
         (
             f"copy bandwidth {report['copy_bandwidth_GBps']:.0f} GB/s (read+write); weights "

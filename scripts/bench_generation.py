@@ -3,6 +3,7 @@
 GPU (the issue's setting): python scripts/bench_generation.py --out bench_generation.json
 CPU smoke run:             python scripts/bench_generation.py --tiny --out /tmp/bench_tiny.json
 Prompts of mixed lengths:  python scripts/bench_generation.py --skip-hf --ragged
+GRPO-like groups:          python scripts/bench_generation.py --skip-hf --samples-per-prompt 8 --batch-sizes 512
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def main(argv=None) -> int:
         help="prompt lengths drawn from [prompt_len / 4, prompt_len], as real data has them (with --skip-hf)",
     )
     parser.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=1,
+        help="each prompt in this many neighbouring rows, as GRPO's groups (the engine prefills it once)",
+    )
+    parser.add_argument(
         "--decode-weights",
         choices=("same", "fp8"),
         default="same",
@@ -66,6 +73,9 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     if a.ragged and not a.skip_hf:
         parser.exit(2, "bench_generation: --ragged compares the native engine only: add --skip-hf\n")
+    bad_groups = [B for B in a.batch_sizes or () if a.samples_per_prompt < 1 or B % a.samples_per_prompt]
+    if a.samples_per_prompt < 1 or bad_groups:
+        parser.exit(2, f"bench_generation: --samples-per-prompt {a.samples_per_prompt} must divide every batch size\n")
     args = BenchArgs(
         batch_sizes=tuple(a.batch_sizes or ((2, 4) if a.tiny else (64, 256))),
         prompt_len=a.prompt_len or (16 if a.tiny else 128),
@@ -81,6 +91,7 @@ def main(argv=None) -> int:
         decode_gemm=a.decode_gemm,
         token_choice=a.token_choice,
         ragged=a.ragged,
+        samples_per_prompt=a.samples_per_prompt,
     )
     try:
         report = run(args)

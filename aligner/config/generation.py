@@ -32,6 +32,7 @@ class GenerationConfig:
     token_choice: Literal["auto", "torch", "triton"] = "auto"  # triton: greedy/plain sampling in 2 kernels (auto: GPU)
     kv_block: int = 64  # matmul/sdpa/flash attend over the cache up to a multiple of this (a graph per multiple)
     prefill_max_tokens: int = 32768  # prompts are prefilled in row chunks of at most this many tokens
+    prefill_repeats_once: bool = True  # a prompt repeated in neighbouring rows (a group's samples): prefilled once
     prefill_graph_max_tokens: int = 16384  # cuda_graphs: chunks of <= this many tokens replay a graph (0: off; TP=1,
     # not with release_kv_cache: the graphs hold their activations' memory)
     check_done_every: int = 16  # decode steps between host checks of "every sample ended" (each check syncs)

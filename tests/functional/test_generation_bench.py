@@ -45,15 +45,27 @@ def test_bench_generation_tiny(tmp_path):
 
 
 def test_bench_generation_ragged_prompts_triton(tmp_path):
-    """Prompts of mixed lengths (--ragged) through the Triton decode attention (Triton's interpreter here): the
-    engine's log-probs still equal megatron's forward on each sample's own prompt and response."""
+    """Prompts of mixed lengths (--ragged), each in two neighbouring rows (--samples-per-prompt: prefilled once),
+    through the Triton decode attention (Triton's interpreter here): the engine's log-probs still equal megatron's
+    forward on each sample's own prompt and response. A batch that is not whole groups: one line, exit 2."""
     out = tmp_path / "bench.json"
-    args = ["--tiny", "--skip-hf", "--ragged", "--batch-sizes", "3", "--decode-attention", "triton", "--out", str(out)]
-    _bench_generation(*args, TRITON_INTERPRET="1")
+    args = ["--tiny", "--skip-hf", "--ragged", "--batch-sizes", "4", "--decode-attention", "triton", "--out", str(out)]
+    _bench_generation(*args, "--samples-per-prompt", "2", TRITON_INTERPRET="1")
     report = json.loads(out.read_text())
     (row,) = report["rows"]
-    assert report["ragged"] and report["decode_attention"] == "triton"
+    assert report["ragged"] and report["decode_attention"] == "triton" and report["samples_per_prompt"] == 2
     assert row["prompt_tokens_mean"] < report["prompt_len"] and row["logp_abs_diff_max"] < 1e-4
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), "--tiny", "--batch-sizes", "4", "6"]
+        + ["--samples-per-prompt", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "bench_generation: --samples-per-prompt 4 must divide every batch size"
+    ]
 
 
 def test_profile_kinds_from_kernel_names():

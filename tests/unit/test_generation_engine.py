@@ -319,6 +319,43 @@ def test_seeds_make_samples_independent_of_batch_composition():
     assert torch.equal(based.response_tokens_BR, full.response_tokens_BR)
 
 
+@pytest.mark.parametrize("attention", ["matmul", "sdpa", "triton-fp8kv"])
+def test_repeated_prompts_are_prefilled_once(attention, monkeypatch):
+    """generation.prefill_repeats_once: a prompt repeated in neighbouring rows (a group's samples) is prefilled once
+    and its rows copy the cache slots and first logits; every sample then draws its own tokens, as when each row is
+    prefilled (the same seeds: the same tokens, log-probs within float32 rounding). Rows that repeat a prompt further
+    up but not their neighbour's, or only its first tokens, are prefilled themselves. Each cache layout: matmul's,
+    sdpa's (slot-major; the Triton kernel's 16-bit cache is matmul's), the FP8 cache (values in chunks, a scale per
+    slot)."""
+    kv_dtype = "auto"
+    if attention == "triton-fp8kv":  # the Triton kernel under Triton's interpreter
+        pytest.importorskip("triton")
+        attention, kv_dtype = "triton", "fp8"
+    model = _model(LLAMA)
+    gen = replace(GEN, max_batch_size=8, decode_attention=attention, kv_dtype=kv_dtype)
+    once = build_engine(gen, LLAMA, model)
+    each = build_engine(replace(gen, prefill_repeats_once=False), LLAMA, model)
+    # rows: A A A B C C A B' (B' = B's first 4 tokens; A again, but below C)
+    order = [0, 0, 0, 1, 3, 3, 0, 1]
+    prompts, lengths = _padded_prompts()[order], LENGTHS[order].clone()
+    lengths[7] = 4
+    prefilled = []
+    real = once.decoder.prefill
+    monkeypatch.setattr(once.decoder, "prefill", lambda t, *a, **kw: prefilled.append(t.shape[0]) or real(t, *a, **kw))
+    calls = (SamplingParams(seeds=list(range(30, 38))), SamplingParams(seed=7, top_k=20), SamplingParams(greedy=True))
+    for sp in calls:
+        a, b = once.generate(prompts, lengths, sp), each.generate(prompts, lengths, sp)
+        assert once.last_timings["prefill_prompts"] == 5 and each.last_timings["prefill_prompts"] == 8
+        assert torch.equal(a.response_tokens_BR, b.response_tokens_BR) and torch.equal(a.ended_B, b.ended_B)
+        torch.testing.assert_close(a.logprobs_BR, b.logprobs_BR, rtol=0, atol=1e-5)
+        if not sp.greedy:  # the group's samples differ from one another
+            assert len({tuple(r) for r in a.response_tokens_BR[:3].tolist()}) > 1
+    assert prefilled == [5, 5, 5]
+    greedy = [row[: int(n)] for row, n in zip(a.response_tokens_BR.tolist(), a.response_lengths_B)]
+    if kv_dtype == "auto":
+        assert greedy == reference_greedy(model, prompts.clamp(min=0), lengths, 12, V)
+
+
 def test_vocabulary_padding_is_never_sampled():
     model = _model(LLAMA)
     engine = build_engine(GEN, LLAMA, model)

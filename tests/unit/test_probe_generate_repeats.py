@@ -22,8 +22,13 @@ def test_every_call_is_reported(tmp_path):
     # what the engine chose (here the CPU's: the Triton kernels need a GPU or the interpreter's explicit setting)
     assert report["engine"] == {"decode_attention": "matmul", "decode_gemm": "cublas", "token_choice": "torch"}
     for B in ("2", "3"):
+        assert report[B].pop("prefill_prompts") == int(B)
         assert {k: len(v) for k, v in report[B].items()} == {"tok_s": 2, "prefill_ms": 2, "decode_ms": 2}
         assert all(v > 0 for values in report[B].values() for v in values)
+    # GRPO-like groups: each prompt in 2 neighbouring rows, prefilled once (or, for the A/B, every row)
+    for extra, prefilled in (([], 2), (["--prefill-each-row"], 4)):
+        args = ["--tiny", "--repeats", "1", "--batch-sizes", "4", "--samples-per-prompt", "2", *extra]
+        assert generate_repeats.main(args)["4"]["prefill_prompts"] == prefilled
 
 
 def test_set_changes_a_constant_of_the_engine_modules(monkeypatch):

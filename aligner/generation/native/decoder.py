@@ -179,6 +179,22 @@ class Decoder:
         lo, C = self.lo, triton_decode.V_CHUNK
         return self.kv[i, 1].view(self.max_batch, lo.groups, self.cache_slots // C, lo.head_dim, C)[rows]
 
+    def copy_cache_rows(self, source_B: torch.Tensor, slots: int) -> None:
+        """Cache rows [0, B) take the first `slots` slots of each layer's keys and values (and an FP8 cache's scales:
+        whole chunks of values) from rows `source_B` (each gathered first, so a source may be a destination too)."""
+        B, C = source_B.numel(), triton_decode.V_CHUNK
+        for i in range(self.lo.num_layers):
+            if self.seq_major:  # [2, rows, slots, G, D]
+                self.kv[i, :, :B, :slots] = self.kv[i, :, source_B, :slots]
+            elif self.kv_fp8:
+                keys, values, scales = self.kv[i, 0], self.values(i, slice(None)), self.kv_scale[i]
+                keys[:B, :, :slots] = keys[source_B, :, :slots]
+                chunks = -(-slots // C)
+                values[:B, :, :chunks] = values[source_B, :, :chunks]
+                scales[:, :B, :, :slots] = scales[:, source_B, :, :slots]
+            else:  # [2, rows, G, slots, D]
+                self.kv[i, :, :B, :, :slots] = self.kv[i, :, source_B, :, :slots]
+
     def kv_ptrs(self) -> tuple[int, ...]:
         """Where the cache (and an FP8 cache's scales) lie: the addresses captured graphs read."""
         return tuple(t.data_ptr() for t in (self.kv, self.kv_scale) if t is not None)
