@@ -123,15 +123,25 @@ def check_ports_free(server: CriticServerConfig) -> None:
                 ) from exc
 
 
-def _python_stubs() -> list:
-    """Triton python-backend stub processes started (through tritonserver) by this process."""
+def _python_stubs(workspace: str | None = None) -> list:
+    """Triton python-backend stub processes started (through tritonserver) by this process, and, with `workspace`
+    (the folder of this server's PyTriton workspace), those run from it whatever their parent: a stub whose
+    tritonserver died first (a job step's SIGTERM reaches every process of the step) is a child of init, and one was
+    found alive, idle, long after a CI run's Slurm test had ended."""
     import psutil
 
-    out = []
-    for p in psutil.Process().children(recursive=True):
+    def is_stub(p) -> bool:
+        line = " ".join(p.cmdline())
+        return "triton_python_backend_stub" in line and (workspace is None or os.path.join(workspace, "") in line)
+
+    out, seen = [], set()
+    mine = psutil.Process().children(recursive=True)
+    others = psutil.process_iter() if workspace is not None else ()
+    for p in (*mine, *others):
         try:
-            if "triton_python_backend_stub" in " ".join(p.cmdline()):
+            if p.pid not in seen and is_stub(p):
                 out.append(p)
+                seen.add(p.pid)
         except psutil.Error:
             pass
     return out
@@ -759,12 +769,14 @@ class CriticServer:
             # PyTriton's stop runs a full gc.collect() for each endpoint (~0.3 s each with torch and megatron
             # loaded); objects that live until exit need not be scanned again: moved out of the collector's view.
             gc.freeze()
-            # Found while tritonserver still runs: once it is gone they would be children of init, not ours.
-            stubs = _with_descendants(_python_stubs())
+            # Found while tritonserver still runs (once it is gone they are children of init, not ours), and by
+            # their workspace if it has gone first: then they get a short wait only (they would exit with it)
+            triton_ran = self._triton.is_alive()
+            stubs = _with_descendants(_python_stubs(self._workspace))
             self._triton.stop()
             # Stubs and their helpers may still be exiting (or not exit at all): the job ends after them, never
-            # leaving one behind (a CI run found one alive just after its job had ended).
-            forced = end_processes(stubs)
+            # leaving one behind (CI runs found one alive just after its job had ended, and one long after).
+            forced = end_processes(stubs, timeout=10.0 if triton_ran else 1.0)
             if forced:
                 LOG.log(level, "ended %d python stub process(es) left after Triton stopped", len(forced))
         if self._workspace is not None:

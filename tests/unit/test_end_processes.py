@@ -43,3 +43,32 @@ def test_a_stubs_children_are_ended_with_it():
     assert {p.pid for p in end_processes(tree, timeout=0.5)} == {p.pid for p in tree}
     assert not child.is_running() and not psutil.pid_exists(parent.pid)
     assert end_processes([], timeout=0.1) == []
+
+
+def test_stubs_of_this_servers_workspace_are_found_after_tritonserver_has_gone(tmp_path):
+    """A stub whose tritonserver died first is a child of init: found by the workspace it runs from (and only by
+    this server's: another workspace whose name starts the same is not)."""
+    from aligner.critic.server import _python_stubs
+
+    pids = {}
+    for name in ("critic_ab", "critic_abc"):
+        folder = tmp_path / name / "w" / "tritonserver" / "backends" / "python"
+        folder.mkdir(parents=True)
+        stub = folder / "triton_python_backend_stub"
+        stub.write_text("#!/bin/sh\nsleep 60\n")
+        stub.chmod(0o755)
+        # started in the background by a shell that exits at once: the stub's parent is init (or a subreaper)
+        subprocess.run(["sh", "-c", f"'{stub}' /tmp/model.py >/dev/null 2>&1 & echo $!"], capture_output=True)
+        deadline = time.monotonic() + 10
+        while not (found := _python_stubs(str(tmp_path / name))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (pids[name],) = [p.pid for p in found]
+    try:
+        assert psutil.Process(pids["critic_ab"]).ppid() != psutil.Process().pid
+        assert [p.pid for p in _python_stubs(str(tmp_path / "critic_ab"))] == [pids["critic_ab"]]
+        assert _python_stubs() == [], "without a workspace: this process's own descendants only"
+    finally:
+        for pid in pids.values():
+            tree = _with_descendants([psutil.Process(pid)])
+            end_processes(tree, timeout=0.1, grace=2.0)
+            assert not any(p.is_running() for p in tree)
