@@ -50,7 +50,7 @@ def _signature(kernel, kv: str) -> tuple[dict, dict]:
             signature[name] = cache
         elif name in ("ks_ptr", "vs_ptr"):
             signature[name] = "*fp32" if kv == "fp8" else "*bf16"
-        elif name == "pos_ptr":
+        elif name in ("pos_ptr", "lead_ptr", "shared_ptr"):
             signature[name] = "*i64"
         elif name.endswith("_ptr"):
             signature[name] = "*bf16"
@@ -101,7 +101,9 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
     return {**by, "programs": min(by.values())}
 
 
-def compile_one(kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2: bool, warp_slots: bool) -> dict:
+def compile_one(
+    kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2: bool, warp_slots: bool, shared: bool = False
+) -> dict:
     """One setting compiled for sm_90: its resources and its slot loop."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -115,6 +117,7 @@ def compile_one(kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2
         R=GROUP_SIZE, D=HEAD_DIM, R_PAD=16, D_PAD=HEAD_DIM, BLOCK=block, SPLIT_LEN=384, SPLITS=1, PRECISION="tf32",
         WRITE_NEW=True, ROPE=True, NATIVE_QK=True, NATIVE_PV=True, KV_FP8=kv == "fp8", PDL=True,
         V_CHUNK=triton_decode.V_CHUNK if kv == "fp8" else 0, EXP2=exp2, WARP_SLOTS=warps if warp_slots else 0,
+        SHARED=shared,
     )  # fmt: skip
     options = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
@@ -149,6 +152,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps (0: none)")
     parser.add_argument("--exp2", type=int, nargs="+", default=[0], help="0: natural-base softmax, 1: base 2")
     parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots a step")
+    parser.add_argument("--shared", type=int, nargs="+", default=[0], help="1: a group's prompt read from one row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs it off (the test suite's conftest sets it)
@@ -158,19 +162,21 @@ def main(argv=None) -> dict:
     blocks = args.blocks or ([triton_decode.FP8_BLOCK_N] if fp8 else [triton_decode.WIDE_BLOCK_N])
     stages = args.stages or [triton_decode.FP8_STAGES if fp8 else 3]
     report = {"target": "sm_90", "args": vars(args), "settings": []}
-    print("kv    block warps stages maxnreg exp2 warp_slots | regs stack shared programs/SM (by regs, shared) | loop: "
-          + " ".join(KINDS), flush=True)  # fmt: skip
-    settings = itertools.product(blocks, args.warps, stages, args.maxnreg, args.exp2, args.warp_slots)
-    for block, warps, stage, cap, exp2, own in settings:
+    head = "kv    block warps stages maxnreg exp2 warp_slots shared | regs stack shared programs/SM (by regs, shared)"
+    print(head + " | loop: " + " ".join(KINDS), flush=True)
+    settings = itertools.product(blocks, args.warps, stages, args.maxnreg, args.exp2, args.warp_slots, args.shared)
+    for block, warps, stage, cap, exp2, own, shared in settings:
         if own and (block % warps or block // warps < 16):  # decode_attention refuses it
             continue
-        row = compile_one(args.kv, block, warps, stage, cap, bool(exp2), bool(own))
+        row = compile_one(args.kv, block, warps, stage, cap, bool(exp2), bool(own), bool(shared))
         row.update(
-            kv=args.kv, block=block, warps=warps, stages=stage, maxnreg=cap, exp2=bool(exp2), warp_slots=bool(own)
-        )
+            kv=args.kv, block=block, warps=warps, stages=stage, maxnreg=cap, exp2=bool(exp2), warp_slots=bool(own),
+            shared=bool(shared),
+        )  # fmt: skip
         report["settings"].append(row)
         print(
-            f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} {own:10d} | {row['registers']:4d} "
+            f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} {own:10d} {shared:6d} | "
+            f"{row['registers']:4d} "
             f"{row['stack_bytes']:5d} {row['shared_bytes']:6d} {row['programs']:3d} ({row['registers_limit']}, "
             f"{row['shared_limit']}) | {row['loop_instructions']}: " + " ".join(str(row["loop"][k]) for k in KINDS),
             flush=True,

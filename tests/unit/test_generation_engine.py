@@ -356,6 +356,41 @@ def test_repeated_prompts_are_prefilled_once(attention, monkeypatch):
         assert greedy == reference_greedy(model, prompts.clamp(min=0), lengths, 12, V)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, monkeypatch):
+    """triton_decode.SHARED_PREFIX: the Triton kernel reads a repeated prompt's whole steps from the group's first row
+    (decode steps of 16 slots here, prompts of 20-36 tokens); the samples are those of the engine that prefills
+    every row (same seeds: same tokens, log-probs within float32 rounding), and the kernel got each row's lead."""
+    pytest.importorskip("triton")
+    from aligner.generation.native import triton_decode
+
+    monkeypatch.setattr(triton_decode, "BLOCK_N", 16)
+    monkeypatch.setattr(triton_decode, "SHARED_PREFIX", True)
+    model = _model(LLAMA)
+    gen = replace(
+        GEN, max_batch_size=6, max_prompt_length=36, max_response_length=6, decode_attention="triton", kv_dtype=kv_dtype
+    )
+    once = build_engine(gen, LLAMA, model)
+    each = build_engine(replace(gen, prefill_repeats_once=False), LLAMA, model)
+    prompts = torch.randint(0, V, (6, 36), generator=torch.Generator().manual_seed(3))
+    prompts[1:3], prompts[4] = prompts[0], prompts[3]  # groups: rows 0-2 (36 tokens), 3-4 (20), 5 alone (29)
+    lengths = torch.tensor([36, 36, 36, 20, 20, 29])
+    leads = []
+    real = triton_decode.decode_attention
+    monkeypatch.setattr(
+        triton_decode,
+        "decode_attention",
+        lambda *a, shared=None, **kw: leads.append(shared[0].tolist()) or real(*a, shared=shared, **kw),
+    )
+    sp = SamplingParams(seeds=list(range(40, 46)), max_new_tokens=4)
+    a = once.generate(prompts, lengths, sp)
+    assert leads[-1] == [0, 0, 0, 3, 3, 5] and once.decoder.shared_B[:6].tolist() == lengths.tolist()
+    b = each.generate(prompts, lengths, sp)
+    assert leads[-1] == list(range(6))  # every row prefilled: each its own lead
+    assert torch.equal(a.response_tokens_BR, b.response_tokens_BR)
+    torch.testing.assert_close(a.logprobs_BR, b.logprobs_BR, rtol=0, atol=1e-5)
+
+
 def test_vocabulary_padding_is_never_sampled():
     model = _model(LLAMA)
     engine = build_engine(GEN, LLAMA, model)

@@ -51,3 +51,21 @@ def test_the_fp8_kernel_compiled_for_sm90(tmp_path):
     assert own["programs"] == same["programs"] == shared[(0, False)]["programs"] == 3
     assert own["loop"]["STS"] == 0 < same["loop"]["STS"] and own["loop"]["BAR"] < same["loop"]["BAR"]
     assert own["loop_instructions"] < 0.9 * same["loop_instructions"] and own["loop"]["MOV"] < same["loop"]["MOV"] / 4
+
+
+def test_the_shared_prefix_form_keeps_the_kernels_occupancy_at_a_cap_of_168(tmp_path):
+    """triton_decode.SHARED_PREFIX (a group's prompt steps read from its first row) adds a choice of row a step: at
+    the register cap 168 the kernel keeps 3 programs an SM and no spill in its loop, a few percent more instructions
+    (uncapped it takes more registers than the engine's kernel: timed on a GPU with the cap)."""
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--maxnreg", "168",
+         "--shared", "0", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    plain, shared = sorted(json.load(open(out))["settings"], key=lambda r: r["shared"])
+    assert shared["shared"] and shared["programs"] == plain["programs"] == 3
+    assert shared["loop"]["STL"] == shared["loop"]["LDL"] == 0
+    assert plain["loop_instructions"] < shared["loop_instructions"] < 1.06 * plain["loop_instructions"]

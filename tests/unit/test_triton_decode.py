@@ -265,6 +265,49 @@ def test_warp_slots_give_the_same_attention(splits, cache, exp2):
         decode_attention(q, kv[0], values, pos, 1.0, block=32, num_warps=4, warp_slots=True, **extra)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("cache", ["fp32", "fp8"])
+@pytest.mark.parametrize("warp_slots", [False, True], ids=["shared_steps", "warp_slots"])
+def test_a_groups_prompt_slots_read_from_its_lead_row(splits, cache, warp_slots):
+    """shared=(lead_B, shared_B) (triton_decode.SHARED_PREFIX): the steps wholly inside a row's slots [0, shared) read
+    the lead row's cache, the rest (the last partial step of the prompt included) its own. Here the rows' own copies
+    of the lead's slots are garbage where the lead is to be read: the result is attention over the lead's prompt
+    slots and the row's own slots after them (the step's own key and value with RoPE written into its own row), for
+    either loop form, split ranges and an FP8 cache with values in chunks."""
+    from aligner.generation.native.triton_decode import quantize_fp8, write_value_chunks
+
+    B, G, r, D, T, block = 4, 2, 2, 32, 192, 64
+    g = torch.Generator().manual_seed(7 + splits)
+    qkv = torch.randn(B, G, r + 2, D, generator=g)
+    q, new = qkv[:, :, :r], (qkv[:, :, r], qkv[:, :, r + 1])
+    angles = torch.rand(B, D // 2, generator=g) * 6.0
+    rope = (torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1))
+    pos = torch.tensor([150, 170, 100, 190])
+    lead, shared = torch.tensor([0, 0, 0, 3]), torch.tensor([140, 140, 64, 0])  # rows 1-2 read row 0's first steps
+    true_kv = torch.randn(2, B, G, T, D, generator=torch.Generator().manual_seed(1))
+    true_kv[:, 1:3, :, :140] = true_kv[:, :1, :, :140]  # the group's prompt: 140 slots, the same in rows 0-2
+    kv = true_kv.clone()
+    kv[:, 1, :, :128] = 50.0  # row 1's copy of the two whole steps it reads from row 0 (128 of its 140 slots)
+    kv[:, 2, :, :64] = -50.0  # row 2 shares 64 slots: one step
+    outs = {}
+    for name, cache_kv, sh in (("shared", kv, (lead, shared)), ("plain", true_kv, None)):
+        extra, values, keys = {}, cache_kv[1].clone(), cache_kv[0].clone()
+        if cache == "fp8":
+            kv8, scales = quantize_fp8(cache_kv)
+            keys, values = kv8[0].clone(), torch.zeros(B, G, T // 64, D, 64).to(kv8.dtype)
+            write_value_chunks(values, kv8[1])
+            extra["kv_scales"] = (scales[0].clone(), scales[1].clone())
+        args = dict(splits=splits, block=block, num_warps=4, new_kv=new, rope=rope, warp_slots=warp_slots)
+        outs[name] = decode_attention(q, keys, values, pos, D**-0.5, shared=sh, **args, **extra)
+        if name == "shared":  # the step's own key went into each row's own cache, never the lead's
+            written = keys[torch.arange(B), :, pos]
+            assert (written != 0).any(-1).all() and not torch.equal(keys[0, :, pos[1]], written[1])
+    assert not outs["shared"].isnan().any()
+    torch.testing.assert_close(outs["shared"], outs["plain"], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"shared needs two tensors of shape \(4,\)"):
+        decode_attention(q, keys, values, pos, 1.0, shared=(lead[:2], shared), **extra)
+
+
 def test_non_contiguous_head_dimension_is_refused():
     q = torch.randn(1, 1, 2, 16)
     kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D

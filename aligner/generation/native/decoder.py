@@ -148,6 +148,10 @@ class Decoder:
         self.alloc_kv()
         self.key_index = torch.arange(max_seq, device=device)
         self.rows = torch.arange(max_batch, device=device)
+        # per row: the row whose cache holds its prompt's slots [0, shared_B) too (a group's first row, <= the row;
+        # the row itself where no row above has its prompt): read there by the Triton kernel with SHARED_PREFIX
+        self.lead_B = self.rows.clone()
+        self.shared_B = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.cu_rows = torch.arange(max_batch + 1, device=device, dtype=torch.int32)  # flash's cumulative offsets
         self.cos = self.sin_signed = None
         if layout.family.rope:
@@ -194,6 +198,17 @@ class Decoder:
                 scales[:, :B, :, :slots] = scales[:, source_B, :, :slots]
             else:  # [2, rows, G, slots, D]
                 self.kv[i, :, :B, :, :slots] = self.kv[i, :, source_B, :, :slots]
+
+    def set_prompt_groups(self, new_prompt_B: torch.Tensor | None, lengths_B: torch.Tensor) -> None:
+        """This call's groups: rows where `new_prompt_B` is False repeat the prompt of the row above (their cache
+        slots [0, length) copied: copy_cache_rows); None: no row repeats one."""
+        B = lengths_B.numel()
+        if new_prompt_B is None:
+            self.lead_B[:B].copy_(self.rows[:B])
+            self.shared_B[:B].zero_()
+            return
+        self.lead_B[:B] = torch.cummax(torch.where(new_prompt_B, self.rows[:B], 0), dim=0).values
+        self.shared_B[:B] = lengths_B
 
     def kv_ptrs(self) -> tuple[int, ...]:
         """Where the cache (and an FP8 cache's scales) lie: the addresses captured graphs read."""
@@ -434,6 +449,7 @@ class Decoder:
             )
         elif self.decode_attention == "triton":
             splits = triton_decode.choose_splits(B * G, self.max_seq, kv.device)
+            shared = (self.lead_B[:B], self.shared_B[:B]) if triton_decode.SHARED_PREFIX else None
         elif self.decode_attention == "flash":
             T = self.max_seq
             cu_q = self.cu_rows[: B + 1]  # one query row per sample
@@ -447,7 +463,7 @@ class Decoder:
                 qkv5 = self._qkv5(qkv)
                 out = triton_decode.decode_attention(
                     qkv5[:, :, :r], kv[i, 0, :B], cached_values(i), pos_B, self.scale, splits,
-                    new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i),
+                    new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i), shared=shared,
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
             q, kv_new = kernels.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]
@@ -459,8 +475,9 @@ class Decoder:
             if self.decode_attention == "triton":
                 new_kv = (kv_new[0], kv_new[1]) if kernel_writes else None
                 out = triton_decode.decode_attention(
-                    q, cache[0], cached_values(i), pos_B, self.scale, splits, new_kv=new_kv, kv_scales=scales(i)
-                )
+                    q, cache[0], cached_values(i), pos_B, self.scale, splits, new_kv=new_kv, kv_scales=scales(i),
+                    shared=shared,
+                )  # fmt: skip
                 return out.view(B, lo.heads * D).to(qkv.dtype)
             if self.decode_attention == "flash":
                 out = flash_varlen(

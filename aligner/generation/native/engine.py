@@ -418,18 +418,20 @@ class NativeEngine:
         running count names the source row, never below the row itself: the copy goes through a gathered temporary).
         For GRPO's 8 samples a prompt at 512 rows this prefills 64 rows instead of 512 and copies the prompts' slots
         of the cache (16 layers of keys and values at 128 slots: ~2 GB in bf16, a millisecond or two on an H200)."""
-        B = tokens_BT.shape[0]
-        if len(firsts) < B:
+        B, n = tokens_BT.shape[0], len(firsts)
+        if n < B:
             at = torch.tensor(firsts, device=self.device)
-            tokens_BT, lengths_B = tokens_BT[at], lengths_B[at]
-        n = tokens_BT.shape[0]
+            tokens_BT, lengths_nB = tokens_BT[at], lengths_B[at]
+        else:
+            lengths_nB = lengths_B
         rows = max(1, self.cfg.prefill_max_tokens // prompt_max)
-        chunks = [self._prefill(tokens_BT[r : r + rows], lengths_B[r : r + rows], r) for r in range(0, n, rows)]
+        chunks = [self._prefill(tokens_BT[r : r + rows], lengths_nB[r : r + rows], r) for r in range(0, n, rows)]
         logits = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
         if n < B:
             source_B = torch.cumsum(new_prompt_B, dim=0) - 1
             self.decoder.copy_cache_rows(source_B, prompt_max)
             logits = logits.index_select(0, source_B)
+        self.decoder.set_prompt_groups(new_prompt_B if n < B else None, lengths_B)
         return logits
 
     def _set_sampling(self, sampling: SamplingParams, B: int, max_new: int, inverse_cdf: bool) -> None:

@@ -50,6 +50,10 @@ V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module d
 # each warp its own slots of a step (FP8_WARP_SLOTS: nothing exchanged between warps inside the loop; a fifth
 # fewer loop instructions at a cap of 168), and 2 warps a program (FP8_WARPS, with FP8_BLOCK_N 64: shorter last steps).
 EXP2 = False
+# A group's repeated prompt (the engine prefills it once and copies its slots to every row of the group): each row's
+# steps over the prompt's slots read the group's first row instead of its own copy, so the group's programs, which
+# run side by side, read the same bytes (from L2 after the first). Off until timed on a GPU.
+SHARED_PREFIX = False
 FP8_MAXNREG: int | None = None
 FP8_WARPS = 4
 FP8_WARP_SLOTS = False
@@ -213,12 +217,13 @@ def _kernels():
     @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-        sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g, svn_b, svn_g, srope_b,
-        ss_b, ss_g, scale,
+        lead_ptr, shared_ptr, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g,
+        svn_b, svn_g, srope_b, ss_b, ss_g, scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
         KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr, WARP_SLOTS: tl.constexpr,
+        SHARED: tl.constexpr,
     ):  # fmt: skip
         # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
         # 2: the same softmax, fewer products than exp's own x * log2(e))
@@ -228,6 +233,9 @@ def _kernels():
         # before the wait, and the slot loop's bounds are known when the wait returns (docs/PERF.md, twenty-fourth
         # session: decode -1.8 % at 64 rows)
         pos = tl.load(pos_ptr + b)
+        if SHARED:  # the steps wholly inside slots [0, shared) read row `lead`'s cache (both set before the call)
+            lead = tl.load(lead_ptr + b)
+            shared_end = tl.load(shared_ptr + b) // BLOCK * BLOCK
         if PDL:  # launched early (pdl.py): wait for the qkv projection before reading its rows
             tl.extra.cuda.gdc_wait()
         # WRITE_NEW: slot pos is not read from the cache; the step's own key and value come from kn/vn, and the
@@ -268,11 +276,20 @@ def _kernels():
         stop = tl.minimum(start + SPLIT_LEN, n_keys)
         k_base, v_base = k_ptr + b * sk_b + g * sk_g, v_ptr + b * sv_b + g * sv_g
         ks_base, vs_base = ks_ptr + b * ss_b + g * ss_g, vs_ptr + b * ss_b + g * ss_g
+        if SHARED:
+            k_lead, v_lead = k_ptr + lead * sk_b + g * sk_g, v_ptr + lead * sv_b + g * sv_g
+            ks_lead, vs_lead = ks_ptr + lead * ss_b + g * ss_g, vs_ptr + lead * ss_b + g * ss_g
         if WARP_SLOTS == 0:  # the program's warps share each step's slots (Triton splits the products among them)
             for lo in range(start, stop, BLOCK):
+                if SHARED:  # a step below shared_end reads the lead row (its slots hold the same values as this row's)
+                    on_lead = lo < shared_end
+                    k_row, v_row = tl.where(on_lead, k_lead, k_base), tl.where(on_lead, v_lead, v_base)
+                    ks_row, vs_row = tl.where(on_lead, ks_lead, ks_base), tl.where(on_lead, vs_lead, vs_base)
+                else:
+                    k_row, v_row, ks_row, vs_row = k_base, v_base, ks_base, vs_base
                 slots = lo + tl.arange(0, BLOCK)
                 kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
-                k = tl.load(k_base + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
+                k = tl.load(k_row + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
                 if KV_FP8:
                     k = k.to(op_t)
                 if NATIVE_QK:  # the cache's 16-bit operands, float32 sums: the same products as TF32 on these values
@@ -280,7 +297,7 @@ def _kernels():
                 else:
                     scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
                 if KV_FP8:
-                    scores = scores * tl.load(ks_base + slots, mask=slots < stop, other=0.0)[None, :]
+                    scores = scores * tl.load(ks_row + slots, mask=slots < stop, other=0.0)[None, :]
                 scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, 1))
                 alpha = tl.exp2(m_i - m_new) if EXP2 else tl.exp(m_i - m_new)
@@ -291,12 +308,12 @@ def _kernels():
                     # are finite and get probability 0)
                     chunks = slots // V_CHUNK
                     v_at = chunks[:, None] * sv_t + dims[None, :] * V_CHUNK + slots[:, None] % V_CHUNK
-                    v = tl.load(v_base + v_at, mask=(chunks * V_CHUNK < stop)[:, None], other=0.0)
+                    v = tl.load(v_row + v_at, mask=(chunks * V_CHUNK < stop)[:, None], other=0.0)
                 else:
-                    v = tl.load(v_base + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
+                    v = tl.load(v_row + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
                 p_v = p  # the probabilities, with an FP8 cache times each slot's value scale
                 if KV_FP8:
-                    p_v = p * tl.load(vs_base + slots, mask=slots < stop, other=0.0)[None, :]
+                    p_v = p * tl.load(vs_row + slots, mask=slots < stop, other=0.0)[None, :]
                     v = v.to(op_t)
                 if NATIVE_PV:  # probabilities rounded to the cache's dtype (as the matmul path's bmm takes them)
                     pv = tl.dot(p_v.to(v.dtype), v)
@@ -316,16 +333,22 @@ def _kernels():
             acc3 = tl.zeros([WARP_SLOTS, R_PAD, D_PAD], tl.float32)
             dims3 = dims[None, None, :]
             for lo in range(start, stop, BLOCK):
+                if SHARED:  # a step below shared_end reads the lead row (its slots hold the same values as this row's)
+                    on_lead = lo < shared_end
+                    k_row, v_row = tl.where(on_lead, k_lead, k_base), tl.where(on_lead, v_lead, v_base)
+                    ks_row, vs_row = tl.where(on_lead, ks_lead, ks_base), tl.where(on_lead, vs_lead, vs_base)
+                else:
+                    k_row, v_row, ks_row, vs_row = k_base, v_base, ks_base, vs_base
                 slots = lo + w_rows[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [warps, SUB]
                 inside = slots < stop
-                k = tl.load(k_base + slots[:, :, None] * sk_t + dims3, mask=inside[:, :, None] & (dims3 < D), other=0.0)
+                k = tl.load(k_row + slots[:, :, None] * sk_t + dims3, mask=inside[:, :, None] & (dims3 < D), other=0.0)
                 if NATIVE_QK:
                     scores = tl.dot(q3, tl.permute(k.to(op_t), (0, 2, 1))) * scale
                 else:
                     k = tl.permute(k.to(tl.float32), (0, 2, 1))
                     scores = tl.dot(q3.to(tl.float32), k, input_precision=PRECISION) * scale
                 if KV_FP8:
-                    scores = scores * tl.load(ks_base + slots, mask=inside, other=0.0)[:, None, :]
+                    scores = scores * tl.load(ks_row + slots, mask=inside, other=0.0)[:, None, :]
                 scores = tl.where(inside[:, None, :], scores, float("-inf"))
                 m_new = tl.maximum(m3, tl.max(scores, 2))
                 # a warp whose slots all lie past `stop` so far has max -inf: its exponentials are taken from 0
@@ -336,13 +359,13 @@ def _kernels():
                 if V_CHUNK:  # whole chunks, as above
                     chunks = slots // V_CHUNK
                     v_at = chunks[:, :, None] * sv_t + dims3 * V_CHUNK + (slots % V_CHUNK)[:, :, None]
-                    v = tl.load(v_base + v_at, mask=(chunks * V_CHUNK < stop)[:, :, None], other=0.0)
+                    v = tl.load(v_row + v_at, mask=(chunks * V_CHUNK < stop)[:, :, None], other=0.0)
                 else:
                     v_mask = inside[:, :, None] & (dims3 < D)
-                    v = tl.load(v_base + slots[:, :, None] * sv_t + dims3, mask=v_mask, other=0.0)
+                    v = tl.load(v_row + slots[:, :, None] * sv_t + dims3, mask=v_mask, other=0.0)
                 p_v = p
                 if KV_FP8:
-                    p_v = p * tl.load(vs_base + slots, mask=inside, other=0.0)[:, None, :]
+                    p_v = p * tl.load(vs_row + slots, mask=inside, other=0.0)[:, None, :]
                     v = v.to(op_t)
                 if NATIVE_PV:
                     pv = tl.dot(p_v.to(v.dtype), v)
@@ -449,6 +472,7 @@ def decode_attention(
     exp2: bool | None = None,
     maxnreg: int | None = None,
     warp_slots: bool | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -473,7 +497,11 @@ def decode_attention(
     `exp2` (default: EXP2) takes the softmax in base 2; `maxnreg` caps the kernel's registers a thread (a Triton
     launch option; default FP8_MAXNREG with an FP8 cache on the GPU, else none); `warp_slots` (default
     FP8_WARP_SLOTS with an FP8 cache on the GPU, else False) gives each warp its own block / num_warps slots of a
-    step (at least 16), merged once at the end, instead of sharing every slot among the warps."""
+    step (at least 16), merged once at the end, instead of sharing every slot among the warps.
+
+    `shared` = (lead_B, shared_B), int [B] each: row b's steps that lie wholly inside slots [0, shared_B[b]) read
+    row lead_B[b]'s keys, values (and scales) instead of its own; those slots must hold the same values in both rows
+    (a repeated prompt's, copied by the engine). The step's own key and value are still written into row b."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
@@ -514,6 +542,12 @@ def decode_attention(
     else:
         k_s = v_s = q_BGrD  # not read
         scale_strides = (0, 0)
+    if shared is None:
+        lead = shared_end = pos_B  # not read
+    else:
+        lead, shared_end = shared
+        if lead.shape != (B,) or shared_end.shape != (B,):
+            raise ValueError(f"decode_attention: shared needs two tensors of shape ({B},)")
     out = torch.empty((B, G, r, D), dtype=act_dtype, device=keys_BGTD.device)
     R_PAD, D_PAD = max(16, pow2(r)), max(16, pow2(D))
     split_len = -(-T // splits)
@@ -548,7 +582,7 @@ def decode_attention(
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
         NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
-        WARP_SLOTS=num_warps if warp_slots else 0,
+        WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None,
     )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
@@ -559,7 +593,8 @@ def decode_attention(
     precision = "ieee" if act_dtype == torch.float32 else "tf32"
     if splits == 1:
         attend[(B, G, 1)](
-            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, k_s, v_s, *args,
+            q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end,
+            *args,
             *out.stride()[:3], *new_strides, rope_stride, *scale_strides, scale,
             BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common, **launch,
         )  # fmt: skip
@@ -568,7 +603,8 @@ def decode_attention(
     m = torch.empty((B, G, splits, r), dtype=torch.float32, device=out.device)
     l_ = torch.empty_like(m)
     attend[(B, G, splits)](
-        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, k_s, v_s, *args, 0, 0, 0,
+        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end, *args,
+        0, 0, 0,
         *new_strides, rope_stride, *scale_strides, scale,
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
         **launch,
