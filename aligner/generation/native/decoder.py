@@ -190,8 +190,9 @@ class Decoder:
         for i in range(self.lo.num_layers):
             if self.seq_major:  # [2, rows, slots, G, D]
                 self.kv[i, :, :B, :slots] = self.kv[i, :, source_B, :slots]
-            elif self.kv_fp8:
-                keys, values, scales = self.kv[i, 0], self.values(i, slice(None)), self.kv_scale[i]
+            elif self.kv_fp8:  # e4m3 moved as bytes (indexing kernels need not know float8 types)
+                keys, values = self.kv[i, 0].view(torch.uint8), self.values(i, slice(None)).view(torch.uint8)
+                scales = self.kv_scale[i]
                 keys[:B, :, :slots] = keys[source_B, :, :slots]
                 chunks = -(-slots // C)
                 values[:B, :, :chunks] = values[source_B, :, :chunks]
