@@ -417,7 +417,7 @@ class NativeEngine:
         [0, len(firsts)); then every row takes its prompt's cache slots and logits from there (`new_prompt_B`'s
         running count names the source row, never below the row itself: the copy goes through a gathered temporary).
         For GRPO's 8 samples a prompt at 512 rows this prefills 64 rows instead of 512 and copies the prompts' slots
-        of the cache (16 layers of keys and values at 128 slots: ~2 GB in bf16, a millisecond or two on an H200)."""
+        of the cache (at 1B, 16 layers of keys and values at 128 slots: 2.1 GB in e4m3, 4.3 in bf16; a few ms)."""
         B, n = tokens_BT.shape[0], len(firsts)
         if n < B:
             at = torch.tensor(firsts, device=self.device)
