@@ -400,9 +400,8 @@ class NativeEngine:
                 self._decode_step(*key)
             steps += 1
         timer.mark("decode")
-        self.last_timings = {**timer.result(), "decode_steps": steps - 1}
+        self.last_timings = {**timer.result(), "decode_steps": steps - 1, "prefill_prompts": len(firsts)}
 
-        self.last_timings["prefill_prompts"] = len(firsts)
         R = max(1, int(self.lengths_B[:B].max()))
         return GenerationOutput(
             response_tokens_BR=self.out_tokens_BR[:B, :R].clone(),

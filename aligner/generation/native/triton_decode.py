@@ -215,6 +215,19 @@ def _kernels():
     _quantizer()
 
     @triton.jit
+    def step_rows(on_lead, leads, bases, SHARED: tl.constexpr):
+        """The (keys, values, key scales, value scales) row pointers a slot step reads: `leads` where on_lead."""
+        if SHARED:
+            k_lead, v_lead, ks_lead, vs_lead = leads
+            k_own, v_own, ks_own, vs_own = bases
+            k, v = tl.where(on_lead, k_lead, k_own), tl.where(on_lead, v_lead, v_own)
+            return k, v, tl.where(on_lead, ks_lead, ks_own), tl.where(on_lead, vs_lead, vs_own)
+        return bases
+
+    global _step_rows
+    _step_rows = step_rows
+
+    @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
         lead_ptr, shared_ptr, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g,
@@ -233,6 +246,7 @@ def _kernels():
         # before the wait, and the slot loop's bounds are known when the wait returns (docs/PERF.md, twenty-fourth
         # session: decode -1.8 % at 64 rows)
         pos = tl.load(pos_ptr + b)
+        shared_end = 0
         if SHARED:  # the steps wholly inside slots [0, shared) read row `lead`'s cache (both set before the call)
             lead = tl.load(lead_ptr + b)
             shared_end = tl.load(shared_ptr + b) // BLOCK * BLOCK
@@ -276,17 +290,16 @@ def _kernels():
         stop = tl.minimum(start + SPLIT_LEN, n_keys)
         k_base, v_base = k_ptr + b * sk_b + g * sk_g, v_ptr + b * sv_b + g * sv_g
         ks_base, vs_base = ks_ptr + b * ss_b + g * ss_g, vs_ptr + b * ss_b + g * ss_g
-        if SHARED:
-            k_lead, v_lead = k_ptr + lead * sk_b + g * sk_g, v_ptr + lead * sv_b + g * sv_g
-            ks_lead, vs_lead = ks_ptr + lead * ss_b + g * ss_g, vs_ptr + lead * ss_b + g * ss_g
+        bases = (k_base, v_base, ks_base, vs_base)
+        leads = bases
+        if SHARED:  # a step below shared_end reads the lead row (its slots hold the same values as this row's)
+            leads = (
+                k_ptr + lead * sk_b + g * sk_g, v_ptr + lead * sv_b + g * sv_g,
+                ks_ptr + lead * ss_b + g * ss_g, vs_ptr + lead * ss_b + g * ss_g,
+            )  # fmt: skip
         if WARP_SLOTS == 0:  # the program's warps share each step's slots (Triton splits the products among them)
             for lo in range(start, stop, BLOCK):
-                if SHARED:  # a step below shared_end reads the lead row (its slots hold the same values as this row's)
-                    on_lead = lo < shared_end
-                    k_row, v_row = tl.where(on_lead, k_lead, k_base), tl.where(on_lead, v_lead, v_base)
-                    ks_row, vs_row = tl.where(on_lead, ks_lead, ks_base), tl.where(on_lead, vs_lead, vs_base)
-                else:
-                    k_row, v_row, ks_row, vs_row = k_base, v_base, ks_base, vs_base
+                k_row, v_row, ks_row, vs_row = _step_rows(lo < shared_end, leads, bases, SHARED)
                 slots = lo + tl.arange(0, BLOCK)
                 kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
                 k = tl.load(k_row + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
@@ -333,12 +346,7 @@ def _kernels():
             acc3 = tl.zeros([WARP_SLOTS, R_PAD, D_PAD], tl.float32)
             dims3 = dims[None, None, :]
             for lo in range(start, stop, BLOCK):
-                if SHARED:  # a step below shared_end reads the lead row (its slots hold the same values as this row's)
-                    on_lead = lo < shared_end
-                    k_row, v_row = tl.where(on_lead, k_lead, k_base), tl.where(on_lead, v_lead, v_base)
-                    ks_row, vs_row = tl.where(on_lead, ks_lead, ks_base), tl.where(on_lead, vs_lead, vs_base)
-                else:
-                    k_row, v_row, ks_row, vs_row = k_base, v_base, ks_base, vs_base
+                k_row, v_row, ks_row, vs_row = _step_rows(lo < shared_end, leads, bases, SHARED)
                 slots = lo + w_rows[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [warps, SUB]
                 inside = slots < stop
                 k = tl.load(k_row + slots[:, :, None] * sk_t + dims3, mask=inside[:, :, None] & (dims3 < D), other=0.0)
