@@ -9,10 +9,14 @@ and FP8_STAGES (docs/PERF.md). This runs
    float32, plus the chunked form's difference to it);
 2. the engine (generate_repeats.py with FP8 weights and cache): its own settings and the --top fastest candidates'
    (by the kernel's time at the largest batch size), each in a process of its own with its constants set by --set;
-then prints one table. --tiny: the CPU's smoke run (Triton's interpreter; the engine with its CPU settings).
+3. with --groups N (thirtieth session): the engine on GRPO-shaped calls (--group-batch rows, each prompt in N
+   neighbouring rows): every row prefilled, the prompt prefilled once (the engine's default), and with the register
+   cap 168 without and with triton_decode.SHARED_PREFIX (a group's prompt read from its first row);
+then prints the tables. --tiny: the CPU's smoke run (Triton's interpreter; the engine with its CPU settings).
 
     python3 benchmarks/probes/attention_candidates.py --out result.json
     python3 benchmarks/probes/attention_candidates.py --batch-sizes 256 --top 3 --repeats 5
+    python3 benchmarks/probes/attention_candidates.py --batch-sizes 64 256 --top 2 --groups 8 --out result.json
 """
 
 import argparse
@@ -71,11 +75,21 @@ def kernel_alone(name: str, candidate: tuple, args) -> dict:
     return out
 
 
-def engine(name: str, items: list[str], args) -> dict:
-    """Stage 2 for one setting: generate_repeats.py's report, in a process of its own."""
+# stage 3's forms: (generate_repeats.py options, --set items)
+GROUP_FORMS = {
+    "each_row": (["--prefill-each-row"], []),
+    "once": ([], []),
+    "once_cap168": ([], ["triton_decode.FP8_MAXNREG=168"]),
+    "once_cap168_shared": ([], ["triton_decode.FP8_MAXNREG=168", "triton_decode.SHARED_PREFIX=True"]),
+}
+
+
+def engine(name: str, items: list[str], args, batch_sizes=None, options=()) -> dict:
+    """Stages 2 and 3 for one setting: generate_repeats.py's report, in a process of its own."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, REPEATS, "--repeats", str(args.repeats), "--batch-sizes", *map(str, args.batch_sizes)]
+        sizes = batch_sizes or args.batch_sizes
+        cmd = [sys.executable, REPEATS, "--repeats", str(args.repeats), "--batch-sizes", *map(str, sizes), *options]
         cmd += ["--tiny"] if args.tiny else ["--decode-weights", "fp8", "--kv-dtype", "fp8"]
         cmd += ["--out", out] + (["--set", *items] if items else [])
         print(f"== {name}: engine", flush=True)
@@ -92,7 +106,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--top", type=int, default=2, help="candidates timed in the engine besides its own settings")
     parser.add_argument("--repeats", type=int, default=5, help="generate calls per batch size in the engine")
-    parser.add_argument("--tiny", action="store_true", help="CPU: the smoke forms of both stages")
+    parser.add_argument("--groups", type=int, default=0, help="stage 3: samples a prompt (0: no stage 3)")
+    parser.add_argument("--group-batch", type=int, default=512, help="stage 3's rows a call")
+    parser.add_argument("--tiny", action="store_true", help="CPU: the smoke forms of every stage")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     report = {"args": vars(args), "kernel": {}, "engine": {}}
@@ -116,6 +132,22 @@ def main(argv=None) -> dict:
             line += f"| {k['us']:8.2f} {k['vs_float32']:8.2g} " if k else "|   failed          "
             line += f"{statistics.median(e['decode_ms']):8.4f} {statistics.median(e['tok_s']):8.0f} " if e else " " * 18
         print(line, flush=True)
+    if args.groups:
+        report["groups"] = {}
+        options = ["--samples-per-prompt", str(args.groups)]
+        for name, (extra, items) in GROUP_FORMS.items():
+            report["groups"][name] = engine(name, items, args, [args.group_batch], [*options, *extra])
+        print(f"B={args.group_batch}, {args.groups} samples a prompt | prompts prefilled, prefill ms, decode ms, tok/s")
+        for name, run in report["groups"].items():
+            e = run.get(str(args.group_batch))
+            if e is None:
+                print(f"{name:26s} | failed", flush=True)
+                continue
+            print(
+                f"{name:26s} | {e['prefill_prompts']:5d} {statistics.median(e['prefill_ms']):8.2f} "
+                f"{statistics.median(e['decode_ms']):8.4f} {statistics.median(e['tok_s']):8.0f}",
+                flush=True,
+            )
     return write_report(report, args.out)
 
 

@@ -39,3 +39,14 @@ def test_candidates_timed_alone_and_in_the_engine(tmp_path):
         attention_candidates.CANDIDATES[faster]
     )
     assert report["engine"]["engine"]["args"]["set"] == []
+
+
+def test_grpo_shaped_calls_prefilled_once_and_every_row(tmp_path):
+    """--groups: the engine on calls of groups of neighbouring rows sharing a prompt, in each of GROUP_FORMS (on the
+    CPU the Triton settings are not read; the prefill counts are)."""
+    argv = ["--tiny", "--batch-sizes", "3", "--repeats", "1", "--top", "0", "--candidates", "engine"]
+    report = attention_candidates.main([*argv, "--groups", "2", "--group-batch", "4"])
+    assert set(report["groups"]) == set(attention_candidates.GROUP_FORMS)
+    prefilled = {name: run["4"]["prefill_prompts"] for name, run in report["groups"].items()}
+    assert prefilled == {"each_row": 4, "once": 2, "once_cap168": 2, "once_cap168_shared": 2}
+    assert report["groups"]["once_cap168_shared"]["args"]["set"][-1] == "triton_decode.SHARED_PREFIX=True"
