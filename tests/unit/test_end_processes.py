@@ -50,6 +50,7 @@ def test_stubs_of_this_servers_workspace_are_found_after_tritonserver_has_gone(t
     this server's: another workspace whose name starts the same is not)."""
     from aligner.critic.server import _python_stubs
 
+    orphan = "import subprocess as s, sys; print(s.Popen(sys.argv[1:], stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"
     pids = {}
     for name in ("critic_ab", "critic_abc"):
         folder = tmp_path / name / "w" / "tritonserver" / "backends" / "python"
@@ -57,15 +58,16 @@ def test_stubs_of_this_servers_workspace_are_found_after_tritonserver_has_gone(t
         stub = folder / "triton_python_backend_stub"
         stub.write_text("#!/bin/sh\nsleep 60\n")
         stub.chmod(0o755)
-        # started in the background by a shell that exits at once: the stub's parent is init (or a subreaper)
-        subprocess.run(["sh", "-c", f"'{stub}' /tmp/model.py >/dev/null 2>&1 & echo $!"], capture_output=True)
-        deadline = time.monotonic() + 10
-        while not (found := _python_stubs(str(tmp_path / name))) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        (pids[name],) = [p.pid for p in found]
+        # started by a process that exits at once (and is reaped here): the stub's parent is init (or a subreaper)
+        run = subprocess.run([sys.executable, "-c", orphan, str(stub), "/tmp/model.py"], capture_output=True, text=True)
+        pids[name] = int(run.stdout)
     try:
         assert psutil.Process(pids["critic_ab"]).ppid() != psutil.Process().pid
-        assert [p.pid for p in _python_stubs(str(tmp_path / "critic_ab"))] == [pids["critic_ab"]]
+        for name, pid in pids.items():  # (until the stub's shell has read its script: it is named by it from exec)
+            deadline = time.monotonic() + 10
+            while [p.pid for p in _python_stubs(str(tmp_path / name))] != [pid] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert [p.pid for p in _python_stubs(str(tmp_path / name))] == [pid]
         assert _python_stubs() == [], "without a workspace: this process's own descendants only"
     finally:
         for pid in pids.values():
