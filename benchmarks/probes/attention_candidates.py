@@ -22,7 +22,6 @@ then prints the tables. --tiny: the CPU's smoke run (Triton's interpreter; the e
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.probes import fp8_cache_layout  # noqa: E402
 from benchmarks.probes.common import write_report  # noqa: E402
+from benchmarks.probes.generate_repeats import medians  # noqa: E402
 
 # name: (slots a step, warps, pipeline stages, register cap (0: none), softmax in base 2, each warp its own slots)
 CANDIDATES = {
@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
             k = report["kernel"][name].get(B)
             e = report["engine"].get(name, {}).get(B)
             line += f"| {k['us']:8.2f} {k['vs_float32']:8.2g} " if k else "|   failed          "
-            line += f"{statistics.median(e['decode_ms']):8.4f} {statistics.median(e['tok_s']):8.0f} " if e else " " * 18
+            line += f"{medians(e)['decode_ms']:8.4f} {medians(e)['tok_s']:8.0f} " if e else " " * 18
         print(line, flush=True)
     if args.groups:
         report["groups"] = {}
@@ -143,11 +143,9 @@ def main(argv=None) -> dict:
             if e is None:
                 print(f"{name:26s} | failed", flush=True)
                 continue
-            print(
-                f"{name:26s} | {e['prefill_prompts']:5d} {statistics.median(e['prefill_ms']):8.2f} "
-                f"{statistics.median(e['decode_ms']):8.4f} {statistics.median(e['tok_s']):8.0f}",
-                flush=True,
-            )
+            med = medians(e)
+            line = f"{med['prefill_ms']:8.2f} {med['decode_ms']:8.4f} {med['tok_s']:8.0f}"
+            print(f"{name:26s} | {e['prefill_prompts']:5d} {line}", flush=True)
     return write_report(report, args.out)
 
 

@@ -26,6 +26,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.probes.common import bench_engine, engine_choices, engine_parser, write_report  # noqa: E402
 
 
+def medians(row: dict) -> dict:
+    """A batch size's row of the report: the median of each per-call list (tok_s, prefill_ms, decode_ms)."""
+    return {k: statistics.median(v) for k, v in row.items() if isinstance(v, list)}
+
+
 def main(argv=None) -> dict:
     parser = engine_parser(__doc__, repeats=9)
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=None, help="default: the config's")
@@ -63,7 +68,7 @@ def main(argv=None) -> dict:
             row["prefill_ms"].append(t["prefill_ms"])
             row["decode_ms"].append(t["decode_ms"] / max(1, t["decode_steps"]))
         report[str(B)] = row
-        med = {k: statistics.median(v) for k, v in row.items() if isinstance(v, list)}
+        med = medians(row)
         print(
             f"B={B} ({row['prefill_prompts']} prompts prefilled) tok/s median {med['tok_s']:.0f} best "
             f"{max(row['tok_s']):.0f} | prefill ms median "
