@@ -1,17 +1,19 @@
 """Probe (issue 17, twenty-ninth session): the FP8 cache attention's candidate settings, timed in one go on a GPU.
 
 The twenty-ninth session read the FP8 cache's decode attention in its compiled sm_90 code (attention_code.py, no GPU)
-and left switches in triton_decode off until timed: EXP2, FP8_MAXNREG, FP8_WARP_SLOTS, with FP8_WARPS, FP8_BLOCK_N
-and FP8_STAGES (docs/PERF.md). This runs
+and left switches in triton_decode to be timed: EXP2, FP8_MAXNREG, FP8_WARP_SLOTS, with FP8_WARPS, FP8_BLOCK_N and
+FP8_STAGES (docs/PERF.md); the thirty-first session timed them and made each batch size's best the engine's
+(triton_decode.fp8_launch). This runs
 1. the kernel alone: each candidate of CANDIDATES as a form of fp8_cache_layout.py (--ragged: a generate call's
    spread of positions; values in the engine's chunks), at each batch size: us a layer, and how far its output lies
    from float32 attention over the dequantized cache at most (the probe's rows form with the same settings against
    float32, plus the chunked form's difference to it);
-2. the engine (generate_repeats.py with FP8 weights and cache): its own settings and the --top fastest candidates'
-   (by the kernel's time at the largest batch size), each in a process of its own with its constants set by --set;
+2. the engine (generate_repeats.py with FP8 weights and cache): its own settings, the plain candidate's (the
+   settings before the thirty-first session) and the --top fastest other candidates' (by the kernel's time at the
+   largest batch size), each in a process of its own with its constants set by --set;
 3. with --groups N (thirtieth session): the engine on GRPO-shaped calls (--group-batch rows, each prompt in N
-   neighbouring rows): every row prefilled, the prompt prefilled once (the engine's default), and with the register
-   cap 168 without and with triton_decode.SHARED_PREFIX (a group's prompt read from its first row);
+   neighbouring rows): every row prefilled, the prompt prefilled once (the engine's default), that with
+   triton_decode.SHARED_PREFIX (a group's prompt read from its first row), and with the plain candidate's settings;
 then prints the tables. --tiny: the CPU's smoke run (Triton's interpreter; the engine with its CPU settings).
 
     python3 benchmarks/probes/attention_candidates.py --out result.json
@@ -32,9 +34,10 @@ from benchmarks.probes import fp8_cache_layout  # noqa: E402
 from benchmarks.probes.common import write_report  # noqa: E402
 from benchmarks.probes.generate_repeats import medians  # noqa: E402
 
-# name: (slots a step, warps, pipeline stages, register cap (0: none), softmax in base 2, each warp its own slots)
+# name: (slots a step, warps, pipeline stages, register cap (0: none), softmax in base 2, each warp its own slots);
+# plain: the engine's settings at every batch size before the thirty-first session
 CANDIDATES = {
-    "engine": (128, 4, 2, 0, 0, 0),
+    "plain": (128, 4, 2, 0, 0, 0),
     "cap128": (128, 4, 2, 128, 0, 0),
     "exp2_cap168": (128, 4, 2, 168, 1, 0),
     "exp2_cap128": (128, 4, 2, 128, 1, 0),
@@ -52,7 +55,7 @@ def settings(candidate: tuple) -> list[str]:
     block, warps, stages, cap, exp2, own = candidate
     return [
         f"triton_decode.FP8_BLOCK_N={block}", f"triton_decode.FP8_WARPS={warps}", f"triton_decode.FP8_STAGES={stages}",
-        f"triton_decode.FP8_MAXNREG={cap or None}", f"triton_decode.EXP2={bool(exp2)}",
+        f"triton_decode.FP8_MAXNREG={cap}", f"triton_decode.EXP2={bool(exp2)}",
         f"triton_decode.FP8_WARP_SLOTS={bool(own)}",
     ]  # fmt: skip
 
@@ -79,8 +82,8 @@ def kernel_alone(name: str, candidate: tuple, args) -> dict:
 GROUP_FORMS = {
     "each_row": (["--prefill-each-row"], []),
     "once": ([], []),
-    "once_cap168": ([], ["triton_decode.FP8_MAXNREG=168"]),
-    "once_cap168_shared": ([], ["triton_decode.FP8_MAXNREG=168", "triton_decode.SHARED_PREFIX=True"]),
+    "once_shared": ([], ["triton_decode.SHARED_PREFIX=True"]),
+    "once_plain": ([], settings(CANDIDATES["plain"])),
 }
 
 
@@ -115,21 +118,22 @@ def main(argv=None) -> dict:
     for name in args.candidates:
         report["kernel"][name] = kernel_alone(name, CANDIDATES[name], args)
     largest = str(max(args.batch_sizes))
-    timed = [n for n in args.candidates if n != "engine" and largest in report["kernel"][n]]
+    timed = [n for n in args.candidates if n != "plain" and largest in report["kernel"][n]]
     best = sorted(timed, key=lambda n: report["kernel"][n][largest]["us"])[: args.top]
     report["engine"]["engine"] = engine("engine", [], args)
-    for name in best:
+    for name in (["plain"] if "plain" in args.candidates else []) + best:
         report["engine"][name] = engine(name, settings(CANDIDATES[name]), args)
     print(
         "candidate                  "
         + "".join(f"| B={B}: kernel us, vs float32, decode ms, tok/s " for B in args.batch_sizes)
     )
-    for name in args.candidates:
+    for name in ["engine", *args.candidates]:  # the engine's own settings (by batch size): timed in the engine only
         line = f"{name:26s} "
         for B in map(str, args.batch_sizes):
-            k = report["kernel"][name].get(B)
+            k = report["kernel"].get(name, {}).get(B)
             e = report["engine"].get(name, {}).get(B)
-            line += f"| {k['us']:8.2f} {k['vs_float32']:8.2g} " if k else "|   failed          "
+            blank = "| " + " " * 18 if name == "engine" else "|   failed          "
+            line += f"| {k['us']:8.2f} {k['vs_float32']:8.2g} " if k else blank
             line += f"{medians(e)['decode_ms']:8.4f} {medians(e)['tok_s']:8.0f} " if e else " " * 18
         print(line, flush=True)
     if args.groups:

@@ -13,7 +13,8 @@ pointers and strides) and reports for each setting what the GPU's scheduler gets
 The FP8 cache's kernel was found at 168 registers a thread (3 programs an SM), the softmax in base 2 at 200 (2), which
 is why that change measured faster at 64 rows and slower at 256 (docs/PERF.md, twenty-ninth session).
 
-    python3 benchmarks/probes/attention_code.py                                   (FP8 cache, the engine's settings)
+    python3 benchmarks/probes/attention_code.py                   (FP8 cache, the engine's settings at 64 rows)
+    python3 benchmarks/probes/attention_code.py --rows 256        (... at 256 rows: triton_decode.fp8_launch)
     python3 benchmarks/probes/attention_code.py --maxnreg 0 128 --exp2 0 1 --out result.json
     python3 benchmarks/probes/attention_code.py --kv bf16 --blocks 32 64 --stages 3
 """
@@ -146,11 +147,16 @@ def compile_one(
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv", choices=("fp8", "bf16"), default="fp8", help="the cache's dtype")
+    parser.add_argument("--rows", type=int, default=64, help="the batch size whose engine settings are the defaults")
     parser.add_argument("--blocks", type=int, nargs="+", default=None, help="slots a step (default: the engine's)")
-    parser.add_argument("--warps", type=int, nargs="+", default=[4])
+    parser.add_argument("--warps", type=int, nargs="+", default=None, help="default: the engine's")
     parser.add_argument("--stages", type=int, nargs="+", default=None, help="default: the engine's (FP8: 2, else 3)")
-    parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps (0: none)")
-    parser.add_argument("--exp2", type=int, nargs="+", default=[0], help="0: natural-base softmax, 1: base 2")
+    parser.add_argument(
+        "--maxnreg", type=int, nargs="+", default=None, help="register caps (0: none; default: the engine's)"
+    )
+    parser.add_argument(
+        "--exp2", type=int, nargs="+", default=None, help="0: natural-base softmax, 1: base 2 (default: the engine's)"
+    )
     parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots a step")
     parser.add_argument("--shared", type=int, nargs="+", default=[0], help="1: a group's prompt read from one row")
     parser.add_argument("--out", default=None)
@@ -159,8 +165,14 @@ def main(argv=None) -> dict:
     from aligner.generation.native import triton_decode
 
     fp8 = args.kv == "fp8"
-    blocks = args.blocks or ([triton_decode.FP8_BLOCK_N] if fp8 else [triton_decode.WIDE_BLOCK_N])
-    stages = args.stages or [triton_decode.FP8_STAGES if fp8 else 3]
+    # the engine's launch at --rows rows (an FP8 cache on the GPU: fp8_launch; a bf16 cache: the wide step, base e)
+    engine = triton_decode.fp8_launch(args.rows) if fp8 else dict(block=triton_decode.WIDE_BLOCK_N, num_warps=4,
+                                                                 num_stages=3, maxnreg=0, exp2=False)  # fmt: skip
+    blocks = args.blocks or [engine["block"]]
+    args.warps = args.warps or [engine["num_warps"]]
+    stages = args.stages or [engine["num_stages"]]
+    args.maxnreg = [engine["maxnreg"]] if args.maxnreg is None else args.maxnreg
+    args.exp2 = [int(engine["exp2"])] if args.exp2 is None else args.exp2
     report = {"target": "sm_90", "args": vars(args), "settings": []}
     head = "kv    block warps stages maxnreg exp2 warp_slots shared | regs stack shared programs/SM (by regs, shared)"
     print(head + " | loop: " + " ".join(KINDS), flush=True)

@@ -2,7 +2,8 @@
 cuobjdump and nvdisasm; no GPU) and its resources read back. What the twenty-ninth session found with it must hold
 for the probe to be believed: a register cap of 128 leaves the FP8 kernel's slot loop without spills and fits 4
 programs an SM where the uncapped kernel fits fewer, the base-2 softmax takes products out of the loop, and with each
-warp its own slots the loop exchanges nothing between warps and is shorter."""
+warp its own slots the loop exchanges nothing between warps and is shorter. The engine's settings chosen from the
+thirty-first session's timings must compile as described (triton_decode.fp8_launch: 4 and 8 programs an SM)."""
 
 import json
 import os
@@ -61,7 +62,7 @@ def test_the_shared_prefix_form_keeps_the_kernels_occupancy_at_a_cap_of_168(tmp_
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--maxnreg", "168",
-         "--shared", "0", "1", "--out", str(out)],
+         "--exp2", "0", "--shared", "0", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -69,3 +70,22 @@ def test_the_shared_prefix_form_keeps_the_kernels_occupancy_at_a_cap_of_168(tmp_
     assert shared["shared"] and shared["programs"] == plain["programs"] == 3
     assert shared["loop"]["STL"] == shared["loop"]["LDL"] == 0
     assert plain["loop_instructions"] < shared["loop_instructions"] < 1.06 * plain["loop_instructions"]
+
+
+@pytest.mark.parametrize("rows, block, warps, programs", [(64, 128, 4, 4), (256, 64, 2, 8)])
+def test_the_engines_fp8_launch_by_batch_size(tmp_path, rows, block, warps, programs):
+    """The FP8 cache's launch the engine takes on the GPU (triton_decode.fp8_launch, timed on an H200): 128 slots in
+    4 warps below 128 rows, 64 in 2 warps from there, both capped at 128 registers with the softmax in base 2: 4 and 8
+    programs an SM, nothing spilled inside the slot loop."""
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--rows", str(rows),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    (row,) = json.load(open(out))["settings"]
+    assert (row["block"], row["warps"], row["stages"], row["maxnreg"], row["exp2"]) == (block, warps, 2, 128, True)
+    assert row["registers"] <= 128 and row["programs"] == programs
+    assert row["loop"]["STL"] == row["loop"]["LDL"] == 0 and row["loop"]["HMMA"] == 64

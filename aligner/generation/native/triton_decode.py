@@ -21,7 +21,8 @@ value into it quantized (quantize_fp8's rule). The engine stores its values in c
 consecutive slots of one dimension in each register; from rows [T, D] the kernel gathered those bytes one at a time
 from shared memory, from chunks they are contiguous and copied and read as 16-bit operands are (the kernel alone
 23-33 % faster than with rows, and under the bf16 cache's time: docs/PERF.md, twenty-eighth session). The step's own
-value is then written as D single bytes C apart.
+value is then written as D single bytes C apart. Its launch on the GPU (slots a step, warps, register cap, the
+softmax's base) goes by the batch size: fp8_launch, timed on an H200 (docs/PERF.md, thirty-first session).
 With few (sample, group) pairs and long caches the slots are cut into `splits` ranges handled by separate programs
 and merged by a second small kernel (each range's max, sum and weighted values), so every SM has work.
 
@@ -41,22 +42,28 @@ from aligner.parallel.device import triton_kernels_unavailable
 
 BLOCK_N = 32  # cache slots per inner step
 WIDE_BLOCK_N, WIDE_MIN_BATCH = 64, 256  # ... from this many rows on (measured faster there: docs/PERF.md)
-FP8_BLOCK_N, FP8_STAGES = 128, 2  # ... and pipeline stages with an FP8 cache on the GPU (measured: docs/PERF.md)
 V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module docstring; measured: docs/PERF.md)
-# Candidates read in the FP8 kernel's sm_90 code without a GPU (benchmarks/probes/attention_code.py; docs/PERF.md,
-# twenty-ninth session), each off until timed on one: the softmax in base 2 (EXP2: fewer products in the slot loop;
-# alone it measured slower at 256 rows, its 198 registers a thread leaving room for 2 programs an SM), a register
-# cap (FP8_MAXNREG: 168 registers give 3 programs of 4 warps an SM, 128 give 4, with no spill inside the slot loop),
-# each warp its own slots of a step (FP8_WARP_SLOTS: nothing exchanged between warps inside the loop; a fifth
-# fewer loop instructions at a cap of 168), and 2 warps a program (FP8_WARPS, with FP8_BLOCK_N 64: shorter last steps).
-EXP2 = False
+# An FP8 cache's launch on the GPU, by batch size (fp8_launch): below FP8_NARROW_MIN_BATCH rows 128 slots a step in 4
+# warps, from it 64 slots in 2 warps; both with a register cap of 128 (4 and 8 programs an SM, no spill in the slot
+# loop) and the softmax in base 2, 2 pipeline stages. Timed in the engine on an H200 against the earlier settings (128
+# slots, 4 warps, no cap, base e: 168 registers, 3 programs an SM): tokens/s +8.7 % at 64 rows, +8.8 % at 256 (each
+# size's best of nine candidates; docs/PERF.md, thirty-first session). Between 64 and 256 rows not timed: 128 takes
+# the narrow form, which fills an SM's 8 program slots in one wave there (1,024 programs of 8 KV groups).
+FP8_NARROW_MIN_BATCH = 128
+FP8_STAGES = 2
+# Each of these, set, holds for every batch size (the probes' --set: candidates compared in one tree); None: by size.
+FP8_BLOCK_N: int | None = None
+FP8_WARPS: int | None = None
+FP8_MAXNREG: int | None = None  # 0: no cap
+# The softmax in base 2 (EXP2: the scale times log2(e), exp2 for every exponential); None: with an FP8 cache on the
+# GPU only (timed there), else base e. Each warp its own slots of a step (FP8_WARP_SLOTS: nothing exchanged between
+# warps inside the loop, a fifth fewer loop instructions at a cap of 168, but 1.4-1.9x slower alone where timed: off).
+EXP2: bool | None = None
+FP8_WARP_SLOTS = False
 # A group's repeated prompt (the engine prefills it once and copies its slots to every row of the group): each row's
 # steps over the prompt's slots read the group's first row instead of its own copy, so the group's programs, which
 # run side by side, read the same bytes (from L2 after the first). Off until timed on a GPU.
 SHARED_PREFIX = False
-FP8_MAXNREG: int | None = None
-FP8_WARPS = 4
-FP8_WARP_SLOTS = False
 LOG2E = 1.4426950408889634
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
@@ -117,15 +124,18 @@ def unavailable(
             kv8, scales = quantize_fp8(kv)
             chunks = torch.zeros(B, G, T // V_CHUNK, D, V_CHUNK, dtype=FP8, device=device)
             write_value_chunks(chunks, kv8[1])
-            out = decode_attention(q, kv8[0], chunks, pos, D**-0.5, kv_scales=(scales[0], scales[1]))
+            # each launch form the engine may take on the GPU (fp8_launch: by batch size)
+            forms = [fp8_launch(1), fp8_launch(FP8_NARROW_MIN_BATCH)] if q.device.type == "cuda" else [{}]
+            outs = [decode_attention(q, kv8[0], chunks, pos, D**-0.5, kv_scales=(scales[0], scales[1]), **form)
+                    for form in forms]  # fmt: skip
             kv = kv8.float() * scales[..., None]
         else:
             q, kv = q.to(dtype), kv.to(dtype)
-            out = decode_attention(q, kv[0], kv[1], pos, D**-0.5)
+            outs = [decode_attention(q, kv[0], kv[1], pos, D**-0.5)]
         scores = torch.einsum("bgrd,bgtd->bgrt", q.float(), kv[0].float()) * D**-0.5
         beyond = torch.arange(T, device=device)[None, None, None, :] > pos[:, None, None, None]
         ref = torch.einsum("bgrt,bgtd->bgrd", scores.masked_fill(beyond, float("-inf")).softmax(-1), kv[1].float())
-        if not torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2):
+        if not all(torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) for out in outs):
             return "the kernel's answer differs from plain attention here"
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
@@ -464,6 +474,17 @@ def choose_splits(pairs: int, max_keys: int, device: torch.device) -> int:
     return max(1, min(want, max_keys // (4 * BLOCK_N), 16))
 
 
+def fp8_launch(B: int) -> dict:
+    """An FP8 cache's decode attention launch on the GPU at B rows (the module's FP8 settings; those set hold for every
+    size): decode_attention's block, num_warps, num_stages, maxnreg (0: no cap), exp2 and warp_slots."""
+    narrow = B >= FP8_NARROW_MIN_BATCH
+    return dict(
+        block=FP8_BLOCK_N or (64 if narrow else 128), num_warps=FP8_WARPS or (2 if narrow else 4),
+        num_stages=FP8_STAGES, maxnreg=128 if FP8_MAXNREG is None else FP8_MAXNREG,
+        exp2=True if EXP2 is None else EXP2, warp_slots=FP8_WARP_SLOTS,
+    )  # fmt: skip
+
+
 def decode_attention(
     q_BGrD: torch.Tensor,
     keys_BGTD: torch.Tensor,
@@ -502,10 +523,10 @@ def decode_attention(
     docstring; write_value_chunks); the kernel reads whole chunks, so the slots past a sample's position in its last
     chunk must hold finite values (they get probability 0).
 
-    `exp2` (default: EXP2) takes the softmax in base 2; `maxnreg` caps the kernel's registers a thread (a Triton
-    launch option; default FP8_MAXNREG with an FP8 cache on the GPU, else none); `warp_slots` (default
-    FP8_WARP_SLOTS with an FP8 cache on the GPU, else False) gives each warp its own block / num_warps slots of a
-    step (at least 16), merged once at the end, instead of sharing every slot among the warps.
+    `exp2` takes the softmax in base 2; `maxnreg` caps the kernel's registers a thread (a Triton launch option, 0:
+    none); `warp_slots` gives each warp its own block / num_warps slots of a step (at least 16), merged once at the
+    end, instead of sharing every slot among the warps. Not given, these and the block, warps and stages are
+    fp8_launch(B)'s with an FP8 cache on the GPU, else base e (EXP2 where set), no cap, shared slots.
 
     `shared` = (lead_B, shared_B), int [B] each: row b's steps that lie wholly inside slots [0, shared_B[b]) read
     row lead_B[b]'s keys, values (and scales) instead of its own; those slots must hold the same values in both rows
@@ -528,15 +549,19 @@ def decode_attention(
     if kv_fp8 != (kv_scales is not None) or values_BGTD.dtype != keys_BGTD.dtype:
         raise ValueError("decode_attention: kv_scales go with an FP8 cache (float8_e4m3fn keys and values), only")
     act_dtype = q_BGrD.dtype if kv_fp8 else keys_BGTD.dtype
-    # the launch settings not given: an FP8 cache on the GPU takes the FP8_* ones (measured there or candidates, off)
+    # the launch settings not given: an FP8 cache on the GPU takes fp8_launch's (timed there), else the plain ones
     fp8_gpu = kv_fp8 and keys_BGTD.device.type == "cuda"
-    if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows)
-        block = FP8_BLOCK_N if fp8_gpu else BLOCK_N if B < WIDE_MIN_BATCH else WIDE_BLOCK_N
-    num_warps = num_warps or (FP8_WARPS if fp8_gpu else 4)
     if fp8_gpu:
-        num_stages = FP8_STAGES if num_stages is None else num_stages
-        maxnreg = FP8_MAXNREG if maxnreg is None else maxnreg
-        warp_slots = FP8_WARP_SLOTS if warp_slots is None else warp_slots
+        launch = fp8_launch(B)
+        block = launch["block"] if block is None else block
+        num_warps = num_warps or launch["num_warps"]
+        num_stages = launch["num_stages"] if num_stages is None else num_stages
+        maxnreg = launch["maxnreg"] if maxnreg is None else maxnreg
+        warp_slots = launch["warp_slots"] if warp_slots is None else warp_slots
+        exp2 = launch["exp2"] if exp2 is None else exp2
+    if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows)
+        block = BLOCK_N if B < WIDE_MIN_BATCH else WIDE_BLOCK_N
+    num_warps = num_warps or 4
     if warp_slots and (block % num_warps or block // num_warps < 16):
         raise ValueError(
             f"decode_attention: warp_slots needs the {block} slots of a step in {num_warps} warps' shares of 16 or "
@@ -585,7 +610,7 @@ def decode_attention(
         rope_stride = cos.stride(0)
     native = keys_BGTD.device.type == "cuda" and act_dtype != torch.float32  # the interpreter: float32 only
     use_pdl = pdl.wanted(keys_BGTD.device, B)
-    exp2 = EXP2 if exp2 is None else exp2
+    exp2 = bool(EXP2) if exp2 is None else exp2
     scale = scale * LOG2E if exp2 else scale
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
