@@ -92,7 +92,7 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
             s = sc[form]
             return decode_attention(
                 q, k8[form][i], v8[form][i], pos, scale, 1, block, warps, new_kv=new, rope=rope,
-                kv_scales=(s[i, 0], s[i, 1]), num_stages=stages or None, exp2=bool(exp2), maxnreg=cap or None,
+                kv_scales=(s[i, 0], s[i, 1]), num_stages=stages or None, exp2=bool(exp2), maxnreg=cap,
                 warp_slots=bool(own),
             )  # fmt: skip
 
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128], help="slots per inner step (FP8)")
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
     parser.add_argument("--stages", type=int, nargs="+", default=[0], help="pipeline stages (0: Triton's default)")
-    parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps (0: triton_decode's)")
+    parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps (0: none)")
     parser.add_argument("--exp2", type=int, nargs="+", default=[0], help="softmax in base 2 (0 / 1)")
     parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots (0 / 1)")
     parser.add_argument(
