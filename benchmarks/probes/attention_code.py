@@ -165,18 +165,20 @@ def main(argv=None) -> dict:
     from aligner.generation.native import triton_decode
 
     fp8 = args.kv == "fp8"
-    # the engine's launch at --rows rows (an FP8 cache on the GPU: fp8_launch; a bf16 cache: the wide step, base e)
-    engine = triton_decode.fp8_launch(args.rows) if fp8 else dict(block=triton_decode.WIDE_BLOCK_N, num_warps=4,
-                                                                 num_stages=3, maxnreg=0, exp2=False)  # fmt: skip
-    blocks = args.blocks or [engine["block"]]
-    args.warps = args.warps or [engine["num_warps"]]
-    stages = args.stages or [engine["num_stages"]]
-    args.maxnreg = [engine["maxnreg"]] if args.maxnreg is None else args.maxnreg
-    args.exp2 = [int(engine["exp2"])] if args.exp2 is None else args.exp2
+    if fp8:  # the engine's launch at --rows rows
+        engine = triton_decode.fp8_launch(args.rows)
+    else:  # a bf16 cache: the wide step, 4 warps, 3 stages, no cap, base e
+        engine = dict(block=triton_decode.WIDE_BLOCK_N, num_warps=4, num_stages=3, maxnreg=0, exp2=False)
+    names = {"blocks": "block", "warps": "num_warps", "stages": "num_stages", "maxnreg": "maxnreg", "exp2": "exp2"}
+    for option, key in names.items():  # those not given: the engine's (recorded in the report)
+        if getattr(args, option) is None:
+            setattr(args, option, [int(engine[key])])
     report = {"target": "sm_90", "args": vars(args), "settings": []}
     head = "kv    block warps stages maxnreg exp2 warp_slots shared | regs stack shared programs/SM (by regs, shared)"
     print(head + " | loop: " + " ".join(KINDS), flush=True)
-    settings = itertools.product(blocks, args.warps, stages, args.maxnreg, args.exp2, args.warp_slots, args.shared)
+    settings = itertools.product(
+        args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, args.shared
+    )
     for block, warps, stage, cap, exp2, own, shared in settings:
         if own and (block % warps or block // warps < 16):  # decode_attention refuses it
             continue
