@@ -346,7 +346,7 @@ def _kernels():
             q_hi, q_lo = tl.trans(q_hi), tl.trans(q_lo)  # [D_PAD, 2 R_PAD]
             q_s = q_s * scale  # a column's scores: its products times q's scale and the softmax's
             m_t = tl.full([2 * R_PAD], float("-inf"), tl.float32)
-            l_t = tl.zeros([2 * R_PAD], tl.float32)
+            l_t = tl.zeros([BLOCK, 2 * R_PAD], tl.float32)  # the sums by slot: added up once, after the loop
             acc_t = tl.zeros([D_PAD, 2 * R_PAD], tl.float32)
             for lo in range(start, stop, BLOCK):
                 k_row, v_row, ks_row, vs_row = _step_rows(lo < shared_end, leads, bases, SHARED)
@@ -366,7 +366,7 @@ def _kernels():
                 m_new = tl.maximum(m_t, tl.max(scores, 0))
                 alpha = tl.exp2(m_t - m_new) if EXP2 else tl.exp(m_t - m_new)
                 p = tl.exp2(scores - m_new[None, :]) if EXP2 else tl.exp(scores - m_new[None, :])
-                l_t = l_t * alpha + tl.sum(p, 0)
+                l_t = l_t * alpha[None, :] + p
                 chunks = slots // V_CHUNK  # values [D_PAD, BLOCK] from whole chunks, as the loop below reads them
                 v_at = chunks[None, :] * sv_t + dims[:, None] * V_CHUNK + (slots % V_CHUNK)[None, :]
                 v = tl.load(v_row + v_at, mask=(chunks * V_CHUNK < stop)[None, :], other=0.0)
@@ -384,7 +384,7 @@ def _kernels():
                 acc_t = acc_t * alpha[None, :] + pv * tl.where(rest, p_s * 0.0625, p_s)
                 m_t = m_new
             m_i = tl.max(tl.reshape(m_t, (2, R_PAD)), 0)
-            l_i = tl.max(tl.reshape(l_t, (2, R_PAD)), 0)
+            l_i = tl.max(tl.reshape(tl.sum(l_t, 0), (2, R_PAD)), 0)
             acc = tl.sum(tl.reshape(tl.trans(acc_t), (2, R_PAD, D_PAD)), 0)
         elif WARP_SLOTS == 0:  # the program's warps share each step's slots (Triton splits the products among them)
             for lo in range(start, stop, BLOCK):
