@@ -34,9 +34,8 @@ from benchmarks.probes import fp8_cache_layout  # noqa: E402
 from benchmarks.probes.common import write_report  # noqa: E402
 from benchmarks.probes.generate_repeats import medians  # noqa: E402
 
-# name: (slots a step, warps, pipeline stages, register cap (0: none), softmax in base 2, the slot loop: 0 the warps
-# share each step, 1 each warp its own slots, 2 the slots as the rows of FP8 tensor-core products); plain: the
-# engine's settings at every batch size before the thirty-first session
+# name: (slots a step, warps, pipeline stages, register cap (0: none), softmax in base 2, each warp its own slots);
+# plain: the engine's settings at every batch size before the thirty-first session
 CANDIDATES = {
     "plain": (128, 4, 2, 0, 0, 0),
     "cap128": (128, 4, 2, 128, 0, 0),
@@ -47,10 +46,6 @@ CANDIDATES = {
     "own_exp2_cap168_s3": (128, 4, 3, 168, 1, 1),
     "w2_b64_exp2_cap128": (64, 2, 2, 128, 1, 0),
     "w2_b64_own_exp2_cap168": (64, 2, 2, 168, 1, 1),
-    # the thirty-second session's: the slots as the rows of FP8 tensor-core products (triton_decode.FP8_SLOT_ROWS)
-    "sr_b64_exp2_cap128": (64, 4, 2, 128, 1, 2),
-    "sr_b64_s3_exp2_cap128": (64, 4, 3, 128, 1, 2),
-    "sr_b128_exp2_cap168": (128, 4, 2, 168, 1, 2),
 }
 REPEATS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate_repeats.py")
 
@@ -61,7 +56,7 @@ def settings(candidate: tuple) -> list[str]:
     return [
         f"triton_decode.FP8_BLOCK_N={block}", f"triton_decode.FP8_WARPS={warps}", f"triton_decode.FP8_STAGES={stages}",
         f"triton_decode.FP8_MAXNREG={cap}", f"triton_decode.EXP2={bool(exp2)}",
-        f"triton_decode.FP8_WARP_SLOTS={own == 1}", f"triton_decode.FP8_SLOT_ROWS={own == 2}",
+        f"triton_decode.FP8_WARP_SLOTS={bool(own)}",
     ]  # fmt: skip
 
 

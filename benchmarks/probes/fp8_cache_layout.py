@@ -22,8 +22,6 @@ float32 attention over the dequantized cache.
     python3 benchmarks/probes/fp8_cache_layout.py --ragged --chunks 64 --blocks 64 128 --warps 2 4 --stages 2 \
         --maxnreg 0 128 168 --exp2 0 1 --warp-slots 0 1     (the twenty-ninth session's candidates, whose compiled
                                                              code attention_code.py shows)
-    python3 benchmarks/probes/fp8_cache_layout.py --ragged --chunks 64 --blocks 64 --warps 4 --stages 2 --exp2 1 \
-        --maxnreg 128 --warp-slots 0 2                      (FP8 tensor cores: the thirty-second session's form)
     TRITON_INTERPRET=1 python3 benchmarks/probes/fp8_cache_layout.py --tiny     (CPU: outputs compared only)
 """
 
@@ -84,20 +82,18 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
         args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, ["rows", *args.chunks]
     )
     for block, warps, stages, cap, exp2, own, form in forms:
-        if form == "rows" and own == 2:  # slot rows need chunked values: the rows form (the reference) plain
-            own = 0
-        if own == 1 and (block % warps or block // warps < 16):  # decode_attention refuses it
+        if own and (block % warps or block // warps < 16):  # decode_attention refuses it
             continue
         name = f"fp8_{'rows' if form == 'rows' else f'chunk{form}'}_b{block}"
         name += "" if (warps, stages) == (4, 0) else f"_w{warps}_s{stages}"
-        name += (f"_r{cap}" if cap else "") + ("_exp2" if exp2 else "") + ("", "_own", "_slotrows")[own]
+        name += (f"_r{cap}" if cap else "") + ("_exp2" if exp2 else "") + ("_own" if own else "")
 
         def call(i, form=form, block=block, warps=warps, stages=stages, cap=cap, exp2=exp2, own=own):
             s = sc[form]
             return decode_attention(
                 q, k8[form][i], v8[form][i], pos, scale, 1, block, warps, new_kv=new, rope=rope,
                 kv_scales=(s[i, 0], s[i, 1]), num_stages=stages or None, exp2=bool(exp2), maxnreg=cap,
-                warp_slots=own == 1, slot_rows=own == 2,
+                warp_slots=bool(own),
             )  # fmt: skip
 
         calls[name] = call
@@ -147,11 +143,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--stages", type=int, nargs="+", default=[0], help="pipeline stages (0: Triton's default)")
     parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps (0: none)")
     parser.add_argument("--exp2", type=int, nargs="+", default=[0], help="softmax in base 2 (0 / 1)")
-    parser.add_argument(
-        "--warp-slots", type=int, nargs="+", default=[0],
-        help="the slot loop: 0 the warps share each step, 1 each warp its own slots, 2 slots as the rows of FP8 "
-        "tensor-core products (triton_decode.FP8_SLOT_ROWS; chunked values only)",
-    )  # fmt: skip
+    parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots (0 / 1)")
     parser.add_argument(
         "--ragged", action="store_true", help="row b holds filled / 2 + b * filled / B slots (a call's spread)"
     )

@@ -19,10 +19,7 @@ def test_settings_name_the_engine_constants():
     assert attention_candidates.settings(attention_candidates.CANDIDATES["own_exp2_cap168"]) == [
         "triton_decode.FP8_BLOCK_N=128", "triton_decode.FP8_WARPS=4", "triton_decode.FP8_STAGES=2",
         "triton_decode.FP8_MAXNREG=168", "triton_decode.EXP2=True", "triton_decode.FP8_WARP_SLOTS=True",
-        "triton_decode.FP8_SLOT_ROWS=False",
     ]  # fmt: skip
-    slot_rows = attention_candidates.settings(attention_candidates.CANDIDATES["sr_b64_exp2_cap128"])
-    assert "triton_decode.FP8_SLOT_ROWS=True" in slot_rows and "triton_decode.FP8_WARP_SLOTS=False" in slot_rows
     # every constant set: the plain candidate holds at every batch size (no cap: 0), not the engine's by-size choice
     plain = attention_candidates.settings(attention_candidates.CANDIDATES["plain"])
     assert "triton_decode.FP8_MAXNREG=0" in plain and "triton_decode.FP8_WARPS=4" in plain

@@ -267,66 +267,6 @@ def test_warp_slots_give_the_same_attention(splits, cache, exp2):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("block", [64, 128])
-@pytest.mark.parametrize("exp2", [False, True], ids=["exp", "exp2"])
-def test_slot_rows_attend_within_bfloat16_rounding(splits, block, exp2):
-    """slot_rows=True (triton_decode.FP8_SLOT_ROWS: the FP8 cache's bytes as the rows of FP8 tensor-core products, q
-    and the probabilities as two e4m3 terms each) against plain attention over the dequantized cache (the float32
-    form of the same kernel): closer than that attention with q and the probabilities rounded to bfloat16, the
-    precision the engine's bf16 path has, in both the largest and the mean difference. Rows with no step at all (pos
-    0 with the step's own key), a partial first step (pos 3), the last slot (T - 1), split ranges, RoPE, the step's
-    own key and value written; a group of 3 query heads (padded to 8 columns, 16 with the second terms)."""
-    from aligner.generation.native.triton_decode import quantize_fp8, write_value_chunks
-
-    B, G, r, D, T = 4, 2, 3, 32, 256
-    g = torch.Generator().manual_seed(13 + splits)
-    qkv = torch.randn(B, G, r + 2, D, generator=g) * 3.0
-    q, new = qkv[:, :, :r], (qkv[:, :, r], qkv[:, :, r + 1])
-    angles = torch.rand(B, D // 2, generator=g) * 6.0
-    rope = (torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1))
-    pos = torch.tensor([0, 3, T - 1, 150])
-    outs = {}
-    for slot_rows in (False, True):
-        kv, scales = quantize_fp8(torch.randn(2, B, G, T, D, generator=torch.Generator().manual_seed(1)))
-        values = torch.zeros(B, G, T // 64, D, 64).to(kv.dtype)
-        write_value_chunks(values, kv[1])
-        outs[slot_rows] = decode_attention(
-            q, kv[0], values, pos, D**-0.5, splits=splits, block=block, num_warps=4, new_kv=new, rope=rope,
-            kv_scales=(scales[0], scales[1]), exp2=exp2, slot_rows=slot_rows,
-        )  # fmt: skip
-    assert not outs[True].isnan().any()
-    diff = (outs[True] - outs[False]).abs()
-    # the float32 form's attention again, with q and the probabilities rounded to bfloat16 (the step's own key and
-    # value enter as the cache now holds them; q rotated by the same RoPE)
-    t1, t2 = q.chunk(2, -1)
-    q_rot = (
-        q * rope[0][:, None, None]
-        + torch.cat((-t2, t1), -1) * torch.cat((angles.sin(), angles.sin()), -1)[:, None, None]
-    )
-    k_deq, v_deq = kv[0].float() * scales[0, ..., None], _value_rows_float(values) * scales[1, ..., None]
-    scores = torch.einsum("bgrd,bgtd->bgrt", q_rot.bfloat16().float(), k_deq) * D**-0.5
-    beyond = torch.arange(T)[None, None, None, :] > pos[:, None, None, None]
-    probs = scores.masked_fill(beyond, float("-inf")).softmax(-1).bfloat16().float()
-    bf16 = torch.einsum("bgrt,bgtd->bgrd", probs, v_deq)
-    bf16_diff = (bf16 - outs[False]).abs()
-    assert 0 < diff.max() < bf16_diff.max() and diff.mean() < bf16_diff.mean(), (diff.max(), bf16_diff.max())
-    with pytest.raises(ValueError, match="slot_rows needs an FP8 cache with chunked values"):
-        decode_attention(q, kv[0], _value_rows_fp8(values), pos, 1.0, kv_scales=(scales[0], scales[1]), slot_rows=True)
-
-
-def _value_rows_float(chunks):
-    from aligner.generation.native.triton_decode import value_rows
-
-    return value_rows(chunks).float()
-
-
-def _value_rows_fp8(chunks):
-    from aligner.generation.native.triton_decode import value_rows
-
-    return value_rows(chunks)
-
-
-@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("cache", ["fp32", "fp8"])
 @pytest.mark.parametrize("warp_slots", [False, True], ids=["shared_steps", "warp_slots"])
 def test_a_groups_prompt_slots_read_from_its_lead_row(splits, cache, warp_slots):
@@ -446,14 +386,11 @@ def test_fp8_launch_by_batch_size_and_the_settings_that_override_it(monkeypatch)
     """An FP8 cache's launch on the GPU as timed on an H200 (docs/PERF.md, thirty-first session): 128 slots in 4
     warps below FP8_NARROW_MIN_BATCH rows, 64 in 2 warps from there, a cap of 128 registers and base 2 at both; the
     module's FP8 settings, set, hold at every size (how the probes time a candidate in the engine)."""
-    common = dict(num_stages=2, maxnreg=128, exp2=True, warp_slots=False, slot_rows=False)
+    common = dict(num_stages=2, maxnreg=128, exp2=True, warp_slots=False)
     assert td.fp8_launch(64) == dict(block=128, num_warps=4, **common)
     assert td.fp8_launch(td.FP8_NARROW_MIN_BATCH - 1)["num_warps"] == 4
     assert td.fp8_launch(td.FP8_NARROW_MIN_BATCH) == td.fp8_launch(256) == dict(block=64, num_warps=2, **common)
-    monkeypatch.setattr(td, "FP8_SLOT_ROWS", True)  # FP8 tensor-core products: one warpgroup at every size
-    assert td.fp8_launch(256) == dict(block=64, num_warps=4, **{**common, "slot_rows": True})
-    monkeypatch.setattr(td, "FP8_SLOT_ROWS", False)
     for name, value in (("FP8_BLOCK_N", 128), ("FP8_WARPS", 4), ("FP8_MAXNREG", 0), ("EXP2", False)):
         monkeypatch.setattr(td, name, value)
-    plain = dict(block=128, num_warps=4, num_stages=2, maxnreg=0, exp2=False, warp_slots=False, slot_rows=False)
+    plain = dict(block=128, num_warps=4, num_stages=2, maxnreg=0, exp2=False, warp_slots=False)
     assert td.fp8_launch(64) == td.fp8_launch(512) == plain

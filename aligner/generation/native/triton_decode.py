@@ -60,11 +60,6 @@ FP8_MAXNREG: int | None = None  # 0: no cap
 # warps inside the loop, a fifth fewer loop instructions at a cap of 168, but 1.4-1.9x slower alone where timed: off).
 EXP2: bool | None = None
 FP8_WARP_SLOTS = False
-# The FP8 cache on FP8 tensor cores (SLOT_ROWS: the products transposed so that the step's slots are their rows and the
-# cache's e4m3 keys and values their first operand as loaded, no widening; q and the probabilities as two e4m3 terms,
-# about bfloat16's precision). Needs chunked values; takes 4 warps (one warpgroup: Hopper's FP8 products) unless
-# FP8_WARPS says otherwise. Off until timed on a GPU.
-FP8_SLOT_ROWS = False
 # A group's repeated prompt (the engine prefills it once and copies its slots to every row of the group): each row's
 # steps over the prompt's slots read the group's first row instead of its own copy, so the group's programs, which
 # run side by side, read the same bytes (from L2 after the first). Off until timed on a GPU.
@@ -155,40 +150,20 @@ def _quantizer():
     import triton.language as tl
 
     @triton.jit
-    def e4m3_grid(y):
-        """float32 y in [-448, 448] rounded to e4m3's grid (to nearest, ties to even: 3 mantissa bits, or steps of
-        2^-9 below 2^-6), still float32: a cast to e4m3 afterwards only relabels (Triton's interpreter rounds wrongly
-        across powers of 2)."""
+    def quantize_row(x, axis: tl.constexpr):
+        """float32 x -> (x / scale on e4m3's grid, in float32; scale), one scale per row along `axis`, by
+        quantize_fp8's rule (IEEE divisions). Rounded to the grid here (to nearest, ties to even: 3 mantissa bits,
+        or steps of 2^-9 below 2^-6), so the caller's cast only relabels (Triton's interpreter rounds wrongly across
+        powers of 2). The clamps take a number over a NaN (min/max), so whatever x holds the values are finite: the
+        decode kernel reads whole chunks of values, slots past a position included (times probability 0)."""
+        amax = tl.max(tl.abs(x), axis)
+        scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, tl.expand_dims(scale, axis)), -448.0), 448.0)
         bits = y.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
         magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer
         sub = ((y * 512.0 + magic) - magic) / 512.0
-        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), sub)
-
-    @triton.jit
-    def quantize_row(x, axis: tl.constexpr):
-        """float32 x -> (x / scale on e4m3's grid, in float32; scale), one scale per row along `axis`, by
-        quantize_fp8's rule (IEEE divisions). The clamps take a number over a NaN (min/max), so whatever x holds the
-        values are finite: the decode kernel reads whole chunks of values, slots past a position included (times
-        probability 0)."""
-        amax = tl.max(tl.abs(x), axis)
-        scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-        y = tl.minimum(tl.maximum(tl.div_rn(x, tl.expand_dims(scale, axis)), -448.0), 448.0)
-        return _e4m3_grid(y), scale
-
-    @triton.jit
-    def two_terms(y, CAST: tl.constexpr):
-        """float32 y in [-448, 448] -> (hi, lo) in e4m3, y ~ hi + lo / 16: hi is y rounded, lo the remainder times 16
-        rounded (the remainder is at most half hi's step, 1/16 of |y| at most, so it fits). Two e4m3 terms carry
-        about 8 significant bits, bfloat16's: the operands that FP8 tensor cores multiply by the cache's e4m3 bytes
-        (SLOT_ROWS). CAST: the GPU's conversions round (to nearest, ties to even, two values an instruction); else
-        e4m3_grid does (Triton's interpreter rounds wrongly across powers of 2)."""
-        if CAST:
-            hi = y.to(tl.float8e4nv)
-            return hi, ((y - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-        hi = _e4m3_grid(y)
-        lo = _e4m3_grid(tl.minimum(tl.maximum((y - hi) * 16.0, -448.0), 448.0))
-        return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
+        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), sub), scale
 
     @triton.jit
     def prefill_fp8_write(
@@ -212,8 +187,8 @@ def _quantizer():
             v_at = (t[:, None] // V_CHUNK) * sv_n + dims[None, :] * V_CHUNK + t[:, None] % V_CHUNK
             tl.store(v_ptr + b * sv_b + g * sv_g + v_at, y8, mask=ok)
 
-    global _e4m3_grid, _quantize_row, _two_terms
-    _e4m3_grid, _quantize_row, _two_terms = e4m3_grid, quantize_row, two_terms
+    global _quantize_row
+    _quantize_row = quantize_row
     return prefill_fp8_write
 
 
@@ -271,7 +246,7 @@ def _kernels():
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
         KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr, WARP_SLOTS: tl.constexpr,
-        SHARED: tl.constexpr, SLOT_ROWS: tl.constexpr,
+        SHARED: tl.constexpr,
     ):  # fmt: skip
         # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
         # 2: the same softmax, fewer products than exp's own x * log2(e))
@@ -332,61 +307,7 @@ def _kernels():
                 k_ptr + lead * sk_b + g * sk_g, v_ptr + lead * sv_b + g * sv_g,
                 ks_ptr + lead * ss_b + g * ss_g, vs_ptr + lead * ss_b + g * ss_g,
             )  # fmt: skip
-        if SLOT_ROWS:  # an FP8 cache on FP8 tensor cores: the products transposed, the step's slots their rows and
-            # the cache's e4m3 bytes, as loaded, their first operand; the second takes q and the probabilities as two
-            # e4m3 terms each (two_terms). 2 * R_PAD columns, column j for query row j % R_PAD: the first half
-            # multiplies the probabilities' first terms by V, the second their remainders (both halves hold the same
-            # scores, maxima and sums), added once after the loop.
-            cols = tl.arange(0, 2 * R_PAD)
-            rest = (cols >= R_PAD)[None, :]
-            q2 = tl.reshape(tl.broadcast_to(q[None, :, :], (2, R_PAD, D_PAD)), (2 * R_PAD, D_PAD))
-            q_amax = tl.max(tl.abs(q2), 1)
-            q_s = tl.where(q_amax > 0, q_amax / 448.0, 1.0)
-            q_hi, q_lo = _two_terms(q2 / q_s[:, None], NATIVE_QK)
-            q_hi, q_lo = tl.trans(q_hi), tl.trans(q_lo)  # [D_PAD, 2 R_PAD]
-            q_s = q_s * scale  # a column's scores: its products times q's scale and the softmax's
-            m_t = tl.full([2 * R_PAD], float("-inf"), tl.float32)
-            l_t = tl.zeros([BLOCK, 2 * R_PAD], tl.float32)  # the sums by slot: added up once, after the loop
-            acc_t = tl.zeros([D_PAD, 2 * R_PAD], tl.float32)
-            for lo in range(start, stop, BLOCK):
-                k_row, v_row, ks_row, vs_row = _step_rows(lo < shared_end, leads, bases, SHARED)
-                slots = lo + tl.arange(0, BLOCK)
-                inside = slots < stop
-                kvmask = inside[:, None] & (dims < D)[None, :]
-                k = tl.load(k_row + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
-                if NATIVE_QK:
-                    s_hi, s_lo = tl.dot(k, q_hi), tl.dot(k, q_lo)
-                else:  # the same products in float32 (exact for e4m3 values)
-                    k = k.to(tl.float32)
-                    s_hi = tl.dot(k, q_hi.to(tl.float32), input_precision=PRECISION)
-                    s_lo = tl.dot(k, q_lo.to(tl.float32), input_precision=PRECISION)
-                k_s = tl.load(ks_row + slots, mask=inside, other=0.0)
-                scores = (s_hi + s_lo * 0.0625) * q_s[None, :] * k_s[:, None]
-                scores = tl.where(inside[:, None], scores, float("-inf"))
-                m_new = tl.maximum(m_t, tl.max(scores, 0))
-                alpha = tl.exp2(m_t - m_new) if EXP2 else tl.exp(m_t - m_new)
-                p = tl.exp2(scores - m_new[None, :]) if EXP2 else tl.exp(scores - m_new[None, :])
-                l_t = l_t * alpha[None, :] + p
-                chunks = slots // V_CHUNK  # values [D_PAD, BLOCK] from whole chunks, as the loop below reads them
-                v_at = chunks[None, :] * sv_t + dims[:, None] * V_CHUNK + (slots % V_CHUNK)[None, :]
-                v = tl.load(v_row + v_at, mask=(chunks * V_CHUNK < stop)[None, :], other=0.0)
-                # probabilities times each slot's value scale, over the step's largest value scale (p <= 1, so
-                # within e4m3's range), as two terms
-                v_s = tl.load(vs_row + slots, mask=inside, other=0.0)
-                v_amax = tl.max(v_s, 0)
-                p_s = tl.where(v_amax > 0, v_amax / 448.0, 1.0)
-                p_hi, p_lo = _two_terms(p * (v_s / p_s)[:, None], NATIVE_PV)
-                p8 = tl.where(rest, p_lo, p_hi)
-                if NATIVE_PV:
-                    pv = tl.dot(v, p8)
-                else:
-                    pv = tl.dot(v.to(tl.float32), p8.to(tl.float32), input_precision=PRECISION)
-                acc_t = acc_t * alpha[None, :] + pv * tl.where(rest, p_s * 0.0625, p_s)
-                m_t = m_new
-            m_i = tl.max(tl.reshape(m_t, (2, R_PAD)), 0)
-            l_i = tl.max(tl.reshape(tl.sum(l_t, 0), (2, R_PAD)), 0)
-            acc = tl.sum(tl.reshape(tl.trans(acc_t), (2, R_PAD, D_PAD)), 0)
-        elif WARP_SLOTS == 0:  # the program's warps share each step's slots (Triton splits the products among them)
+        if WARP_SLOTS == 0:  # the program's warps share each step's slots (Triton splits the products among them)
             for lo in range(start, stop, BLOCK):
                 k_row, v_row, ks_row, vs_row = _step_rows(lo < shared_end, leads, bases, SHARED)
                 slots = lo + tl.arange(0, BLOCK)
@@ -558,9 +479,9 @@ def fp8_launch(B: int) -> dict:
     size): decode_attention's block, num_warps, num_stages, maxnreg (0: no cap), exp2 and warp_slots."""
     narrow = B >= FP8_NARROW_MIN_BATCH
     return dict(
-        block=FP8_BLOCK_N or (64 if narrow else 128), num_warps=FP8_WARPS or (2 if narrow and not FP8_SLOT_ROWS else 4),
+        block=FP8_BLOCK_N or (64 if narrow else 128), num_warps=FP8_WARPS or (2 if narrow else 4),
         num_stages=FP8_STAGES, maxnreg=128 if FP8_MAXNREG is None else FP8_MAXNREG,
-        exp2=True if EXP2 is None else EXP2, warp_slots=FP8_WARP_SLOTS, slot_rows=FP8_SLOT_ROWS,
+        exp2=True if EXP2 is None else EXP2, warp_slots=FP8_WARP_SLOTS,
     )  # fmt: skip
 
 
@@ -580,7 +501,6 @@ def decode_attention(
     exp2: bool | None = None,
     maxnreg: int | None = None,
     warp_slots: bool | None = None,
-    slot_rows: bool | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
@@ -638,7 +558,6 @@ def decode_attention(
         num_stages = launch["num_stages"] if num_stages is None else num_stages
         maxnreg = launch["maxnreg"] if maxnreg is None else maxnreg
         warp_slots = launch["warp_slots"] if warp_slots is None else warp_slots
-        slot_rows = launch["slot_rows"] if slot_rows is None else slot_rows
         exp2 = launch["exp2"] if exp2 is None else exp2
     if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows)
         block = BLOCK_N if B < WIDE_MIN_BATCH else WIDE_BLOCK_N
@@ -648,8 +567,6 @@ def decode_attention(
             f"decode_attention: warp_slots needs the {block} slots of a step in {num_warps} warps' shares of 16 or "
             "more (fewer warps or a wider step)"
         )
-    if slot_rows and not (kv_fp8 and chunk and not warp_slots):
-        raise ValueError("decode_attention: slot_rows needs an FP8 cache with chunked values, and no warp_slots")
     if kv_fp8:
         k_s, v_s = kv_scales
         if k_s.shape != (B, G, T) or k_s.stride() != v_s.stride() or k_s.stride(-1) != 1 or k_s.dtype != torch.float32:
@@ -665,8 +582,7 @@ def decode_attention(
         if lead.shape != (B,) or shared_end.shape != (B,):
             raise ValueError(f"decode_attention: shared needs two tensors of shape ({B},)")
     out = torch.empty((B, G, r, D), dtype=act_dtype, device=keys_BGTD.device)
-    # the query rows padded to a product's 16 rows, or with slot_rows to 8 (twice that many columns: two terms)
-    R_PAD, D_PAD = max(8 if slot_rows else 16, pow2(r)), max(16, pow2(D))
+    R_PAD, D_PAD = max(16, pow2(r)), max(16, pow2(D))
     split_len = -(-T // splits)
     split_len = -(-split_len // block) * block
     splits = -(-T // split_len)
@@ -699,7 +615,7 @@ def decode_attention(
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
         NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
-        WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None, SLOT_ROWS=bool(slot_rows),
+        WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None,
     )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
