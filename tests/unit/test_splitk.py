@@ -217,3 +217,47 @@ def test_compiled_decode_kernels_take_every_batch_size():
     x, parts = torch.randn(3, 64), torch.randn(4, 3, 64)
     got = k.add_parts_norm(x, parts, None, w, None)
     torch.testing.assert_close(got, eager.add_norm(x, parts.sum(0), None, w, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits,block_m", [(1, None), (2, None), (1, 16), (4, 16)])
+def test_fp8_product_with_scales_by_ranges_of_k(splits, block_m):
+    """group_k (the FP8 proj, fp8.PROJ): x's scales one per row and range of group_k columns; each range's product
+    scaled by its own. Against float64 maths of the dequantized operands, in one split and as partial sums, in one
+    block of rows and in blocks; a row of zeros (scale 1) and ranges of very different size. K steps that would cross
+    a range, and scales of the wrong count, are refused."""
+    from aligner.generation.native import fp8
+
+    g = torch.Generator().manual_seed(3)
+    M, N, K, group_k = 40, 96, 256, 64
+    x = torch.randn(M, K // group_k, group_k, generator=g) * torch.logspace(-3, 2, K // group_k)[None, :, None]
+    x[7] = 0.0
+    x8, xs = fp8.quantize_rows(x)  # [M, K / group_k, group_k], scales [M, K / group_k, 1]
+    w8, ws = fp8.quantize_rows(torch.randn(N, K, generator=g))
+    exact = (x8.double() * xs.double()).view(M, K) @ (w8.double() * ws.double()).t()
+    tiling = splitk.Tiling(32, 32, splits, block_m=block_m)
+    out = splitk.matmul_fp8(x8.view(M, K), xs.view(M, -1), w8, ws.view(-1), tiling, torch.float32, group_k=group_k)
+    total = out if splits == 1 else out.sum(0)
+    assert total.shape == (M, N)
+    torch.testing.assert_close(total.double(), exact, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(  # the ranges' scales matter: one scale per row is far off
+        total, (x8.float() * xs.amax(1, keepdim=True)).view(M, K) @ (w8.float() * ws).t(), rtol=0.1, atol=0.1
+    )
+    with pytest.raises(ValueError, match="do not fit"):  # 128-wide steps cross the 64-column ranges
+        splitk.matmul_fp8(x8.view(M, K), xs.view(M, -1), w8, ws.view(-1), splitk.Tiling(32, 128, 1), group_k=64)
+    with pytest.raises(ValueError, match="do not match"):
+        splitk.matmul_fp8(x8.view(M, K), xs.view(M, -1), w8, ws.view(-1), tiling, group_k=32)
+
+
+def test_fp8_proj_tilings_the_engine_picks():
+    # the 1B model's proj [2048, 2048], group_k 256 (2 query heads of 128 a KV group): fc2's split-K tiling up to 128
+    # rows; blocks of 128 rows, PROJ_ROW_BLOCK_N columns a program, to ROW_BLOCKS_MAX_BATCH; none above
+    for batch in (1, 64, 128):
+        assert splitk.fp8_proj_tiling_for(batch, 2048, 2048, 256) == splitk.tiling_for(batch, 2048, 2048)
+    rows = splitk.Tiling(splitk.PROJ_ROW_BLOCK_N, 128, 1, num_warps=8, num_stages=5, block_m=128)
+    assert splitk.fp8_proj_tiling_for(256, 2048, 2048, 256) == rows
+    assert splitk.fp8_proj_tiling_for(512, 2048, 2048, 256) == rows
+    assert splitk.fp8_proj_tiling_for(513, 2048, 2048, 256) is None
+    # ranges narrower than the K step: the step halves until it divides them (the tests' models)
+    assert splitk.fp8_proj_tiling_for(4, 64, 64, 32).block_k == 16
+    assert splitk.fp8_proj_tiling_for(256, 2048, 2048, 64).block_k == 64
+    assert splitk.fp8_proj_tiling_for(4, 64, 64, 8) is None  # no step of 16 or more fits a range of 8
