@@ -134,3 +134,12 @@ stop_step() {
 }
 
 tail_log() { [ -f "$1" ] && { echo "--- last lines of $1 ---"; tail -n "${2:-40}" "$1"; } >&2; }
+
+# The critic server prints this once every endpoint answered (wait_critic.py --ready-line): Triton's health endpoint
+# answers before the endpoints are loaded.
+CRITIC_READY_LINE="critic server ready at"
+# triton_aborted_at_start LOG: the critic's tritonserver ended on a signal while it started (the python backend's
+# intermittent boost::interprocess::lock_exception, seen in CI; triton-inference-server/server#8882): nothing was
+# served yet, so starting the critic again is safe (the local launcher does the same; a cause that stays fails
+# again).
+triton_aborted_at_start() { grep -q "Triton failed to start" "$1" 2>/dev/null && grep -q "Signal (" "$1" 2>/dev/null; }

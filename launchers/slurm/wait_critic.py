@@ -1,12 +1,16 @@
 """Wait until the critic job answers, or say clearly why it will not (standard library only: runs on the batch host).
 
-    wait_critic.py --url http://HOST:PORT [--pid PID] [--log FILE] [--timeout S]
+    wait_critic.py --url http://HOST:PORT [--pid PID] [--log FILE [--ready-line TEXT]] [--timeout S]
     wait_critic.py --address-file FILE [--job-id ID] [--resolved OUT] [--log FILE] [--timeout S]
 
-Ready means GET <url>/v2/health/ready answers 200 (Triton's health endpoint; the critic server prints its ready line
-only after that). With --address-file, the critic job's address is read from FILE (`HOST PORT JOBID`, written by
-critic.sbatch once it is ready); with --job-id, a file from another critic job is ignored, and the wait fails as soon
-as that job is no longer in the queue. `--resolved OUT` receives `HOST PORT` once ready.
+Ready means GET <url>/v2/health/ready answers 200 (Triton's health endpoint), and with --ready-line that --log holds
+that text too: Triton's health answers as soon as tritonserver runs, before the critic's endpoints are loaded, and
+a tritonserver that aborts while it loads them (the python backend's intermittent
+boost::interprocess::lock_exception, seen in CI) would otherwise take the critic down after its actor started; the
+critic server prints its ready line once every endpoint answered.
+With --address-file, the critic job's address is read from FILE (`HOST PORT JOBID`, written by critic.sbatch once it
+is ready); with --job-id, a file from another critic job is ignored, and the wait fails as soon as that job is no
+longer in the queue. `--resolved OUT` receives `HOST PORT` once ready.
 
 Exit status: 0 ready; 3 the critic (process --pid or job --job-id) ended before it was ready; 4 time limit reached.
 The last lines of --log are printed with a failure.
@@ -71,6 +75,14 @@ def read_address(path: str, job_id: str | None) -> tuple[str, int] | None:
     return fields[0], int(fields[1])
 
 
+def holds(path: str | None, text: str) -> bool:
+    try:
+        with open(path, errors="replace") as f:
+            return text in f.read()
+    except (OSError, TypeError):
+        return False
+
+
 def tail(path: str | None, lines: int = 40) -> str:
     if not path:
         return ""
@@ -89,10 +101,13 @@ def main(argv=None) -> int:
     p.add_argument("--pid", type=int, help="the critic's process (its srun); its end means failure")
     p.add_argument("--job-id", help="the critic's Slurm job; its end means failure")
     p.add_argument("--log", help="the critic's log, printed on failure")
+    p.add_argument("--ready-line", help="ready only once --log holds this text as well")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--resolved", help="write `HOST PORT` here once ready")
     p.add_argument("--interval", type=float, default=1.0)
     args = p.parse_args(argv)
+    if args.ready_line and not args.log:
+        p.error("--ready-line needs --log (the file that must hold it)")
 
     start = time.monotonic()
     url, host_port = args.url, None
@@ -100,7 +115,7 @@ def main(argv=None) -> int:
         if url is None:
             host_port = read_address(args.address_file, args.job_id)
             url = f"http://{host_port[0]}:{host_port[1]}" if host_port else None
-        if url is not None and answers(url):
+        if url is not None and answers(url) and (not args.ready_line or holds(args.log, args.ready_line)):
             break
         if args.pid is not None and not pid_alive(args.pid):
             print(

@@ -165,3 +165,36 @@ def test_wait_address_file_of_the_given_job_only(health_server, tmp_path):
     proc = _wait("--address-file", str(address), "--job-id", "42", "--timeout", "10", "--resolved", str(tmp_path / "r"))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "r").read_text() == f"127.0.0.1 {health_server}\n"
+
+
+def test_wait_for_the_critics_ready_line_too(health_server, tmp_path):
+    """--ready-line: Triton's health answers as soon as tritonserver runs, before the critic's endpoints are loaded;
+    the launchers start the actor only once the critic's log also holds its ready line."""
+    log = tmp_path / "critic.log"
+    log.write_text("building the value model\n")
+    url = f"http://127.0.0.1:{health_server}"
+    proc = _wait("--url", url, "--log", str(log), "--ready-line", "critic server ready at", "--timeout", "0.5")
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    log.write_text("building the value model\ncritic server ready at http://127.0.0.1:1 (endpoints ...)\n")
+    proc = _wait("--url", url, "--log", str(log), "--ready-line", "critic server ready at", "--timeout", "10")
+    assert proc.returncode == 0 and "critic ready at" in proc.stdout, proc.stderr
+    proc = _wait("--url", url, "--ready-line", "critic server ready at")
+    assert proc.returncode == 2 and "--ready-line needs --log" in proc.stderr
+
+
+def test_a_triton_abort_at_start_is_recognised(tmp_path):
+    """common.sh's triton_aborted_at_start: the critic log of a tritonserver that ended on a signal while it started
+    (the text of the CI run that saw it) makes the launchers start the critic again; any other failure does not."""
+    aborted = (
+        "terminate called after throwing an instance of 'boost::interprocess::lock_exception'\n"
+        "  what():  boost::interprocess::lock_exception\nSignal (6) received.\n"
+        "critic server failed: Triton failed to start: HTTPConnectionClosed('connection closed.'); see x.log\n"
+    )
+    other = "critic server failed: Triton failed to start: port 8000 is already in use\n"
+    for text, expected in ((aborted, True), (other, False), ("config error at 'train.epochs'\n", False)):
+        log = tmp_path / "critic.log"
+        log.write_text(text)
+        script = f'. "{SLURM}/common.sh"; triton_aborted_at_start "{log}"'
+        assert (subprocess.run(["bash", "-c", script]).returncode == 0) == expected, text
+    script = f'. "{SLURM}/common.sh"; triton_aborted_at_start "{tmp_path}/missing.log"'
+    assert subprocess.run(["bash", "-c", script]).returncode != 0
