@@ -87,16 +87,13 @@ def candidate_mask(logits_BV: torch.Tensor, temperature, top_k: int, top_p: floa
 
 
 @contextlib.contextmanager
-def fake_fp8(model, lengths_B, width: int, qkv: bool = False, proj: bool = False):
+def fake_fp8(model, lengths_B, width: int, qkv: bool = False):
     """Megatron's forward with the rounding of FP8 decode weights (aligner.generation.native.fp8): fc1 and fc2 (with
     `qkv`, linear_qkv too: the engine's split-K path) compute quantize(input) @ quantize(W)^T (per row, dequantized)
     at every position (decode steps and prefill), the output layer at every position past each prompt (decode steps;
-    prefill's stays in the engine's dtype), sequences of `width` tokens. With `proj` (fp8.PROJ: split-K GEMMs and
-    the Triton decode attention), linear_proj too at the positions past each prompt, its input quantized by
-    quantize_fp8's rule per KV group's r x D values (the attention kernel's out_fp8). Row-parallel layers sum the
-    ranks' partial products, each in its own scales, as the engine does."""
+    prefill's stays in the engine's dtype), sequences of `width` tokens. Row-parallel layers sum the ranks' partial
+    products, each in its own scales, as the engine does."""
     from aligner.generation.native.fp8 import quantize_rows
-    from aligner.generation.native.triton_decode import quantize_fp8
 
     decoded_SB1 = (torch.arange(width)[:, None] >= lengths_B[None, :])[..., None]  # megatron's [sequence, batch]
 
@@ -104,15 +101,10 @@ def fake_fp8(model, lengths_B, width: int, qkv: bool = False, proj: bool = False
         t8, s = quantize_rows(t)
         return t8.float() * s
 
-    def q_groups(t):  # [..., G * r * D] by quantize_fp8's rule per group's r * D values
-        groups = model.config.num_query_groups // ps.get_tensor_model_parallel_world_size()
-        t8, s = quantize_fp8(t.view(*t.shape[:-1], groups, -1))
-        return (t8.float() * s[..., None]).view(t.shape)
-
-    def hook(module, args, kwargs, output, everywhere: bool = False, by_groups: bool = False):
+    def hook(module, args, kwargs, output, everywhere: bool = False):
         out, bias = output if isinstance(output, tuple) else (output, None)
         weight = kwargs.get("weight") if kwargs.get("weight") is not None else module.weight  # tied: the embedding
-        fake = ((q_groups if by_groups else q)(args[0]) @ q(weight).t()).to(out.dtype)
+        fake = (q(args[0]) @ q(weight).t()).to(out.dtype)
         if bias is None and getattr(module, "bias", None) is not None and not module.skip_bias_add:
             fake = fake + module.bias  # a bias the layer added to its own output (linear_qkv)
         if getattr(module, "input_is_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
@@ -125,10 +117,6 @@ def fake_fp8(model, lengths_B, width: int, qkv: bool = False, proj: bool = False
         everywhere += [layer.self_attention.linear_qkv for layer in model.decoder.layers]
     handles = [m.register_forward_hook(functools.partial(hook, everywhere=True), with_kwargs=True) for m in everywhere]
     handles.append(model.output_layer.register_forward_hook(hook, with_kwargs=True))
-    if proj:
-        by_groups = functools.partial(hook, by_groups=True)
-        handles += [layer.self_attention.linear_proj.register_forward_hook(by_groups, with_kwargs=True)
-                    for layer in model.decoder.layers]  # fmt: skip
     try:
         yield
     finally:

@@ -38,9 +38,9 @@ KINDS = ("HMMA", "F2FP", "MUFU", "FMUL", "FFMA", "LDS", "LDSM", "STS", "MOV", "B
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def _signature(kernel, kv: str, out_fp8: bool = False) -> tuple[dict, dict]:
-    """The kernel's argument types as the engine passes them (bf16 activations; with `out_fp8` the output e4m3), and
-    the JIT's divisibility hints (pointers and strides: multiples of 16)."""
+def _signature(kernel, kv: str) -> tuple[dict, dict]:
+    """The kernel's argument types as the engine passes them (bf16 activations), and the JIT's divisibility hints
+    (pointers and strides: multiples of 16)."""
     cache = "*fp8e4nv" if kv == "fp8" else "*bf16"
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -51,10 +51,6 @@ def _signature(kernel, kv: str, out_fp8: bool = False) -> tuple[dict, dict]:
             signature[name] = cache
         elif name in ("ks_ptr", "vs_ptr"):
             signature[name] = "*fp32" if kv == "fp8" else "*bf16"
-        elif name == "os_ptr":  # the output's scales where it is quantized (OUT_FP8: the engine's FP8 proj)
-            signature[name] = "*fp32"
-        elif name == "out_ptr" and out_fp8:
-            signature[name] = "*fp8e4nv"
         elif name in ("pos_ptr", "lead_ptr", "shared_ptr"):
             signature[name] = "*i64"
         elif name.endswith("_ptr"):
@@ -107,15 +103,7 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
 
 
 def compile_one(
-    kv: str,
-    block: int,
-    warps: int,
-    stages: int,
-    maxnreg: int,
-    exp2: bool,
-    warp_slots: bool,
-    shared: bool = False,
-    out_fp8: bool = False,
+    kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2: bool, warp_slots: bool, shared: bool = False
 ) -> dict:
     """One setting compiled for sm_90: its resources and its slot loop."""
     import triton
@@ -125,12 +113,12 @@ def compile_one(
     from aligner.generation.native import triton_decode
 
     kernel = triton_decode._kernels()[0]
-    signature, attrs = _signature(kernel, kv, out_fp8)
+    signature, attrs = _signature(kernel, kv)
     constexprs = dict(
         R=GROUP_SIZE, D=HEAD_DIM, R_PAD=16, D_PAD=HEAD_DIM, BLOCK=block, SPLIT_LEN=384, SPLITS=1, PRECISION="tf32",
         WRITE_NEW=True, ROPE=True, NATIVE_QK=True, NATIVE_PV=True, KV_FP8=kv == "fp8", PDL=True,
         V_CHUNK=triton_decode.V_CHUNK if kv == "fp8" else 0, EXP2=exp2, WARP_SLOTS=warps if warp_slots else 0,
-        SHARED=shared, OUT_FP8=out_fp8,
+        SHARED=shared,
     )  # fmt: skip
     options = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
@@ -171,9 +159,6 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots a step")
     parser.add_argument("--shared", type=int, nargs="+", default=[0], help="1: a group's prompt read from one row")
-    parser.add_argument(
-        "--out-fp8", type=int, nargs="+", default=[0], help="1: the output in e4m3 (the engine's FP8 proj: fp8.PROJ)"
-    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs it off (the test suite's conftest sets it)
@@ -189,23 +174,22 @@ def main(argv=None) -> dict:
         if getattr(args, option) is None:
             setattr(args, option, [int(engine[key])])
     report = {"target": "sm_90", "args": vars(args), "settings": []}
-    head = "kv    block warps stages maxnreg exp2 warp_slots shared out_fp8 | regs stack shared programs/SM"
-    head += " (by regs, shared)"
+    head = "kv    block warps stages maxnreg exp2 warp_slots shared | regs stack shared programs/SM (by regs, shared)"
     print(head + " | loop: " + " ".join(KINDS), flush=True)
     settings = itertools.product(
-        args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, args.shared, args.out_fp8
+        args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, args.shared
     )
-    for block, warps, stage, cap, exp2, own, shared, out_fp8 in settings:
+    for block, warps, stage, cap, exp2, own, shared in settings:
         if own and (block % warps or block // warps < 16):  # decode_attention refuses it
             continue
-        row = compile_one(args.kv, block, warps, stage, cap, bool(exp2), bool(own), bool(shared), bool(out_fp8))
+        row = compile_one(args.kv, block, warps, stage, cap, bool(exp2), bool(own), bool(shared))
         row.update(
             kv=args.kv, block=block, warps=warps, stages=stage, maxnreg=cap, exp2=bool(exp2), warp_slots=bool(own),
-            shared=bool(shared), out_fp8=bool(out_fp8),
+            shared=bool(shared),
         )  # fmt: skip
         report["settings"].append(row)
         print(
-            f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} {own:10d} {shared:6d} {out_fp8:7d} | "
+            f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} {own:10d} {shared:6d} | "
             f"{row['registers']:4d} "
             f"{row['stack_bytes']:5d} {row['shared_bytes']:6d} {row['programs']:3d} ({row['registers_limit']}, "
             f"{row['shared_limit']}) | {row['loop_instructions']}: " + " ".join(str(row["loop"][k]) for k in KINDS),

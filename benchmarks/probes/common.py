@@ -107,9 +107,5 @@ def write_report(report: dict, path: str | None) -> dict:
 
 def engine_choices(engine) -> dict:
     """The kernels the engine chose where the config says auto (a failed start-up check shows here as cublas or
-    torch): decode attention, decode GEMMs, token choice; with FP8 decode weights, the weights that have copies."""
-    choices = {name: getattr(engine, name, None) for name in ("decode_attention", "decode_gemm", "token_choice")}
-    q8 = engine.decoder.fp8
-    if q8 is not None:
-        choices["fp8_copies"] = "mlp" + ", qkv" * q8.has_qkv + ", proj" * q8.has_proj + ", output"
-    return choices
+    torch): decode attention, decode GEMMs, token choice."""
+    return {name: getattr(engine, name, None) for name in ("decode_attention", "decode_gemm", "token_choice")}

@@ -229,38 +229,6 @@ def test_softmax_in_base_2_gives_the_same_attention(splits, fp8):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("cache,D", [("fp32", 32), ("fp8", 32), ("fp32", 24)])
-def test_output_quantized_for_the_fp8_proj(splits, cache, D):
-    """out_fp8 (the engine's FP8 proj, fp8.PROJ): the kernel writes the attention's output in e4m3 with one scale per
-    (sample, group), bit for bit quantize_fp8's rule over the group's r x D values of the float32 output, which the
-    same call without it returns (one slot range and the split path's merge; a float32 and an FP8 cache). A group
-    whose rows are all zero (its values zero) gets scale 1 and zeros. Heads of 24 (padded to 32 in the kernel)."""
-    from aligner.generation.native.triton_decode import quantize_fp8, write_value_chunks
-
-    B, G, r, T = 3, 2, 3, 48
-    g = torch.Generator().manual_seed(7 + splits)
-    q = torch.randn(B, G, r, D, generator=g)
-    kv = torch.randn(2, B, G, T, D, generator=g) * torch.logspace(-2, 1, B)[None, :, None, None, None]
-    kv[1, 2, 1] = 0.0  # sample 2, group 1: zero output
-    pos = torch.tensor([0, T - 1, T // 2])
-    extra, values = {}, kv[1]
-    if cache == "fp8":
-        kv8, scales = quantize_fp8(kv)
-        values = torch.zeros(B, G, T // 16, D, 16).to(kv8.dtype)
-        write_value_chunks(values, kv8[1])
-        extra["kv_scales"] = (scales[0], scales[1])
-        kv = kv8
-    plain = decode_attention(q, kv[0], values, pos, D**-0.5, splits=splits, **extra)
-    out8, out_scales = decode_attention(q, kv[0], values, pos, D**-0.5, splits=splits, out_fp8=True, **extra)
-    expected8, expected_scales = quantize_fp8(plain.reshape(B, G, r * D))
-    assert out8.dtype == td.FP8 and out8.shape == (B, G, r, D) and out_scales.shape == (B, G)
-    assert torch.equal(out_scales, expected_scales)
-    assert torch.equal(out8.view(torch.uint8).view(B, G, r * D), expected8.view(torch.uint8))
-    assert out_scales[2, 1] == 1.0 and not out8[2, 1].float().any()
-    assert (out8.float().abs().amax((2, 3)) == 448.0).sum() == B * G - 1  # each other group's largest value: e4m3's
-
-
-@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("cache", ["fp32", "fp8"])
 @pytest.mark.parametrize("exp2", [False, True], ids=["exp", "exp2"])
 def test_warp_slots_give_the_same_attention(splits, cache, exp2):

@@ -38,8 +38,5 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     # its values in the engine's chunks
     assert compiled.stdout.count("'WRITE_NEW': True") >= 4 and "'KV_FP8': True" in compiled.stdout
     assert "'V_CHUNK': 64" in compiled.stdout
-    # and what steps above 128 rows take: FP8 fc1, qkv and proj in row blocks, 64 attention slots a step
-    assert compiled.stdout.count("'BLOCK_M': 128") == 3 and "'BLOCK': 64," in compiled.stdout
-    # the FP8 proj: the attention's output in e4m3, proj's product with scales by ranges of K
-    assert "'OUT_FP8': True" in compiled.stdout and "'GROUP_K': 0" in compiled.stdout
-    assert any("'GROUP_K': " in line and "'GROUP_K': 0" not in line for line in compiled.stdout.splitlines())
+    # and what steps above 128 rows take: FP8 fc1 and qkv in row blocks, 64 attention slots a step
+    assert compiled.stdout.count("'BLOCK_M': 128") == 2 and "'BLOCK': 64," in compiled.stdout

@@ -282,7 +282,7 @@ class Decoder:
         for i in range(lo.num_layers):
             lw = self.w.layer(i)
             qkv = self._qkv(h, i, lw, q8 if qkv_fp8 else None, qkv_tiling)
-            a, parts = self._proj(attend(i, qkv, lw), i, lw, q8, split_k)
+            a, parts = self._row_parallel(attend(i, qkv, lw), lw["self_attention.linear_proj.weight"], split_k)
             pre_mlp = (
                 lw["self_attention.linear_proj.bias"],
                 lw["pre_mlp_layernorm.weight"],
@@ -306,26 +306,6 @@ class Decoder:
             m, parts = self._row_parallel(m, lw["mlp.linear_fc2.weight"], split_k)
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, m, *post_mlp)
         return h
-
-    def _proj(self, out, i: int, lw: dict, q8: fp8.DecodeFp8 | None, split_k: bool):
-        """Layer i's proj without its bias from the attention's output, as _row_parallel returns it (the product, or
-        float32 partial sums and True); from its e4m3 form, (out8 [B, H], scales [B, G]) where attend wrote it for
-        the FP8 proj (_fp8_proj_tiling), on proj's FP8 copy with each group's scale (splitk.matmul_fp8's group_k)."""
-        if not isinstance(out, tuple):
-            return self._row_parallel(out, lw["self_attention.linear_proj.weight"], split_k)
-        x8, scales = out
-        tiling = self._fp8_proj_tiling(x8.shape[0], q8, split_k)
-        group_k = self.lo.heads // self.lo.groups * self.lo.head_dim
-        y = splitk.matmul_fp8(x8, scales, *q8.layer(i, "proj"), tiling, self.w.dtype, group_k=group_k)
-        return y, tiling.splits > 1
-
-    def _fp8_proj_tiling(self, batch: int, q8: fp8.DecodeFp8 | None, split_k: bool) -> splitk.Tiling | None:
-        """The FP8 proj's tiling for a decode step of `batch` rows where it runs (the copies of proj, split-K GEMMs,
-        the Triton decode attention, which then writes its output in e4m3), else None: proj in the engine's dtype."""
-        if q8 is None or not q8.has_proj or not split_k or self.decode_attention != "triton":
-            return None
-        w8 = q8.layer(0, "proj")[0]
-        return splitk.fp8_proj_tiling_for(batch, *w8.shape, self.lo.heads // self.lo.groups * self.lo.head_dim)
 
     def _fp8_qkv_tiling(self, x, q8: fp8.DecodeFp8 | None, split_k: bool) -> splitk.Tiling | None:
         """The tiling of an FP8 qkv (splitk.matmul_fp8 in one K range) for a decode step of x [B, H], where the FP8
@@ -478,12 +458,6 @@ class Decoder:
             used_k = (pos_B + 1).to(torch.int32)
 
         rope_BD = None if self.cos is None else (cos.view(B, D), sin.view(B, D))
-        split_k = self.decode_gemm == "splitk"  # where splitk.tiling_for has a tiling (B <= splitk.MAX_BATCH)
-        # the FP8 proj: the kernel writes the attention's output in e4m3, a scale per sample and group
-        out_fp8 = self._fp8_proj_tiling(B, self.fp8, split_k) is not None
-
-        def quantized(out):  # the kernel's (out8 [B, G, r, D], scales [B, G]) as proj's input
-            return out[0].view(B, lo.heads * D), out[1]
 
         def attend(i, qkv, lw):
             if kernel_ropes:  # q, key and value: views of the projection's rows, rotated and written by the kernel
@@ -491,9 +465,8 @@ class Decoder:
                 out = triton_decode.decode_attention(
                     qkv5[:, :, :r], kv[i, 0, :B], cached_values(i), pos_B, self.scale, splits,
                     new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i), shared=shared,
-                    out_fp8=out_fp8,
                 )  # fmt: skip
-                return quantized(out) if out_fp8 else out.view(B, lo.heads * D)
+                return out.view(B, lo.heads * D)
             q, kv_new = kernels.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
             if not self.kv_fp8:  # (the kernel quantizes the step's key and value for an FP8 cache)
@@ -504,9 +477,9 @@ class Decoder:
                 new_kv = (kv_new[0], kv_new[1]) if kernel_writes else None
                 out = triton_decode.decode_attention(
                     q, cache[0], cached_values(i), pos_B, self.scale, splits, new_kv=new_kv, kv_scales=scales(i),
-                    shared=shared, out_fp8=out_fp8,
+                    shared=shared,
                 )  # fmt: skip
-                return quantized(out) if out_fp8 else out.view(B, lo.heads * D).to(qkv.dtype)
+                return out.view(B, lo.heads * D).to(qkv.dtype)
             if self.decode_attention == "flash":
                 out = flash_varlen(
                     q.reshape(B, lo.heads, D).to(kv.dtype),
@@ -544,6 +517,7 @@ class Decoder:
             probs = torch.softmax(scores, dim=-1)  # accumulates in float32 inside, also for bf16
             return torch.bmm(probs, values.reshape(B * G, kv_len, D)).view(B, lo.heads * D).to(qkv.dtype)
 
+        split_k = self.decode_gemm == "splitk"  # where splitk.tiling_for has a tiling (B <= splitk.MAX_BATCH)
         if self.fp8 is None:
             return self._linear(self._stack(x, attend, kernels, split_k=split_k), self.w.output_weight)
         h8, hs = self._stack(x, attend, kernels, self.fp8, split_k)

@@ -146,13 +146,10 @@ class NativeEngine:
             # with split-K GEMMs the Triton kernels passed their start-up checks: re-quantization by the row kernel
             split_k = decode_gemm == "splitk"
             quantize_into = rows.quantize_into if split_k else None
-            # proj too where the Triton decode attention writes its input (fp8.PROJ)
-            proj = split_k and attention == "triton" and fp8.PROJ
-            decode_fp8 = fp8.DecodeFp8(self.weights, self.device, qkv=split_k, quantize_into=quantize_into, proj=proj)
+            decode_fp8 = fp8.DecodeFp8(self.weights, self.device, qkv=split_k, quantize_into=quantize_into)
             log.info(
-                "generation engine: decode steps read FP8 copies of the MLP%s%s and output weights (%.2f GiB)",
+                "generation engine: decode steps read FP8 copies of the MLP%s and output weights (%.2f GiB)",
                 ", qkv" if decode_fp8.has_qkv else "",
-                ", proj" if decode_fp8.has_proj else "",
                 decode_fp8.nbytes() / 2**30,
             )
         self.decoder = Decoder(

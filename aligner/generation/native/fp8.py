@@ -16,14 +16,11 @@ splitk.ROW_BLOCKS_MAX_BATCH rows; qkv above that), the output layer runs by cuBL
 (matmul_rowwise), fc2 as described first.
 Prefill runs its MLPs on the same copies by cuBLAS (compute-bound there: the FP8 tensor cores' rate), and qkv too
 where the copies include it, by the row-wise scaled FP8 GEMM (matmul_rowwise: both scales applied in its epilogue).
-Decode steps with the copies of qkv and the Triton decode attention run proj on FP8 tensor cores too (PROJ): the
-attention kernel writes its output in e4m3 with one scale per sample and KV group (the values proj reads in one K
-range of r x D columns), and splitk.matmul_fp8 scales each range's product by its own (group_k) before adding it:
-split-K partial sums up to splitk.MAX_BATCH rows, blocks of rows up to ROW_BLOCKS_MAX_BATCH. Elsewhere, and in
-prefill, attention and proj stay in the engine's dtype.
+Attention and proj stay in the engine's dtype (proj's input, the attention's output, would need a quantization
+kernel of its own, and weights widened from e4m3 inside the kernel ran slower than bf16: docs/PERF.md).
 
-What it changes: the tokens are drawn from a policy whose MLP, qkv, proj and output weights and their inputs are
-rounded to e4m3 (3 mantissa bits): a rollout slightly off the trained policy. The engine's log-probs move further from
+What it changes: the tokens are drawn from a policy whose MLP, qkv and output weights and their inputs are rounded
+to e4m3 (3 mantissa bits): a rollout slightly off the trained policy. The engine's log-probs move further from
 training's (the benchmark reports both); PPO's ratio uses the training forward's own log-probs, as always.
 """
 
@@ -98,29 +95,21 @@ def rowwise_writes(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 or torch.device(device).type != "cuda"
 
 
-_LAYER_WEIGHTS = {
-    1: "mlp.linear_fc1.weight",
-    2: "mlp.linear_fc2.weight",
-    "qkv": "self_attention.linear_qkv.weight",
-    "proj": "self_attention.linear_proj.weight",
-}
-# proj on FP8 tensor cores too, where the engine builds the copies of qkv and its decode attention is the Triton
-# kernel (which then writes its output in e4m3, a scale per sample and KV group): the engine passes `proj`
-PROJ = True
+_LAYER_WEIGHTS = {1: "mlp.linear_fc1.weight", 2: "mlp.linear_fc2.weight", "qkv": "self_attention.linear_qkv.weight"}
 
 
 class DecodeFp8:
-    """The e4m3 copies of every layer's fc1 and fc2 (with `qkv`, also linear_qkv; with `proj`, linear_proj) and of the
-    output layer, with their row scales; fixed buffers."""
+    """The e4m3 copies of every layer's fc1 and fc2 (with `qkv`, also linear_qkv) and of the output layer, with their
+    row scales; fixed buffers."""
 
-    def __init__(self, weights, device: torch.device, qkv: bool = False, quantize_into=None, proj: bool = False):
+    def __init__(self, weights, device: torch.device, qkv: bool = False, quantize_into=None):
         """`quantize_into(w, w8, scales) -> bool`: how requantize writes a weight's copy where it can
         (rows.quantize_into: one kernel a weight, where Triton's kernels run); otherwise, or where it answers False,
         quantize_rows in chunks of rows."""
         self.one = torch.ones((), device=device)
-        self.has_qkv, self.has_proj = qkv, proj
+        self.has_qkv = qkv
         self._quantize_into = quantize_into
-        parts = (1, 2) + (("qkv",) if qkv else ()) + (("proj",) if proj else ())
+        parts = (1, 2, "qkv") if qkv else (1, 2)
         # the names of each layer's copies by part (1, 2: fc1, fc2; "qkv")
         layer_names = [{j: f"decoder.layers.{i}.{_LAYER_WEIGHTS[j]}" for j in parts} for i in range(weights.num_layers)]
         self.names = [n for names in layer_names for n in names.values()] + ["output"]
@@ -150,8 +139,7 @@ class DecodeFp8:
                 scale[r : r + _ROWS_PER_CHUNK].copy_(s.view(-1))
 
     def layer(self, i: int, j: int | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w8, row scales) of layer i's fc{j} (j = 1, 2), or with j = "qkv" its linear_qkv (built with `qkv`), with
-        j = "proj" its linear_proj (built with `proj`)."""
+        """(w8, row scales) of layer i's fc{j} (j = 1, 2), or with j = "qkv" its linear_qkv (built with `qkv`)."""
         return self._layers[i][j]
 
     @property

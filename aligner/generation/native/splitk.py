@@ -247,12 +247,9 @@ def _fp8_kernel():
 
     @triton.jit
     def splitk_fp8_gemm(  # FP8 decode weights (fp8.py): splitk_gemm's work on FP8 tensor cores, scales at the end
-        x8_ptr, xs_ptr, w8_ptr, ws_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m, sxs_m,
+        x8_ptr, xs_ptr, w8_ptr, ws_ptr, out_ptr, M, K_SPLIT, sx_m, sw_n, so_s, so_m,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr,
-        GROUP_K: tl.constexpr,
     ):  # fmt: skip
-        # GROUP_K: x's scales come one per row and K range of GROUP_K columns (xs [M, K / GROUP_K], row stride
-        # sxs_m), each step's product scaled by its range's before it is added; 0: one per row, applied at the end
         m_blocks = tl.cdiv(M, BLOCK_M)  # a weight tile's row blocks are neighbouring programs (gated_fp8_gemm)
         n0, s, m0 = (tl.program_id(0) // m_blocks) * BLOCK_N, tl.program_id(1), (tl.program_id(0) % m_blocks) * BLOCK_M
         rows, cols, ks = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
@@ -266,48 +263,37 @@ def _fp8_kernel():
             w = tl.load(w8_ptr + cols[:, None] * sw_n + (k + ks)[None, :])
             if WIDEN:  # the interpreter: float32 products of the same e4m3 values
                 x, w = x.to(tl.float32), w.to(tl.float32)
-            if GROUP_K:
-                x_scale = tl.load(xs_ptr + rows * sxs_m + k // GROUP_K, mask=row_ok, other=0.0)
-                acc += tl.dot(x, tl.trans(w)) * x_scale[:, None]
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        if not GROUP_K:
-            acc = acc * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        acc = acc * tl.load(ws_ptr + cols)[None, :]
+        acc = acc * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None] * tl.load(ws_ptr + cols)[None, :]
         dst = out_ptr + s * so_s + rows[:, None] * so_m + cols[None, :]
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     return splitk_fp8_gemm
 
 
-def matmul_fp8(
-    x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling, dtype: torch.dtype = torch.float32, group_k: int = 0
-):
+def matmul_fp8(x8_MK, x_scale_M, w8_NK, w_scale_N, tiling: Tiling, dtype: torch.dtype = torch.float32):
     """FP8 decode weights (fp8.py): (x8 * x_scale[row]) @ (w8 * w_scale[row of w8])^T as float32 partial sums
     [splits, M, N] (as `matmul` writes them: the norm kernel after it adds them up), both scales applied to each
     partial's float32 sums; with one split the product [M, N] in `dtype`. Rows in blocks of the tiling's block_m
-    (default: all of them, up to 128). With `group_k`, x's scales are [M, K / group_k], one per row and range of
-    group_k columns (the FP8 proj's input: a scale per sample and KV group, triton_decode's out_fp8): x8[m, k] is
-    about x8 * x_scale[m, k // group_k]; the tiling's block_k must divide group_k."""
+    (default: all of them, up to 128)."""
     M, K = x8_MK.shape
     N = w8_NK.shape[0]
-    scales = M * K // group_k if group_k else M
-    if w8_NK.shape[1] != K or x_scale_M.numel() != scales or w_scale_N.numel() != N or (group_k and K % group_k):
+    if w8_NK.shape[1] != K or x_scale_M.numel() != M or w_scale_N.numel() != N:
         raise ValueError(
             f"splitk.matmul_fp8: x8 {tuple(x8_MK.shape)}, w8 {tuple(w8_NK.shape)} and the scales do not match"
         )
     if not (x_scale_M.is_contiguous() and w_scale_N.is_contiguous()):
         raise ValueError("splitk.matmul_fp8: the scales must be contiguous")
-    if not tiling.fits(N, K) or (group_k and group_k % tiling.block_k):
-        raise ValueError(f"splitk.matmul_fp8: N={N}, K={K} (group_k {group_k}) do not fit {tiling}")
+    if not tiling.fits(N, K):
+        raise ValueError(f"splitk.matmul_fp8: N={N}, K={K} do not fit {tiling}")
     S = tiling.splits
     out = torch.empty((S, M, N), dtype=torch.float32 if S > 1 else dtype, device=x8_MK.device)
     block_m, options = _fp8_options(x8_MK, tiling)
     _fp8_kernel()[(N // tiling.block_n * -(-M // block_m), S)](
         x8_MK, x_scale_M, w8_NK, w_scale_N, out, M, K // S, x8_MK.stride(0), w8_NK.stride(0), out.stride(0),
-        out.stride(1), K // group_k if group_k else 0, GROUP_K=group_k, **options,
+        out.stride(1), **options,
     )  # fmt: skip
     return out if S > 1 else out[0]
 
@@ -436,30 +422,6 @@ def fp8_product_tiling_for(batch: int, n: int, k: int, row_blocks: bool = False)
     return Tiling(block_n, block_k, 1, num_warps=4, num_stages=stages)
 
 
-PROJ_ROW_BLOCK_N = 32  # the FP8 proj's columns per program in blocks of rows (128 programs at 256 rows of the 1B model)
-
-
-def fp8_proj_tiling_for(batch: int, n: int, k: int, group_k: int) -> Tiling | None:
-    """The tiling of matmul_fp8 for the FP8 proj (fp8.PROJ: x's scales by ranges of `group_k` columns, which the
-    K steps must not cross) at a decode step of `batch` rows and an e4m3 W [n, k] (None: proj in the engine's dtype).
-    Up to MAX_BATCH rows fc2's split-K tiling (partial sums for the add+norm kernel); up to ROW_BLOCKS_MAX_BATCH one
-    K range in blocks of ROW_BLOCK rows as qkv's, PROJ_ROW_BLOCK_N columns a program. Not timed alone: the engine's
-    decode step with it against proj in bf16 (docs/PERF.md, thirty-third session)."""
-    if batch <= MAX_BATCH:
-        tiling = tiling_for(batch, n, k)
-    elif batch <= ROW_BLOCKS_MAX_BATCH:
-        tiling = fp8_product_tiling_for(batch, n, k, row_blocks=True)
-        block_n = next((b for b in (PROJ_ROW_BLOCK_N, 32, 16) if n % b == 0), None)
-        tiling = None if tiling is None or block_n is None else replace(tiling, block_n=block_n)
-    else:
-        return None
-    if tiling is None:
-        return None
-    while group_k % tiling.block_k and tiling.block_k > 16:
-        tiling = replace(tiling, block_k=tiling.block_k // 2)
-    return tiling if group_k % tiling.block_k == 0 and tiling.fits(n, k) else None
-
-
 def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = False) -> str | None:
     """Why the split-K kernel cannot run here (None if it can): Triton, a CUDA device of compute capability 8.0 or
     newer (bf16 tensor cores; or Triton's interpreter), and a tiny call that must match torch's product; with
@@ -493,14 +455,6 @@ def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = Fa
             y = matmul_fp8(x8, xs, w8, ws, Tiling(block_n=32, block_k=32, splits=1), torch.float32)
             if not torch.allclose(y, ref, atol=1e-3, rtol=1e-3):
                 return "the FP8 kernel's one-range product differs from float32 maths here"
-            # the FP8 proj's form: x's scales by ranges of 32 columns
-            xg8, xgs = fp8.quantize_rows(x32.view(5, 2, 32))
-            ref = (xg8.float() * xgs).view(5, 64) @ (w8.float() * ws).t()
-            for splits in (1, 2):
-                tiling = Tiling(block_n=32, block_k=32, splits=splits)
-                y = matmul_fp8(xg8.view(5, 64), xgs.view(5, 2), w8, ws, tiling, torch.float32, group_k=32)
-                if not torch.allclose(y.view(-1, 5, 64).sum(0), ref, atol=1e-3, rtol=1e-3):
-                    return "the FP8 kernel's product with scales by ranges of K differs from float32 maths here"
             # values over e4m3's whole range, its subnormals included (2^-14 of a row's largest and below)
             spread = torch.exp2(torch.randint(-14, 1, x32.shape, generator=g, device=device).float())
             for x in (x32, x32 * spread):

@@ -144,9 +144,8 @@ def unavailable(
 
 @lru_cache(maxsize=1)
 def _quantizer():
-    """The FP8 cache's quantization as jit helpers, made module globals (a jit function calls another through its
-    module's globals): the decode kernel's write of the step's key and value and the prefill kernel's use them, and
-    the decode kernel's quantized output (decode_attention's out_fp8)."""
+    """The FP8 cache's quantization as a jit helper, made a module global (a jit function calls another through its
+    module's globals): the decode kernel's write of the step's key and value and the prefill kernel's use it."""
     import triton
     import triton.language as tl
 
@@ -159,25 +158,12 @@ def _quantizer():
         decode kernel reads whole chunks of values, slots past a position included (times probability 0)."""
         amax = tl.max(tl.abs(x), axis)
         scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-        return _on_grid(tl.div_rn(x, tl.expand_dims(scale, axis))), scale
-
-    @triton.jit
-    def quantize_tile(x):
-        """float32 x [rows, cols] -> (x / scale on e4m3's grid, in float32; scale), one scale for the whole tile, by
-        quantize_fp8's rule (the tile's entries as one row; quantize_row's rounding)."""
-        amax = tl.max(tl.max(tl.abs(x), 1), 0)
-        scale = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-        return _on_grid(tl.div_rn(x, scale)), scale
-
-    @triton.jit
-    def on_grid(y):
-        """y clamped to e4m3's range and rounded to its grid (quantize_row's rounding), in float32."""
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, tl.expand_dims(scale, axis)), -448.0), 448.0)
         bits = y.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
         magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer
         sub = ((y * 512.0 + magic) - magic) / 512.0
-        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), sub)
+        return tl.where(tl.abs(y) >= 0.015625, bits.to(tl.float32, bitcast=True), sub), scale
 
     @triton.jit
     def prefill_fp8_write(
@@ -201,8 +187,8 @@ def _quantizer():
             v_at = (t[:, None] // V_CHUNK) * sv_n + dims[None, :] * V_CHUNK + t[:, None] % V_CHUNK
             tl.store(v_ptr + b * sv_b + g * sv_g + v_at, y8, mask=ok)
 
-    global _quantize_row, _quantize_tile, _on_grid
-    _quantize_row, _quantize_tile, _on_grid = quantize_row, quantize_tile, on_grid
+    global _quantize_row
+    _quantize_row = quantize_row
     return prefill_fp8_write
 
 
@@ -254,13 +240,13 @@ def _kernels():
     @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-        lead_ptr, shared_ptr, os_ptr, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b,
-        skn_g, svn_b, svn_g, srope_b, ss_b, ss_g, scale,
+        lead_ptr, shared_ptr, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g,
+        svn_b, svn_g, srope_b, ss_b, ss_g, scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
         KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr, WARP_SLOTS: tl.constexpr,
-        SHARED: tl.constexpr, OUT_FP8: tl.constexpr,
+        SHARED: tl.constexpr,
     ):  # fmt: skip
         # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
         # 2: the same softmax, fewer products than exp's own x * log2(e))
@@ -443,10 +429,6 @@ def _kernels():
                 m_i = m_new
         if SPLITS == 1:
             out = acc / l_i[:, None]
-            if OUT_FP8:  # e4m3, one scale for the group's rows (the padding rows left out; the padding columns hold
-                # zeros): decode_attention's out_fp8
-                out, out_scale = _quantize_tile(tl.where((rows < R)[:, None], out, 0.0))
-                tl.store(os_ptr + b * tl.num_programs(1) + g, out_scale)
             dst = out_ptr + b * so_b + g * so_g + rows[:, None] * so_r + dims[None, :]
             tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qmask)
         else:  # this range's partial result: float32 [B, G, SPLITS, R, D] and its max and sum [B, G, SPLITS, R]
@@ -457,9 +439,9 @@ def _kernels():
 
     @triton.jit
     def decode_attention_merge(
-        acc_ptr, m_ptr, l_ptr, out_ptr, os_ptr, so_b, so_g, so_r,
+        acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_g, so_r,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
-        EXP2: tl.constexpr, OUT_FP8: tl.constexpr,
+        EXP2: tl.constexpr,
     ):  # fmt: skip
         b, g = tl.program_id(0), tl.program_id(1)
         rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
@@ -477,9 +459,6 @@ def _kernels():
             part = tl.load(acc_ptr + (first + s) * R * D + rows[:, None] * D + dims[None, :], mask=qmask, other=0.0)
             acc += w[:, None] * part
         out = acc / total[:, None]
-        if OUT_FP8:  # as the one-range kernel's
-            out, out_scale = _quantize_tile(tl.where((rows < R)[:, None], out, 0.0))
-            tl.store(os_ptr + b * tl.num_programs(1) + g, out_scale)
         dst = out_ptr + b * so_b + g * so_g + rows[:, None] * so_r + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qmask)
 
@@ -523,8 +502,7 @@ def decode_attention(
     maxnreg: int | None = None,
     warp_slots: bool | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-    out_fp8: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
 
@@ -552,11 +530,7 @@ def decode_attention(
 
     `shared` = (lead_B, shared_B), int [B] each: row b's steps that lie wholly inside slots [0, shared_B[b]) read
     row lead_B[b]'s keys, values (and scales) instead of its own; those slots must hold the same values in both rows
-    (a repeated prompt's, copied by the engine). The step's own key and value are still written into row b.
-
-    With `out_fp8` the result comes quantized for an FP8 product (the engine's FP8 proj): (out e4m3 [B, G, r, D],
-    float32 scales [B, G]), each (sample, group)'s r x D values by quantize_fp8's rule as one row (out is about
-    e4m3 * scale; the float32 result quantized, never rounded to 16 bits first)."""
+    (a repeated prompt's, copied by the engine). The step's own key and value are still written into row b."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
@@ -607,8 +581,7 @@ def decode_attention(
         lead, shared_end = shared
         if lead.shape != (B,) or shared_end.shape != (B,):
             raise ValueError(f"decode_attention: shared needs two tensors of shape ({B},)")
-    out = torch.empty((B, G, r, D), dtype=FP8 if out_fp8 else act_dtype, device=keys_BGTD.device)
-    out_scales = torch.empty((B, G), dtype=torch.float32, device=out.device) if out_fp8 else out  # (else not read)
+    out = torch.empty((B, G, r, D), dtype=act_dtype, device=keys_BGTD.device)
     R_PAD, D_PAD = max(16, pow2(r)), max(16, pow2(D))
     split_len = -(-T // splits)
     split_len = -(-split_len // block) * block
@@ -642,7 +615,7 @@ def decode_attention(
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
         NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
-        WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None, OUT_FP8=out_fp8,
+        WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None,
     )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
@@ -654,23 +627,20 @@ def decode_attention(
     if splits == 1:
         attend[(B, G, 1)](
             q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end,
-            out_scales, *args,
+            *args,
             *out.stride()[:3], *new_strides, rope_stride, *scale_strides, scale,
             BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common, **launch,
         )  # fmt: skip
-        return (out, out_scales) if out_fp8 else out
+        return out
     acc = torch.empty((B, G, splits, r, D), dtype=torch.float32, device=out.device)
     m = torch.empty((B, G, splits, r), dtype=torch.float32, device=out.device)
     l_ = torch.empty_like(m)
     attend[(B, G, splits)](
-        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end,
-        out_scales, *args, 0, 0, 0,
+        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end, *args,
+        0, 0, 0,
         *new_strides, rope_stride, *scale_strides, scale,
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
         **launch,
     )  # fmt: skip
-    merge[(B, G)](
-        acc, m, l_, out, out_scales, *out.stride()[:3], SPLITS=splits, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, EXP2=exp2,
-        OUT_FP8=out_fp8,
-    )  # fmt: skip
-    return (out, out_scales) if out_fp8 else out
+    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, EXP2=exp2)
+    return out
