@@ -143,3 +143,13 @@ CRITIC_READY_LINE="critic server ready at"
 # served yet, so starting the critic again is safe (the local launcher does the same; a cause that stays fails
 # again).
 triton_aborted_at_start() { grep -q "Triton failed to start" "$1" 2>/dev/null && grep -q "Signal (" "$1" 2>/dev/null; }
+
+# critic_start_again READY ATTEMPT LOG PID -> 0 when the critic step (PID) should be started once more: wait_critic.py
+# said it ended before it was ready (READY 3), on the first attempt, with no stop signal (the caller's stop_signal),
+# and its LOG shows tritonserver's abort at start; the ended step is reaped and the abort reported.
+critic_start_again() {
+  [ "$1" -eq 3 ] && [ "$2" -eq 1 ] && [ -z "${stop_signal:-}" ] && triton_aborted_at_start "$3" || return 1
+  reap "$4"
+  fail "the critic's tritonserver aborted as it started (nothing was served): starting the critic job again"
+  tail_log "$3" 20
+}
