@@ -479,6 +479,33 @@ def test_prefill_graphs_pad_the_width_and_chunk_the_rows(monkeypatch):
         assert not above._prefill_graphs and torch.equal(c.response_tokens_BR, want), off
 
 
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_prefills_last_layer_runs_proj_and_mlp_on_each_prompts_last_position(cfg, monkeypatch):
+    """decoder.PREFILL_LAST_ONLY: the last layer's proj and MLP (and the final norm) see each prompt's last position
+    only, [B, 1, H], every other layer's all positions; the logits and the cache it leaves equal those of the
+    whole-width last layer (up to float32 rounding of the narrower GEMMs). GPT-2: LayerNorm, biases everywhere."""
+    from aligner.generation.native import decoder as decoder_mod
+
+    model = _model(cfg)
+    engine = build_engine(GEN, cfg, model)
+    dec = engine.decoder
+    seen = []
+    real = dec._row_parallel
+    monkeypatch.setattr(dec, "_row_parallel", lambda x, *a: seen.append(tuple(x.shape)) or real(x, *a))
+    lengths = LENGTHS.to(dec.device)
+    got = dec.prefill(PROMPTS.clamp(min=0), lengths).clone()
+    cache = dec.kv[:, :, :4].clone()
+    B, T, H, L = *PROMPTS.shape, cfg.hidden_size, cfg.num_layers
+    # proj then fc2 per layer: the last layer's two on [B, 1, .] (fc2's input is the MLP's width)
+    assert [s[:2] for s in seen] == [(B, T)] * 2 * (L - 1) + [(B, 1)] * 2 and seen[-2][2] == H, seen
+    monkeypatch.setattr(decoder_mod, "PREFILL_LAST_ONLY", False)
+    seen.clear()
+    want = dec.prefill(PROMPTS.clamp(min=0), lengths)
+    assert [s[:2] for s in seen] == [(B, T)] * 2 * L
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(dec.kv[:, :, :4], cache)
+
+
 @pytest.mark.parametrize("share", ["off", "auto"])
 def test_refit_copies_new_weights_into_the_same_buffers(share):
     """off: the engine's own copy, stale until refit; auto (fp32 policy, fp32 engine on CPU): the policy's tensors

@@ -62,6 +62,14 @@ from aligner.generation.native import fp8, pdl, rows, splitk, triton_decode
 from aligner.generation.native.fused import make_kernels
 
 
+# Prefill's last layer runs proj and the MLP on each prompt's last position only (Decoder._stack's `pick`); False
+# runs them on every position, as before (probes compare the two: --set decoder.PREFILL_LAST_ONLY=False).
+PREFILL_LAST_ONLY = True
+# With FP8 weights, prefill's fc2 writes its product in the engine's dtype with both scales applied (row-wise scaled
+# FP8 GEMM) instead of float32 sums dequantized by the next kernel; False: the float32 form (probes compare them).
+PREFILL_FC2_ROWWISE = True
+
+
 def _qk_norms(lw: dict) -> tuple:
     """A layer's per-head q/k norm weights and biases (None where absent), as rope_split takes them."""
     return (
@@ -262,12 +270,26 @@ class Decoder:
             return self._all_reduce(self._linear(x, weight)), False
         return splitk.matmul(x, weight, tiling), True
 
-    def _stack(self, x, attend, k, q8: fp8.DecodeFp8 | None = None, split_k: bool = False, fp8_output: bool = True):
+    def _stack(
+        self,
+        x,
+        attend,
+        k,
+        q8: fp8.DecodeFp8 | None = None,
+        split_k: bool = False,
+        fp8_output: bool = True,
+        pick=None,
+        rowwise_fc2: bool = False,
+    ):
         """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states (with
         `q8`, FP8 weights: the MLPs on their FP8 copies, and with `fp8_output` the result quantized per row, (h8,
         scales), for the FP8 output layer). `split_k`: proj and fc2
         by the split-K kernel where it has a tiling for them (decode steps of x [B, H]: splitk.tiling_for); with `q8`
         holding qkv copies, also qkv on FP8 tensor cores (its input norms then quantize their outputs).
+        `pick(t)`: the positions whose final hidden states are read (prefill: each prompt's last), taken from the
+        last layer's attention output and residual stream; that layer's proj and MLP run on them alone (every other
+        position's last-layer output is never read, and the cache needs only the layers' qkv). `rowwise_fc2`: with
+        `q8`, fc2 by the row-wise scaled FP8 GEMM where no split-K tiling takes it (_mlp_fp8).
 
         Each residual add is fused with the norm that follows it (the next layer's input norm, or the final norm).
         """
@@ -282,7 +304,10 @@ class Decoder:
         for i in range(lo.num_layers):
             lw = self.w.layer(i)
             qkv = self._qkv(h, i, lw, q8 if qkv_fp8 else None, qkv_tiling)
-            a, parts = self._row_parallel(attend(i, qkv, lw), lw["self_attention.linear_proj.weight"], split_k)
+            o = attend(i, qkv, lw)
+            if pick is not None and i + 1 == lo.num_layers:
+                o, x = pick(o), pick(x)
+            a, parts = self._row_parallel(o, lw["self_attention.linear_proj.weight"], split_k)
             pre_mlp = (
                 lw["self_attention.linear_proj.bias"],
                 lw["pre_mlp_layernorm.weight"],
@@ -299,7 +324,7 @@ class Decoder:
                 # quantized for the next FP8 qkv or the FP8 output layer
                 last = i + 1 == lo.num_layers
                 quantize_h = fp8_output if last else qkv_fp8
-                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k, quantize_h)
+                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k, quantize_h, rowwise_fc2)
                 continue
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
             m = self._fc1_act(h, lw, k, split_k)
@@ -339,13 +364,17 @@ class Decoder:
             return k.act(self._linear(h, w, b))
         return splitk.gated_matmul(h, w, tiling)
 
-    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp, split_k: bool = False, quantize_h: bool = False):
+    def _mlp_fp8(
+        self, x, h8, hs, i, lw, k, q8, post_mlp, split_k: bool = False, quantize_h: bool = False, rowwise_fc2=False
+    ):
         """Layer i's MLP with FP8 weights (fp8.py) from its normed input quantized (h8, scales), and the residual add
         and norm after it; returns (x, h), h quantized (h8, scales) with `quantize_h` (for the FP8 output layer after
         the last layer, or the next layer's FP8 qkv). With `split_k`, a SwiGLU
         MLP without fc1 bias runs fc1, its scales and the activation as one Triton kernel (splitk.gated_matmul_fp8)
         where it has a tiling for the step's rows, then a kernel quantizing the activation per row; and fc2 runs by
-        the split-K kernel on FP8 tensor cores (splitk.matmul_fp8) where it has a tiling."""
+        the split-K kernel on FP8 tensor cores (splitk.matmul_fp8) where it has a tiling, else with `rowwise_fc2` by
+        cuBLAS's row-wise scaled FP8 GEMM (fp8.matmul_rowwise: its product in x's dtype, both scales applied in its
+        epilogue, the rounding point of the float32 product and dequantizing kernel it replaces, half the bytes)."""
         w1, s1 = q8.layer(i, 1)
         fam = self.lo.family
         swiglu = fam.gated_mlp and fam.activation == "silu" and lw["mlp.linear_fc1.bias"] is None
@@ -364,6 +393,12 @@ class Decoder:
             if not quantize_h:
                 return k.add_parts_norm(x, parts, *post_mlp)
             x, h8, hs = k.add_parts_norm_q(x, parts, *post_mlp)
+            return x, (h8, hs)
+        if rowwise_fc2:
+            m = self._all_reduce(fp8.matmul_rowwise(m8, ms, w2, s2, x.dtype))
+            if not quantize_h:
+                return k.add_norm(x, m, *post_mlp)
+            x, h8, hs = k.add_norm_q(x, m, *post_mlp)
             return x, (h8, hs)
         y = fp8.matmul(m8, w2, q8.one)
         if self.lo.tp > 1:  # row-parallel: each rank's partial sum in its own scales, dequantized before the sum
@@ -408,8 +443,13 @@ class Decoder:
         # FP8 weights: the MLPs by cuBLAS's FP8 GEMMs too (compute-bound here: FP8 tensor cores' rate), and qkv where
         # the copies include it (split-K decode GEMMs); proj and the output layer (one row per prompt) in the
         # engine's dtype
-        h = self._stack(x, attend, self.k_prefill, self.fp8, fp8_output=False)
-        last = h[self.rows[:B], lengths_B - 1]  # [B, H]
+        def last_positions(t):  # [B, T, ...] -> [B, 1, ...]: each prompt's last token (prefill's kernels take 3-D)
+            return t[self.rows[:B], lengths_B - 1].unsqueeze(1)
+
+        pick = last_positions if PREFILL_LAST_ONLY else None
+        rowwise_fc2 = PREFILL_FC2_ROWWISE and fp8.rowwise_writes(x.dtype, x.device)
+        h = self._stack(x, attend, self.k_prefill, self.fp8, fp8_output=False, pick=pick, rowwise_fc2=rowwise_fc2)
+        last = h[:, 0] if PREFILL_LAST_ONLY else h[self.rows[:B], lengths_B - 1]  # [B, H]
         return self._linear(last, self.w.output_weight)
 
     # -- decode --------------------------------------------------------------------------------------------
