@@ -61,7 +61,6 @@ from aligner.families import FamilySpec
 from aligner.generation.native import fp8, pdl, rows, splitk, triton_decode
 from aligner.generation.native.fused import make_kernels
 
-
 # Prefill's last layer runs proj and the MLP on each prompt's last position only (Decoder._stack's `pick`); False
 # runs them on every position, as before (probes compare the two: --set decoder.PREFILL_LAST_ONLY=False).
 PREFILL_LAST_ONLY = True
