@@ -46,7 +46,9 @@ the split-K GEMMs and the activation's quantization are row kernels (rows.py). D
 limits run the output layer (and qkv above splitk.ROW_BLOCKS_MAX_BATCH) by cuBLAS's row-wise scaled FP8 GEMM
 (fp8.matmul_rowwise: scales in its epilogue), fc2 and proj by cuBLAS; fc1 with its activation and qkv stay on the
 Triton kernels, in blocks of splitk.ROW_BLOCK rows, up to splitk.ROW_BLOCKS_MAX_BATCH rows. Prefill runs its MLPs
-on the same FP8 copies by cuBLAS, and qkv where the copies include it (by the row-wise scaled FP8 GEMM).
+on the same FP8 copies by cuBLAS (fc2 by the row-wise scaled FP8 GEMM), and qkv where the copies include it.
+Prefill's last layer runs proj, its MLP and the final norm on each prompt's last position only (PREFILL_LAST_ONLY):
+the cache needs every layer's keys and values, the output layer the last position's hidden state, nothing else.
 """
 
 from __future__ import annotations
