@@ -12,8 +12,9 @@ FP8_STAGES (docs/PERF.md); the thirty-first session timed them and made each bat
    settings before the thirty-first session) and the --top fastest other candidates' (by the kernel's time at the
    largest batch size), each in a process of its own with its constants set by --set;
 3. with --groups N (thirtieth session): the engine on GRPO-shaped calls (--group-batch rows, each prompt in N
-   neighbouring rows): every row prefilled, the prompt prefilled once (the engine's default), that with
-   triton_decode.SHARED_PREFIX (a group's prompt read from its first row), and with the plain candidate's settings;
+   neighbouring rows): every row prefilled, the prompt prefilled once with each row reading its own copy
+   (triton_decode.SHARED_PREFIX off), once with the group's prompt read from its first row (the engine's default),
+   and that with the plain candidate's settings;
 then prints the tables. --tiny: the CPU's smoke run (Triton's interpreter; the engine with its CPU settings).
 
     python3 benchmarks/probes/attention_candidates.py --out result.json
@@ -81,8 +82,8 @@ def kernel_alone(name: str, candidate: tuple, args) -> dict:
 # stage 3's forms: (generate_repeats.py options, --set items)
 GROUP_FORMS = {
     "each_row": (["--prefill-each-row"], []),
-    "once": ([], []),
-    "once_shared": ([], ["triton_decode.SHARED_PREFIX=True"]),
+    "once": ([], ["triton_decode.SHARED_PREFIX=False"]),
+    "once_shared": ([], []),
     "once_plain": ([], settings(CANDIDATES["plain"])),
 }
 

@@ -360,7 +360,8 @@ def test_repeated_prompts_are_prefilled_once(attention, monkeypatch):
 def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, monkeypatch):
     """triton_decode.SHARED_PREFIX: the Triton kernel reads a repeated prompt's whole steps from the group's first row
     (decode steps of 16 slots here, prompts of 20-36 tokens); the samples are those of the engine that prefills
-    every row (same seeds: same tokens, log-probs within float32 rounding), and the kernel got each row's lead."""
+    every row (same seeds: same tokens, log-probs within float32 rounding), and the kernel got each row's lead. Calls
+    without repeated prompts, or with SHARED_PREFIX off, pass the kernel no leads (its plain form)."""
     pytest.importorskip("triton")
     from aligner.generation.native import triton_decode
 
@@ -380,15 +381,18 @@ def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, monkey
     monkeypatch.setattr(
         triton_decode,
         "decode_attention",
-        lambda *a, shared=None, **kw: leads.append(shared[0].tolist()) or real(*a, shared=shared, **kw),
+        lambda *a, shared=None, **kw: leads.append(shared and shared[0].tolist()) or real(*a, shared=shared, **kw),
     )
     sp = SamplingParams(seeds=list(range(40, 46)), max_new_tokens=4)
     a = once.generate(prompts, lengths, sp)
     assert leads[-1] == [0, 0, 0, 3, 3, 5] and once.decoder.shared_B[:6].tolist() == lengths.tolist()
     b = each.generate(prompts, lengths, sp)
-    assert leads[-1] == list(range(6))  # every row prefilled: each its own lead
+    assert leads[-1] is None  # every row prefilled: no group
     assert torch.equal(a.response_tokens_BR, b.response_tokens_BR)
     torch.testing.assert_close(a.logprobs_BR, b.logprobs_BR, rtol=0, atol=1e-5)
+    monkeypatch.setattr(triton_decode, "SHARED_PREFIX", False)
+    c = once.generate(prompts, lengths, sp)
+    assert leads[-1] is None and torch.equal(a.response_tokens_BR, c.response_tokens_BR)
 
 
 def test_vocabulary_padding_is_never_sampled():

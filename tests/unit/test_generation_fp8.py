@@ -121,7 +121,7 @@ def test_fp8_mlp_by_the_triton_kernels_equals_megatron_with_the_same_rounding(mo
         "matmul_fp8": 11 * (2 * cfg.num_layers + 1),
         "add_parts_norm": 11 * 2 * cfg.num_layers if llama else 0,
         "quantize_rows": 11 * cfg.num_layers if llama else 0,
-        "matmul_rowwise": 2 * cfg.num_layers,  # prefill's qkv and fc2: one call each, every layer
+        "matmul_rowwise": cfg.num_layers,  # prefill's qkv: one call, every layer
     }, {name: len(seen) for name, seen in calls.items()}
     n = out.response_lengths_B
     valid = torch.arange(out.logprobs_BR.shape[1])[None] < n[:, None]
@@ -148,8 +148,7 @@ def test_fp8_decode_above_the_kernels_row_limits_equals_megatron_with_the_same_r
     out = engine.generate(PROMPTS, LENGTHS, SamplingParams(greedy=True))
     steps = 11  # decode steps (the first token comes from prefill)
     assert {name: len(seen) for name, seen in calls.items()} == {
-        "matmul_rowwise": 2 * cfg.num_layers + steps * (cfg.num_layers + 1),  # prefill's qkv and fc2; decode's
-        # qkv and output layer
+        "matmul_rowwise": cfg.num_layers + steps * (cfg.num_layers + 1),  # prefill's qkv; decode's qkv and output
         "matmul_fp8": 0,
         "gated_matmul_fp8": 0,
     }
@@ -170,10 +169,10 @@ def test_fp8_decode_in_row_blocks_equals_megatron_with_the_same_rounding(monkeyp
     steps = 11  # decode steps (the first token comes from prefill)
     L = cfg.num_layers
     assert {name: len(seen) for name, seen in calls.items()} == {
-        "matmul_rowwise": 2 * L + steps,  # prefill's qkv and fc2; decode's output layer
+        "matmul_rowwise": L + steps,  # prefill's qkv; decode's output layer
         "matmul_fp8": steps * L,  # decode's qkv
         "gated_matmul_fp8": steps * L,  # decode's fc1
-        "matmul": L + steps * L,  # prefill's fc1; decode's fc2
+        "matmul": 2 * L + steps * L,  # prefill's fc1 and fc2; decode's fc2
     }
     assert {t.block_m for (t,) in calls["matmul_fp8"] + calls["gated_matmul_fp8"]} == {2}
     gap = _gap_to_fp8_megatron(model, out)

@@ -46,7 +46,7 @@ the split-K GEMMs and the activation's quantization are row kernels (rows.py). D
 limits run the output layer (and qkv above splitk.ROW_BLOCKS_MAX_BATCH) by cuBLAS's row-wise scaled FP8 GEMM
 (fp8.matmul_rowwise: scales in its epilogue), fc2 and proj by cuBLAS; fc1 with its activation and qkv stay on the
 Triton kernels, in blocks of splitk.ROW_BLOCK rows, up to splitk.ROW_BLOCKS_MAX_BATCH rows. Prefill runs its MLPs
-on the same FP8 copies by cuBLAS (fc2 by the row-wise scaled FP8 GEMM), and qkv where the copies include it.
+on the same FP8 copies by cuBLAS, and qkv where the copies include it (by the row-wise scaled FP8 GEMM).
 Prefill's last layer runs proj, its MLP and the final norm on each prompt's last position only (PREFILL_LAST_ONLY):
 the cache needs every layer's keys and values, the output layer the last position's hidden state, nothing else.
 """
@@ -66,9 +66,6 @@ from aligner.generation.native.fused import make_kernels
 # Prefill's last layer runs proj and the MLP on each prompt's last position only (Decoder._stack's `pick`); False
 # runs them on every position, as before (probes compare the two: --set decoder.PREFILL_LAST_ONLY=False).
 PREFILL_LAST_ONLY = True
-# With FP8 weights, prefill's fc2 writes its product in the engine's dtype with both scales applied (row-wise scaled
-# FP8 GEMM) instead of float32 sums dequantized by the next kernel; False: the float32 form (probes compare them).
-PREFILL_FC2_ROWWISE = True
 
 
 def _qk_norms(lw: dict) -> tuple:
@@ -280,7 +277,6 @@ class Decoder:
         split_k: bool = False,
         fp8_output: bool = True,
         pick=None,
-        rowwise_fc2: bool = False,
     ):
         """All layers over hidden states x [..., H] with kernels `k`; returns the final-normed hidden states (with
         `q8`, FP8 weights: the MLPs on their FP8 copies, and with `fp8_output` the result quantized per row, (h8,
@@ -289,8 +285,7 @@ class Decoder:
         holding qkv copies, also qkv on FP8 tensor cores (its input norms then quantize their outputs).
         `pick(t)`: the positions whose final hidden states are read (prefill: each prompt's last), taken from the
         last layer's attention output and residual stream; that layer's proj and MLP run on them alone (every other
-        position's last-layer output is never read, and the cache needs only the layers' qkv). `rowwise_fc2`: with
-        `q8`, fc2 by the row-wise scaled FP8 GEMM where no split-K tiling takes it (_mlp_fp8).
+        position's last-layer output is never read, and the cache needs only the layers' qkv).
 
         Each residual add is fused with the norm that follows it (the next layer's input norm, or the final norm).
         """
@@ -325,7 +320,7 @@ class Decoder:
                 # quantized for the next FP8 qkv or the FP8 output layer
                 last = i + 1 == lo.num_layers
                 quantize_h = fp8_output if last else qkv_fp8
-                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k, quantize_h, rowwise_fc2)
+                x, h = self._mlp_fp8(x, h8, hs, i, lw, k, q8, post_mlp, split_k, quantize_h)
                 continue
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, a, *pre_mlp)
             m = self._fc1_act(h, lw, k, split_k)
@@ -365,17 +360,13 @@ class Decoder:
             return k.act(self._linear(h, w, b))
         return splitk.gated_matmul(h, w, tiling)
 
-    def _mlp_fp8(
-        self, x, h8, hs, i, lw, k, q8, post_mlp, split_k: bool = False, quantize_h: bool = False, rowwise_fc2=False
-    ):
+    def _mlp_fp8(self, x, h8, hs, i, lw, k, q8, post_mlp, split_k: bool = False, quantize_h: bool = False):
         """Layer i's MLP with FP8 weights (fp8.py) from its normed input quantized (h8, scales), and the residual add
         and norm after it; returns (x, h), h quantized (h8, scales) with `quantize_h` (for the FP8 output layer after
         the last layer, or the next layer's FP8 qkv). With `split_k`, a SwiGLU
         MLP without fc1 bias runs fc1, its scales and the activation as one Triton kernel (splitk.gated_matmul_fp8)
         where it has a tiling for the step's rows, then a kernel quantizing the activation per row; and fc2 runs by
-        the split-K kernel on FP8 tensor cores (splitk.matmul_fp8) where it has a tiling, else with `rowwise_fc2` by
-        cuBLAS's row-wise scaled FP8 GEMM (fp8.matmul_rowwise: its product in x's dtype, both scales applied in its
-        epilogue, the rounding point of the float32 product and dequantizing kernel it replaces, half the bytes)."""
+        the split-K kernel on FP8 tensor cores (splitk.matmul_fp8) where it has a tiling."""
         w1, s1 = q8.layer(i, 1)
         fam = self.lo.family
         swiglu = fam.gated_mlp and fam.activation == "silu" and lw["mlp.linear_fc1.bias"] is None
@@ -394,12 +385,6 @@ class Decoder:
             if not quantize_h:
                 return k.add_parts_norm(x, parts, *post_mlp)
             x, h8, hs = k.add_parts_norm_q(x, parts, *post_mlp)
-            return x, (h8, hs)
-        if rowwise_fc2:
-            m = self._all_reduce(fp8.matmul_rowwise(m8, ms, w2, s2, x.dtype))
-            if not quantize_h:
-                return k.add_norm(x, m, *post_mlp)
-            x, h8, hs = k.add_norm_q(x, m, *post_mlp)
             return x, (h8, hs)
         y = fp8.matmul(m8, w2, q8.one)
         if self.lo.tp > 1:  # row-parallel: each rank's partial sum in its own scales, dequantized before the sum
@@ -448,15 +433,16 @@ class Decoder:
             return t[self.rows[:B], lengths_B - 1].unsqueeze(1)
 
         pick = last_positions if PREFILL_LAST_ONLY else None
-        rowwise_fc2 = PREFILL_FC2_ROWWISE and fp8.rowwise_writes(x.dtype, x.device)
-        h = self._stack(x, attend, self.k_prefill, self.fp8, fp8_output=False, pick=pick, rowwise_fc2=rowwise_fc2)
+        h = self._stack(x, attend, self.k_prefill, self.fp8, fp8_output=False, pick=pick)
         last = h[:, 0] if PREFILL_LAST_ONLY else h[self.rows[:B], lengths_B - 1]  # [B, H]
         return self._linear(last, self.w.output_weight)
 
     # -- decode --------------------------------------------------------------------------------------------
-    def decode(self, tokens_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode(self, tokens_B: torch.Tensor, pos_B: torch.Tensor, kv_len: int, grouped: bool = False) -> torch.Tensor:
         """One token per sample at position pos_B (written into the cache); attends over slots [0, kv_len) masked
-        to <= pos_B. Returns logits [B, V_pad/TP]. No host syncs, static shapes: safe to capture in a CUDA graph."""
+        to <= pos_B. Returns logits [B, V_pad/TP]. No host syncs, static shapes: safe to capture in a CUDA graph.
+        `grouped`: the call's rows repeat prompts (set_prompt_groups); with the Triton kernel and
+        triton_decode.SHARED_PREFIX each row then reads its prompt's slots from its group's first row."""
         B = tokens_B.shape[0]
         lo, kv = self.lo, self.kv
         G, r, D = lo.groups, lo.heads // lo.groups, lo.head_dim
@@ -491,7 +477,7 @@ class Decoder:
             )
         elif self.decode_attention == "triton":
             splits = triton_decode.choose_splits(B * G, self.max_seq, kv.device)
-            shared = (self.lead_B[:B], self.shared_B[:B]) if triton_decode.SHARED_PREFIX else None
+            shared = (self.lead_B[:B], self.shared_B[:B]) if grouped and triton_decode.SHARED_PREFIX else None
         elif self.decode_attention == "flash":
             T = self.max_seq
             cu_q = self.cu_rows[: B + 1]  # one query row per sample

@@ -13,7 +13,8 @@ One `generate` call: validate (two host syncs: the prompt lengths, then the toke
 prompt above them), prefill the distinct prompts in row chunks (a repeated prompt's rows copy its cache slots) and
 draw token 0, then decode steps 1..max_new-1. A decode step = forward of one token per sample + gather of the
 last logits over TP + sampling + bookkeeping, all on device with static shapes; on GPU with `cuda_graphs` it is
-one CUDA graph replay. Graphs are keyed by (batch size, attention length bucket, sampling mode) and captured on
+one CUDA graph replay. Graphs are keyed by (batch size, attention length bucket, sampling mode, whether rows repeat
+prompts: the Triton attention then reads a group's prompt from its first row) and captured on
 first use (the first call pays for capture; later calls replay); the Triton decode attention reads each sample's
 own length, so it has a single bucket. The host checks "every sample ended" every
 `check_done_every` steps (one sync each) and stops early. Ended samples keep stepping with the pad token (static
@@ -274,8 +275,8 @@ class NativeEngine:
             use_top_p=use_top_p,
         )
 
-    def _decode_step(self, B: int, kv_len: int, mode: tuple) -> None:
-        logits = self.decoder.decode(self.cur_tok_B[:B], self.pos_B[:B], kv_len)
+    def _decode_step(self, B: int, kv_len: int, mode: tuple, grouped: bool) -> None:
+        logits = self.decoder.decode(self.cur_tok_B[:B], self.pos_B[:B], kv_len, grouped)
         self._sample_and_record(logits, B, mode)
 
     def _kv_len(self, needed: int) -> int:
@@ -320,8 +321,8 @@ class NativeEngine:
         # a copy outside the graphs' shared memory pool: the next chunk's graph may reuse these bytes
         return logits[0].clone()
 
-    def _ensure_graphs(self, B: int, prompt_max: int, max_new: int, mode: tuple) -> None:
-        keys = sorted({(B, self._kv_len(prompt_max + s), mode) for s in range(1, max_new)})
+    def _ensure_graphs(self, B: int, prompt_max: int, max_new: int, mode: tuple, grouped: bool) -> None:
+        keys = sorted({(B, self._kv_len(prompt_max + s), mode, grouped) for s in range(1, max_new)})
         for key in keys:  # the same order on every TP rank: collectives inside are captured in lockstep
             if key in self._graphs:
                 continue
@@ -375,9 +376,10 @@ class NativeEngine:
         max_new = sampling.max_new_tokens or self.max_new
         top_k = sampling.top_k if 0 < sampling.top_k < V else 0
         mode = (bool(sampling.greedy), top_k, sampling.top_p < 1.0)
+        grouped = len(firsts) < B  # rows repeat the prompt above them (set_prompt_groups)
 
         if self.use_graphs:
-            self._ensure_graphs(B, prompt_max, max_new, mode)
+            self._ensure_graphs(B, prompt_max, max_new, mode, grouped)
         self._set_sampling(sampling, B, max_new, inverse_cdf=bool(top_k) or mode[2])
         self.ended_B.zero_()
         self.lengths_B.zero_()
@@ -393,7 +395,7 @@ class NativeEngine:
         for s in range(1, max_new):
             if s % self.cfg.check_done_every == 0 and bool(self.ended_B[:B].all()):
                 break
-            key = (B, self._kv_len(prompt_max + s), mode)
+            key = (B, self._kv_len(prompt_max + s), mode, grouped)
             if self.use_graphs:
                 self._graphs[key]()
             else:

@@ -14,9 +14,8 @@ quantizes its output too); with RMSNorm the add+norm+quantize kernels after the 
 quantization are rows.py's. Above those kernels' 128 rows, fc1 and qkv stay on them in blocks of rows (up to
 splitk.ROW_BLOCKS_MAX_BATCH rows; qkv above that), the output layer runs by cuBLAS's row-wise scaled FP8 GEMM
 (matmul_rowwise), fc2 as described first.
-Prefill runs its MLPs on the same copies by cuBLAS (compute-bound there: the FP8 tensor cores' rate), fc2 (and qkv
-where the copies include it) by the row-wise scaled FP8 GEMM (matmul_rowwise: both scales applied in its epilogue, the
-product written in the engine's dtype).
+Prefill runs its MLPs on the same copies by cuBLAS (compute-bound there: the FP8 tensor cores' rate), and qkv too
+where the copies include it, by the row-wise scaled FP8 GEMM (matmul_rowwise: both scales applied in its epilogue).
 Attention and proj stay in the engine's dtype (proj's input, the attention's output, would need a quantization
 kernel of its own, and weights widened from e4m3 inside the kernel ran slower than bf16: docs/PERF.md).
 
