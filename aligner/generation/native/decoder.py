@@ -434,7 +434,7 @@ class Decoder:
 
         pick = last_positions if PREFILL_LAST_ONLY else None
         h = self._stack(x, attend, self.k_prefill, self.fp8, fp8_output=False, pick=pick)
-        last = h[:, 0] if PREFILL_LAST_ONLY else h[self.rows[:B], lengths_B - 1]  # [B, H]
+        last = h[:, 0] if pick is not None else h[self.rows[:B], lengths_B - 1]  # [B, H]
         return self._linear(last, self.w.output_weight)
 
     # -- decode --------------------------------------------------------------------------------------------
