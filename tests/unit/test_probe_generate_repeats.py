@@ -51,3 +51,29 @@ def test_set_changes_a_constant_of_the_engine_modules(monkeypatch):
     ):
         with pytest.raises(SystemExit, match=message):
             apply_settings([item])
+
+
+def test_settings_for_every_process_of_a_job(tmp_path):
+    """benchmarks/probes/every_process: ALIGNER_PROBE_SET applied by every Python process started with that folder on
+    PYTHONPATH (a child of the child too), said on stderr; nothing without it; a malformed item ends the process."""
+    import subprocess
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.join(root, "benchmarks", "probes", "every_process"), root]),
+    }
+    read = "from aligner.generation.native import triton_decode as t; print(t.SHARED_PREFIX)"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {read!r}], check=True)"
+
+    def run(setting):
+        e = {**env, "ALIGNER_PROBE_SET": setting} if setting is not None else env
+        return subprocess.run([sys.executable, "-c", child], env=e, capture_output=True, text=True, cwd=tmp_path)
+
+    on = run("triton_decode.SHARED_PREFIX=False")
+    assert on.returncode == 0 and on.stdout.strip() == "False", on.stderr
+    assert on.stderr.count("[probe settings] triton_decode.SHARED_PREFIX=False") == 2, on.stderr  # parent and child
+    off = run(None)
+    assert off.returncode == 0 and off.stdout.strip() == "True" and "[probe settings]" not in off.stderr
+    bad = run("triton_decode.NO_SUCH=1")
+    assert bad.returncode != 0 and "has no NO_SUCH" in bad.stderr
