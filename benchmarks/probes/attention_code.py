@@ -51,8 +51,10 @@ def _signature(kernel, kv: str) -> tuple[dict, dict]:
             signature[name] = cache
         elif name in ("ks_ptr", "vs_ptr"):
             signature[name] = "*fp32" if kv == "fp8" else "*bf16"
-        elif name in ("pos_ptr", "lead_ptr", "shared_ptr"):
+        elif name in ("pos_ptr", "lead_ptr", "shared_ptr", "row_from_ptr"):
             signature[name] = "*i64"
+        elif name == "chunk_ptr":
+            signature[name] = "*i32"
         elif name.endswith("_ptr"):
             signature[name] = "*bf16"
         elif name == "scale":
@@ -103,7 +105,8 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
 
 
 def compile_one(
-    kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2: bool, warp_slots: bool, shared: bool = False
+    kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2: bool, warp_slots: bool, shared: bool = False,
+    groups: bool = False,
 ) -> dict:
     """One setting compiled for sm_90: its resources and its slot loop."""
     import triton
@@ -118,7 +121,7 @@ def compile_one(
         R=GROUP_SIZE, D=HEAD_DIM, R_PAD=16, D_PAD=HEAD_DIM, BLOCK=block, SPLIT_LEN=384, SPLITS=1, PRECISION="tf32",
         WRITE_NEW=True, ROPE=True, NATIVE_QK=True, NATIVE_PV=True, KV_FP8=kv == "fp8", PDL=True,
         V_CHUNK=triton_decode.V_CHUNK if kv == "fp8" else 0, EXP2=exp2, WARP_SLOTS=warps if warp_slots else 0,
-        SHARED=shared,
+        SHARED=shared or groups, GROUPS=groups,
     )  # fmt: skip
     options = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
@@ -159,6 +162,9 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots a step")
     parser.add_argument("--shared", type=int, nargs="+", default=[0], help="1: a group's prompt read from one row")
+    parser.add_argument(
+        "--groups", type=int, nargs="+", default=[0], help="1: a group's prompt attended once for its rows (+ shared)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs it off (the test suite's conftest sets it)
@@ -174,22 +180,22 @@ def main(argv=None) -> dict:
         if getattr(args, option) is None:
             setattr(args, option, [int(engine[key])])
     report = {"target": "sm_90", "args": vars(args), "settings": []}
-    head = "kv    block warps stages maxnreg exp2 warp_slots shared | regs stack shared programs/SM (by regs, shared)"
+    head = "kv    block warps stages maxnreg exp2 warp_slots shared groups | regs stack shared programs/SM (by regs, shared)"
     print(head + " | loop: " + " ".join(KINDS), flush=True)
     settings = itertools.product(
-        args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, args.shared
+        args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, args.shared, args.groups
     )
-    for block, warps, stage, cap, exp2, own, shared in settings:
+    for block, warps, stage, cap, exp2, own, shared, groups in settings:
         if own and (block % warps or block // warps < 16):  # decode_attention refuses it
             continue
-        row = compile_one(args.kv, block, warps, stage, cap, bool(exp2), bool(own), bool(shared))
+        row = compile_one(args.kv, block, warps, stage, cap, bool(exp2), bool(own), bool(shared), bool(groups))
         row.update(
             kv=args.kv, block=block, warps=warps, stages=stage, maxnreg=cap, exp2=bool(exp2), warp_slots=bool(own),
-            shared=bool(shared),
+            shared=bool(shared or groups), groups=bool(groups),
         )  # fmt: skip
         report["settings"].append(row)
         print(
-            f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} {own:10d} {shared:6d} | "
+            f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} {own:10d} {shared:6d} {groups:6d} | "
             f"{row['registers']:4d} "
             f"{row['stack_bytes']:5d} {row['shared_bytes']:6d} {row['programs']:3d} ({row['registers_limit']}, "
             f"{row['shared_limit']}) | {row['loop_instructions']}: " + " ".join(str(row["loop"][k]) for k in KINDS),

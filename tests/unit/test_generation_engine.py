@@ -356,17 +356,21 @@ def test_repeated_prompts_are_prefilled_once(attention, monkeypatch):
         assert greedy == reference_greedy(model, prompts.clamp(min=0), lengths, 12, V)
 
 
+@pytest.mark.parametrize("group_prefix", [False, True], ids=["rows", "group_programs"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, monkeypatch):
+def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, group_prefix, monkeypatch):
     """triton_decode.SHARED_PREFIX: the Triton kernel reads a repeated prompt's whole steps from the group's first row
-    (decode steps of 16 slots here, prompts of 20-36 tokens); the samples are those of the engine that prefills
-    every row (same seeds: same tokens, log-probs within float32 rounding), and the kernel got each row's lead. Calls
-    without repeated prompts, or with SHARED_PREFIX off, pass the kernel no leads (its plain form)."""
+    (decode steps of 16 slots here, prompts of 20-36 tokens); with GROUP_PREFIX a group program attends them for a
+    chunk of the group's rows (the model's 2 query heads a KV group: chunks of up to 8 rows; here rows 0-2 and 3-4);
+    the samples are those of the engine that prefills every row (same seeds: same tokens, log-probs within float32
+    rounding), and the kernel got each row's lead. Calls without repeated prompts, or with SHARED_PREFIX off, pass
+    the kernel no leads (its plain form)."""
     pytest.importorskip("triton")
     from aligner.generation.native import triton_decode
 
     monkeypatch.setattr(triton_decode, "BLOCK_N", 16)
     monkeypatch.setattr(triton_decode, "SHARED_PREFIX", True)
+    monkeypatch.setattr(triton_decode, "GROUP_PREFIX", group_prefix)
     model = _model(LLAMA)
     gen = replace(
         GEN, max_batch_size=6, max_prompt_length=36, max_response_length=6, decode_attention="triton", kv_dtype=kv_dtype
@@ -376,18 +380,24 @@ def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, monkey
     prompts = torch.randint(0, V, (6, 36), generator=torch.Generator().manual_seed(3))
     prompts[1:3], prompts[4] = prompts[0], prompts[3]  # groups: rows 0-2 (36 tokens), 3-4 (20), 5 alone (29)
     lengths = torch.tensor([36, 36, 36, 20, 20, 29])
-    leads = []
+    leads, chunks = [], []
     real = triton_decode.decode_attention
-    monkeypatch.setattr(
-        triton_decode,
-        "decode_attention",
-        lambda *a, shared=None, **kw: leads.append(shared and shared[0].tolist()) or real(*a, shared=shared, **kw),
-    )
+
+    def attention(*a, shared=None, groups=None, **kw):
+        leads.append(shared and shared[0].tolist())
+        chunks.append(groups and (groups[0].tolist(), groups[1].tolist()))
+        return real(*a, shared=shared, groups=groups, **kw)
+
+    monkeypatch.setattr(triton_decode, "decode_attention", attention)
     sp = SamplingParams(seeds=list(range(40, 46)), max_new_tokens=4)
     a = once.generate(prompts, lengths, sp)
     assert leads[-1] == [0, 0, 0, 3, 3, 5] and once.decoder.shared_B[:6].tolist() == lengths.tolist()
+    if group_prefix:
+        assert chunks[-1] == ([36, 36, 36, 20, 20, -1], [[0, 3, 36], [3, 2, 20], [0, 0, 0]])
+    else:
+        assert chunks[-1] is None
     b = each.generate(prompts, lengths, sp)
-    assert leads[-1] is None  # every row prefilled: no group
+    assert leads[-1] is None and chunks[-1] is None  # every row prefilled: no group
     assert torch.equal(a.response_tokens_BR, b.response_tokens_BR)
     torch.testing.assert_close(a.logprobs_BR, b.logprobs_BR, rtol=0, atol=1e-5)
     monkeypatch.setattr(triton_decode, "SHARED_PREFIX", False)

@@ -309,6 +309,77 @@ def test_a_groups_prompt_slots_read_from_its_lead_row(splits, cache, warp_slots)
         decode_attention(q, keys, values, pos, 1.0, shared=(lead[:2], shared), **extra)
 
 
+@pytest.mark.parametrize("cache", ["fp32", "fp8"])
+@pytest.mark.parametrize("r", [2, 3])
+def test_a_groups_prompt_attended_once_for_a_chunk_of_its_rows(cache, r):
+    """groups=(from_B, chunks) (triton_decode.GROUP_PREFIX): a group program attends a chunk of rows' query rows
+    together over the lead's whole prompt steps, each row's program its slots after them, merged: the attention of
+    each row over the true prompt and its own later slots. Rows: a group of 9 (prompt 140: a chunk of
+    group_rows(r) rows, the rest in a chunk of their own or, one row left, by its row program reading the lead as
+    `shared` does), a group of 3 with a prompt shorter than a step (a chunk with no whole step), a row alone. The
+    rows' own copies of the lead's whole steps are garbage wherever the lead is to be read."""
+    from aligner.generation.native.triton_decode import group_chunks, group_rows, quantize_fp8, write_value_chunks
+
+    B, G, D, T, block = 13, 2, 32, 256, 64
+    per_chunk = group_rows(r)
+    g = torch.Generator().manual_seed(11 + r)
+    qkv = torch.randn(B, G, r + 2, D, generator=g)
+    q, new = qkv[:, :, :r], (qkv[:, :, r], qkv[:, :, r + 1])
+    angles = torch.rand(B, D // 2, generator=g) * 6.0
+    rope = (torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1))
+    lead = torch.tensor([0] * 9 + [9] * 3 + [12])
+    lengths = torch.tensor([140] * 9 + [40] * 3 + [70])
+    pos = torch.tensor([150, 151, 140, 200, 170, 160, 141, 255, 180, 40, 90, 41, 100])
+    from_B, chunks = group_chunks(lead, lengths, per_chunk)
+    first_chunk = [0, min(per_chunk, 9), 140]
+    second = per_chunk if 9 - per_chunk >= 2 else 9  # the group of 9's second chunk, or the group of 3's
+    assert chunks.shape == (6, 3) and chunks[0].tolist() == first_chunk and chunks[1, 0].item() == second
+    covered = 9 if 9 % per_chunk != 1 else 8
+    assert from_B.tolist() == [140] * covered + [-1] * (9 - covered) + [40] * 3 + [-1]
+    true_kv = torch.randn(2, B, G, T, D, generator=torch.Generator().manual_seed(1))
+    true_kv[:, 1:9, :, :140] = true_kv[:, :1, :, :140]
+    true_kv[:, 10:12, :, :40] = true_kv[:, 9:10, :, :40]
+    kv = true_kv.clone()
+    kv[:, 1:9, :, :128] = 50.0  # the whole steps read from row 0 (by a group program or, row 8, as `shared`)
+    outs = {}
+    for name, cache_kv, sh, grp in (
+        ("groups", kv, (lead, lengths), (from_B, chunks)), ("plain", true_kv, None, None)
+    ):  # fmt: skip
+        extra, values, keys = {}, cache_kv[1].clone(), cache_kv[0].clone()
+        if cache == "fp8":
+            kv8, scales = quantize_fp8(cache_kv)
+            keys, values = kv8[0].clone(), torch.zeros(B, G, T // 64, D, 64).to(kv8.dtype)
+            write_value_chunks(values, kv8[1])
+            extra["kv_scales"] = (scales[0].clone(), scales[1].clone())
+        args = dict(block=block, num_warps=4, new_kv=new, rope=rope, shared=sh, groups=grp)
+        lead_keys = keys[0].clone()
+        outs[name] = decode_attention(q, keys, values, pos, D**-0.5, **args, **extra)
+        if name == "groups":  # the step's own key went into each row's own cache, the lead's only its own row's
+            lead_keys[:, pos[0]] = keys[0, :, pos[0]]
+            assert (keys[torch.arange(B), :, pos] != 0).any(-1).all() and torch.equal(keys[0], lead_keys)
+    assert not outs["groups"].isnan().any()
+    torch.testing.assert_close(outs["groups"], outs["plain"], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="groups need shared"):
+        decode_attention(q, keys, values, pos, 1.0, groups=(from_B, chunks), **extra)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        decode_attention(q, keys, values, pos, 1.0, shared=(lead, lengths), groups=(from_B, chunks.long()), **extra)
+
+
+def test_group_chunks_cover_each_group_in_chunks_of_two_rows_or_more():
+    """group_chunks: chunks of up to `rows` rows from each group's first row, none of one row, each chunk's first row,
+    count and prompt length; from_B the prompt's length for a covered row, -1 for another."""
+    from aligner.generation.native.triton_decode import group_chunks
+
+    lead = torch.tensor([0, 0, 0, 0, 0, 5, 6, 6, 8, 8, 8])
+    lengths = torch.tensor([7] * 5 + [3] + [9] * 2 + [4] * 3)
+    from_B, chunks = group_chunks(lead, lengths, 2)
+    assert chunks.tolist() == [[0, 2, 7], [2, 2, 7], [6, 2, 9], [8, 2, 4], [0, 0, 0]]
+    assert from_B.tolist() == [7, 7, 7, 7, -1, -1, 9, 9, 4, 4, -1]
+    from_B, chunks = group_chunks(lead, lengths, 8)
+    assert chunks.tolist() == [[0, 5, 7], [6, 2, 9], [8, 3, 4], [0, 0, 0], [0, 0, 0]]
+    assert from_B.tolist() == [7] * 5 + [-1] + [9, 9] + [4] * 3
+
+
 def test_non_contiguous_head_dimension_is_refused():
     q = torch.randn(1, 1, 2, 16)
     kv = torch.randn(2, 1, 1, 16, 8).transpose(-1, -2)  # [.., T=8, D=16] with stride 8 along D
@@ -318,11 +389,17 @@ def test_non_contiguous_head_dimension_is_refused():
 
 def test_availability_probe(monkeypatch):
     """`unavailable` answers None where the kernel runs (here: the interpreter, after a tiny call checked against
-    plain attention, bf16 and fp32, head widths 128 and 24) and names the reason where it does not."""
+    plain attention, bf16 and fp32, head widths 128 and 24, with GROUP_PREFIX also a group program's call) and names
+    the reason where it does not."""
     from aligner.generation.native.triton_decode import unavailable
 
     cpu = torch.device("cpu")
     assert unavailable(cpu, torch.bfloat16, 128) is None and unavailable(cpu, torch.float32, 24) is None
+    monkeypatch.setattr(td, "GROUP_PREFIX", True)  # with the group programs' form too
+    assert unavailable(cpu, td.FP8, 128) is None and unavailable(cpu, torch.float32, 24) is None
+    chunks = td.group_chunks  # rows told to attend their prompt too: counted twice
+    monkeypatch.setattr(td, "group_chunks", lambda *a: (torch.full_like(a[1], -1), chunks(*a)[1]))
+    assert "differs from plain attention" in unavailable(cpu, torch.float32, 24)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "needs a CUDA device" in unavailable(cpu)
 

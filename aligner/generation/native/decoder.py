@@ -158,6 +158,10 @@ class Decoder:
         # the row itself where no row above has its prompt): read there by the Triton kernel with SHARED_PREFIX
         self.lead_B = self.rows.clone()
         self.shared_B = torch.zeros(max_batch, dtype=torch.long, device=device)
+        # ... and triton_decode.GROUP_PREFIX's chunks of a group's rows (triton_decode.group_chunks): per row, where
+        # its own steps start (-1: all of them); per chunk (first row, rows, prompt length), [max_batch // 2, 3]
+        self.from_B = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        self.chunks = torch.zeros((max(max_batch // 2, 1), 3), dtype=torch.int32, device=device)
         self.cu_rows = torch.arange(max_batch + 1, device=device, dtype=torch.int32)  # flash's cumulative offsets
         self.cos = self.sin_signed = None
         if layout.family.rope:
@@ -210,12 +214,18 @@ class Decoder:
         """This call's groups: rows where `new_prompt_B` is False repeat the prompt of the row above (their cache
         slots [0, length) copied: copy_cache_rows); None: no row repeats one."""
         B = lengths_B.numel()
+        self.from_B.fill_(-1)
+        self.chunks.zero_()
         if new_prompt_B is None:
             self.lead_B[:B].copy_(self.rows[:B])
             self.shared_B[:B].zero_()
             return
         self.lead_B[:B] = torch.cummax(torch.where(new_prompt_B, self.rows[:B], 0), dim=0).values
         self.shared_B[:B] = lengths_B
+        per_chunk = triton_decode.group_rows(self.lo.heads // self.lo.groups)
+        if per_chunk >= 2:
+            from_B, chunks = triton_decode.group_chunks(self.lead_B[:B], lengths_B, per_chunk)
+            self.from_B[:B], self.chunks[: B // 2] = from_B, chunks
 
     def kv_ptrs(self) -> tuple[int, ...]:
         """Where the cache (and an FP8 cache's scales) lie: the addresses captured graphs read."""
@@ -442,7 +452,8 @@ class Decoder:
         """One token per sample at position pos_B (written into the cache); attends over slots [0, kv_len) masked
         to <= pos_B. Returns logits [B, V_pad/TP]. No host syncs, static shapes: safe to capture in a CUDA graph.
         `grouped`: the call's rows repeat prompts (set_prompt_groups); with the Triton kernel and
-        triton_decode.SHARED_PREFIX each row then reads its prompt's slots from its group's first row."""
+        triton_decode.SHARED_PREFIX each row then reads its prompt's slots from its group's first row, and with
+        GROUP_PREFIX as well a group program attends a chunk of rows' query rows over those slots at once."""
         B = tokens_B.shape[0]
         lo, kv = self.lo, self.kv
         G, r, D = lo.groups, lo.heads // lo.groups, lo.head_dim
@@ -478,6 +489,9 @@ class Decoder:
         elif self.decode_attention == "triton":
             splits = triton_decode.choose_splits(B * G, self.max_seq, kv.device)
             shared = (self.lead_B[:B], self.shared_B[:B]) if grouped and triton_decode.SHARED_PREFIX else None
+            groups = None  # a group's prompt attended once for a chunk of its rows
+            if shared is not None and triton_decode.GROUP_PREFIX and triton_decode.group_rows(r) >= 2 and B >= 2:
+                groups = (self.from_B[:B], self.chunks[: B // 2])
         elif self.decode_attention == "flash":
             T = self.max_seq
             cu_q = self.cu_rows[: B + 1]  # one query row per sample
@@ -492,6 +506,7 @@ class Decoder:
                 out = triton_decode.decode_attention(
                     qkv5[:, :, :r], kv[i, 0, :B], cached_values(i), pos_B, self.scale, splits,
                     new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i), shared=shared,
+                    groups=groups,
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
             q, kv_new = kernels.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]
@@ -504,7 +519,7 @@ class Decoder:
                 new_kv = (kv_new[0], kv_new[1]) if kernel_writes else None
                 out = triton_decode.decode_attention(
                     q, cache[0], cached_values(i), pos_B, self.scale, splits, new_kv=new_kv, kv_scales=scales(i),
-                    shared=shared,
+                    shared=shared, groups=groups,
                 )  # fmt: skip
                 return out.view(B, lo.heads * D).to(qkv.dtype)
             if self.decode_attention == "flash":

@@ -66,6 +66,11 @@ FP8_WARP_SLOTS = False
 # prompts (GRPO's groups) only. Timed on an H100, 512 rows of 8 samples a prompt, FP8 weights and cache: decode steps
 # 3.609 -> 3.305 ms, tokens/s +9.0 % (docs/PERF.md, thirty-fourth session). False: every row reads its own copy.
 SHARED_PREFIX = True
+# ... and with it, a group's prompt attended once for up to group_rows(r) of its rows: one group program per chunk of
+# rows and KV group attends their query rows together over the prompt's whole steps (a tensor-core product has 16
+# rows; a row's own program fills r of them), the rows' programs their slots after those, the two parts merged
+# (decode_attention's `groups`). Off until timed on a GPU.
+GROUP_PREFIX = False
 LOG2E = 1.4426950408889634
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
@@ -117,10 +122,11 @@ def unavailable(
         return why_not
     try:
         g = torch.Generator(device=device).manual_seed(0)
-        B, G, r, T, D = 2, 2, 2, 2 * V_CHUNK if dtype == FP8 else 40, head_dim
+        B, G, r, T, D = 2, 2, 2, 4 * V_CHUNK if dtype == FP8 else 40, head_dim
         q = torch.randn(B, G, r, D, generator=g, device=device)
         kv = torch.randn(2, B, G, T, D, generator=g, device=device)
         pos = torch.tensor([5, T - 1], device=device)
+        kv[:, 1, :, : T - 8] = kv[:, 0, :, : T - 8]  # rows 0 and 1: one prompt of T - 8 slots (GROUP_PREFIX's form)
         if dtype == FP8:  # values in the engine's chunks
             q = q.to(act_dtype or torch.bfloat16)
             kv8, scales = quantize_fp8(kv)
@@ -130,14 +136,24 @@ def unavailable(
             forms = [fp8_launch(1), fp8_launch(FP8_NARROW_MIN_BATCH)] if q.device.type == "cuda" else [{}]
             outs = [decode_attention(q, kv8[0], chunks, pos, D**-0.5, kv_scales=(scales[0], scales[1]), **form)
                     for form in forms]  # fmt: skip
+            cache = (kv8[0], chunks, dict(kv_scales=(scales[0], scales[1])))
             kv = kv8.float() * scales[..., None]
         else:
             q, kv = q.to(dtype), kv.to(dtype)
             outs = [decode_attention(q, kv[0], kv[1], pos, D**-0.5)]
+            cache = (kv[0], kv[1], {})
         scores = torch.einsum("bgrd,bgtd->bgrt", q.float(), kv[0].float()) * D**-0.5
         beyond = torch.arange(T, device=device)[None, None, None, :] > pos[:, None, None, None]
         ref = torch.einsum("bgrt,bgtd->bgrd", scores.masked_fill(beyond, float("-inf")).softmax(-1), kv[1].float())
-        if not all(torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) for out in outs):
+        refs = [ref] * len(outs)
+        if GROUP_PREFIX and group_rows(r) >= 2:  # both rows one chunk: the prompt's steps by a group program
+            lead, length = torch.zeros(B, dtype=torch.long, device=device), torch.full((B,), T - 8, device=device)
+            last = torch.full((B,), T - 1, device=device)
+            groups = group_chunks(lead, length, group_rows(r))
+            outs.append(decode_attention(q, cache[0], cache[1], last, D**-0.5, shared=(lead, length), groups=groups,
+                                         **cache[2]))  # fmt: skip
+            refs.append(torch.einsum("bgrt,bgtd->bgrd", scores.softmax(-1), kv[1].float()))
+        if not all(torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2) for out, ref in zip(outs, refs, strict=True)):
             return "the kernel's answer differs from plain attention here"
     except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
         return f"the kernel failed here ({type(exc).__name__}: {exc})"
@@ -236,32 +252,48 @@ def _kernels():
             return k, v, tl.where(on_lead, ks_lead, ks_own), tl.where(on_lead, vs_lead, vs_own)
         return bases
 
-    global _step_rows
-    _step_rows = step_rows
+    @triton.jit
+    def query_rows(in_chunk, first, count, b, rows, R: tl.constexpr):
+        """Query row i's (row, head, whether it is one): a group program's row first + i // R, head i % R; a row
+        program's row b, head i."""
+        q_row = tl.where(in_chunk, first + rows // R, b)
+        head = tl.where(in_chunk, rows % R, rows)
+        return q_row, head, tl.where(in_chunk, rows // R < count, rows < R)
+
+    global _step_rows, _query_rows
+    _step_rows, _query_rows = step_rows, query_rows
 
     @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-        lead_ptr, shared_ptr, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g,
+        lead_ptr, shared_ptr, row_from_ptr, chunk_ptr, n_rows, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g,
         svn_b, svn_g, srope_b, ss_b, ss_g, scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
         KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr, WARP_SLOTS: tl.constexpr,
-        SHARED: tl.constexpr,
+        SHARED: tl.constexpr, GROUPS: tl.constexpr,
     ):  # fmt: skip
         # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
         # 2: the same softmax, fewer products than exp's own x * log2(e))
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        row = b  # the row whose position, lead and RoPE rows the program reads
+        if GROUPS:  # programs past the n_rows rows' are group programs: chunk c's rows' prompt steps (decode_attention)
+            in_chunk = b >= n_rows
+            c = tl.maximum(b - n_rows, 0)
+            first, count = tl.load(chunk_ptr + c * 3), tl.load(chunk_ptr + c * 3 + 1)
+            chunk_len = tl.load(chunk_ptr + c * 3 + 2)
+            row = tl.where(in_chunk, first, b)
+            row_from = tl.load(row_from_ptr + row)
         # pos was written by an earlier step's token choice, and with PDL every kernel releases the next only after
         # its own wait: when this kernel starts, all kernels two or more before it are complete. So pos is read
         # before the wait, and the slot loop's bounds are known when the wait returns (docs/PERF.md, twenty-fourth
         # session: decode -1.8 % at 64 rows)
-        pos = tl.load(pos_ptr + b)
+        pos = tl.load(pos_ptr + row)
         shared_end = 0
         if SHARED:  # the steps wholly inside slots [0, shared) read row `lead`'s cache (both set before the call)
-            lead = tl.load(lead_ptr + b)
-            shared_end = tl.load(shared_ptr + b) // BLOCK * BLOCK
+            lead = tl.load(lead_ptr + row)
+            shared_end = tl.load(shared_ptr + row) // BLOCK * BLOCK
         if PDL:  # launched early (pdl.py): wait for the qkv projection before reading its rows
             tl.extra.cuda.gdc_wait()
         # WRITE_NEW: slot pos is not read from the cache; the step's own key and value come from kn/vn, and the
@@ -272,18 +304,30 @@ def _kernels():
         swapped = (dims + D // 2) % D
         if WRITE_NEW:  # the step's own key and value, loaded here so their latency hides under the slot loop
             writes = pos // SPLIT_LEN == s
+            if GROUPS:
+                writes = writes & (b < n_rows)
             dmask = (dims < D) & writes
             k_new = tl.load(kn_ptr + b * skn_b + g * skn_g + dims, mask=dmask, other=0.0)
             v_new = tl.load(vn_ptr + b * svn_b + g * svn_g + dims, mask=dmask, other=0.0)
             if ROPE:
                 k_sw = tl.load(kn_ptr + b * skn_b + g * skn_g + swapped, mask=dmask, other=0.0).to(tl.float32)
-        q_rows = q_ptr + b * sq_b + g * sq_g + rows[:, None] * sq_r
+        if GROUPS:
+            q_row, head, live = _query_rows(in_chunk, first, count, b, rows, R)
+            qmask = live[:, None] & (dims < D)[None, :]
+            q_rows = q_ptr + q_row[:, None] * sq_b + g * sq_g + head[:, None] * sq_r
+        else:
+            q_rows = q_ptr + b * sq_b + g * sq_g + rows[:, None] * sq_r
         q = tl.load(q_rows + dims[None, :], mask=qmask, other=0.0)
         if ROPE:  # megatron's t * cos + rotate_half(t) * sin, with [-sin, sin] and t's halves swapped
-            cos = tl.load(cos_ptr + b * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + b * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
+            cos = tl.load(cos_ptr + row * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + row * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
             q_sw = tl.load(q_rows + swapped[None, :], mask=qmask, other=0.0).to(tl.float32)
-            q = q.to(tl.float32) * cos[None, :] + q_sw * sin[None, :]
+            if GROUPS:  # each query row's own row's angles
+                cos_q = tl.load(cos_ptr + q_row[:, None] * srope_b + dims[None, :], mask=qmask, other=0.0)
+                sin_q = tl.load(sin_ptr + q_row[:, None] * srope_b + dims[None, :], mask=qmask, other=0.0)
+                q = q.to(tl.float32) * cos_q.to(tl.float32) + q_sw * sin_q.to(tl.float32)
+            else:
+                q = q.to(tl.float32) * cos[None, :] + q_sw * sin[None, :]
         # The products' operand type: the cache's; for an FP8 cache float16 on tensor cores (e4m3 values are exact
         # in it and the GPU widens e4m3 to it in one instruction, not to bfloat16: measured, docs/PERF.md), else
         # the activations'. Each slot's scale multiplies its score and its probability instead of its values.
@@ -300,8 +344,14 @@ def _kernels():
         acc = tl.zeros([R_PAD, D_PAD], tl.float32)
         start = s * SPLIT_LEN
         stop = tl.minimum(start + SPLIT_LEN, n_keys)
-        k_base, v_base = k_ptr + b * sk_b + g * sk_g, v_ptr + b * sv_b + g * sv_g
-        ks_base, vs_base = ks_ptr + b * ss_b + g * ss_g, vs_ptr + b * ss_b + g * ss_g
+        kv_row = b
+        if GROUPS:  # (one slot range) a group program: the chunk's whole prompt steps, in the lead's cache; a row
+            # program that a group program covers: from the end of those steps on
+            start = tl.where(in_chunk, 0, tl.where(row_from >= 0, row_from // BLOCK * BLOCK, 0))
+            stop = tl.where(in_chunk, chunk_len // BLOCK * BLOCK, stop)
+            kv_row = tl.where(in_chunk, lead, b)
+        k_base, v_base = k_ptr + kv_row * sk_b + g * sk_g, v_ptr + kv_row * sv_b + g * sv_g
+        ks_base, vs_base = ks_ptr + kv_row * ss_b + g * ss_g, vs_ptr + kv_row * ss_b + g * ss_g
         bases = (k_base, v_base, ks_base, vs_base)
         leads = bases
         if SHARED:  # a step below shared_end reads the lead row (its slots hold the same values as this row's)
@@ -429,7 +479,20 @@ def _kernels():
                 l_i = l_i * alpha + p_new
                 acc = acc * alpha[:, None] + p_new[:, None] * v_att[None, :]
                 m_i = m_new
-        if SPLITS == 1:
+        if GROUPS:  # partial results [B, G, 2, R, D] (merged by decode_attention_merge): a group program's in range 0
+            # of each of its rows, a row program's in range 1, and range 0 empty where no group program covers it
+            q_row, head, live = _query_rows(in_chunk, first, count, b, rows, R)  # (again: fewer registers in the loop)
+            qmask = live[:, None] & (dims < D)[None, :]
+            part = (q_row * tl.num_programs(1) + g) * 2 + tl.where(in_chunk, 0, 1)
+            at = part * R + head
+            tl.store(out_ptr + at[:, None] * D + dims[None, :], acc, mask=qmask)
+            tl.store(m_ptr + at, m_i, mask=live)
+            tl.store(l_ptr + at, l_i, mask=live)
+            alone = live & (b < n_rows) & (row_from < 0)
+            tl.store(out_ptr + (at - R)[:, None] * D + dims[None, :], tl.zeros([R_PAD, D_PAD], tl.float32), mask=alone[:, None] & (dims < D)[None, :])
+            tl.store(m_ptr + at - R, tl.full([R_PAD], float("-inf"), tl.float32), mask=alone)
+            tl.store(l_ptr + at - R, tl.zeros([R_PAD], tl.float32), mask=alone)
+        elif SPLITS == 1:
             out = acc / l_i[:, None]
             dst = out_ptr + b * so_b + g * so_g + rows[:, None] * so_r + dims[None, :]
             tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -465,6 +528,32 @@ def _kernels():
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qmask)
 
     return decode_attention_fwd, decode_attention_merge, triton.next_power_of_2
+
+
+def group_rows(r: int) -> int:
+    """Rows of a group a group program attends (decode_attention's `groups`): the product's padded query rows over
+    the r query heads of a KV group."""
+    return max(16, 1 << (r - 1).bit_length()) // r
+
+
+def group_chunks(lead_B: torch.Tensor, lengths_B: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_attention's `groups` for rows whose prompts repeat: lead_B[b] the first row of b's group (groups are
+    runs of neighbouring rows), lengths_B their prompts' lengths. Each group in chunks of `rows` rows from its first;
+    a chunk of one row is left to its row program. Returns (from_B, chunks [B // 2, 3] int32, unused ones zero); no
+    host sync."""
+    B = lead_B.numel()
+    index = torch.arange(B, device=lead_B.device)
+    j = index - lead_B  # the row's place in its group
+    size = torch.zeros(B, dtype=torch.long, device=lead_B.device).index_add_(0, lead_B, torch.ones_like(lead_B))
+    size = size[lead_B]
+    count = (size - (j - j % rows)).clamp(max=rows)  # rows of the row's chunk
+    covered = count >= 2
+    starts = covered & (j % rows == 0)
+    P = B // 2  # a chunk covers two rows or more
+    at = torch.where(starts, torch.cumsum(starts, 0) - 1, P)
+    chunks = torch.zeros(P + 1, 3, dtype=torch.int32, device=lead_B.device)
+    chunks[at] = torch.stack((index, count, lengths_B.to(index.dtype)), 1).to(torch.int32)
+    return torch.where(covered, lengths_B.to(index.dtype), -1), chunks[:P].contiguous()
 
 
 def choose_splits(pairs: int, max_keys: int, device: torch.device) -> int:
@@ -504,6 +593,7 @@ def decode_attention(
     maxnreg: int | None = None,
     warp_slots: bool | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -532,7 +622,16 @@ def decode_attention(
 
     `shared` = (lead_B, shared_B), int [B] each: row b's steps that lie wholly inside slots [0, shared_B[b]) read
     row lead_B[b]'s keys, values (and scales) instead of its own; those slots must hold the same values in both rows
-    (a repeated prompt's, copied by the engine). The step's own key and value are still written into row b."""
+    (a repeated prompt's, copied by the engine). The step's own key and value are still written into row b.
+
+    `groups` = (from_B, chunks_P3), with `shared`: a group's prompt attended once for several of its rows. chunks_P3
+    int32 [P, 3], each (first, count, length): rows first .. first + count - 1 (2 <= count <= group_rows(r), one
+    prompt of `length` slots, lead_B[first]'s cache holding it) are chunk c's; a group program per chunk and KV
+    group attends their count * r query rows, one tensor-core product's rows, over the lead's whole steps inside the
+    prompt, where a row program attends r rows (the product's other rows padding). from_B int [B]: the prompt's
+    length for a row some chunk covers, its own steps then from the end of those whole steps; -1 for a row no chunk
+    covers (it attends all its slots, reading `shared`'s lead as above). Rows [count, P) of chunks_P3 with count 0
+    are unused. The two parts are merged as split ranges are: one slot range for the rows (`splits` is not used)."""
     attend, merge, pow2 = _kernels()
     B, G, r, D = q_BGrD.shape
     T = keys_BGTD.shape[2]
@@ -583,6 +682,16 @@ def decode_attention(
         lead, shared_end = shared
         if lead.shape != (B,) or shared_end.shape != (B,):
             raise ValueError(f"decode_attention: shared needs two tensors of shape ({B},)")
+    if groups is None:
+        row_from = chunks = pos_B  # not read
+        n_chunks = 0
+    else:
+        row_from, chunks = groups
+        if shared is None or row_from.shape != (B,) or chunks.dim() != 2 or chunks.shape[1] != 3:
+            raise ValueError(f"decode_attention: groups need shared, from_B of shape ({B},) and chunks of shape (P, 3)")
+        if chunks.dtype != torch.int32 or not chunks.is_contiguous():
+            raise ValueError("decode_attention: groups' chunks need a contiguous int32 tensor")
+        n_chunks, splits = chunks.shape[0], 1
     out = torch.empty((B, G, r, D), dtype=act_dtype, device=keys_BGTD.device)
     R_PAD, D_PAD = max(16, pow2(r)), max(16, pow2(D))
     split_len = -(-T // splits)
@@ -617,7 +726,7 @@ def decode_attention(
     common = dict(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
         NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
-        WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None,
+        WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None, GROUPS=groups is not None,
     )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
@@ -626,23 +735,24 @@ def decode_attention(
     launch = dict(PDL=use_pdl, launch_pdl=True) if use_pdl else dict(PDL=False)  # the merge kernel: plain
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
     precision = "ieee" if act_dtype == torch.float32 else "tf32"
-    if splits == 1:
+    if splits == 1 and groups is None:
         attend[(B, G, 1)](
             q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end,
-            *args,
+            row_from, chunks, B, *args,
             *out.stride()[:3], *new_strides, rope_stride, *scale_strides, scale,
             BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common, **launch,
         )  # fmt: skip
         return out
-    acc = torch.empty((B, G, splits, r, D), dtype=torch.float32, device=out.device)
-    m = torch.empty((B, G, splits, r), dtype=torch.float32, device=out.device)
+    parts = 2 if groups is not None else splits  # (groups: the group programs' range and the rows' own)
+    acc = torch.empty((B, G, parts, r, D), dtype=torch.float32, device=out.device)
+    m = torch.empty((B, G, parts, r), dtype=torch.float32, device=out.device)
     l_ = torch.empty_like(m)
-    attend[(B, G, splits)](
-        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end, *args,
-        0, 0, 0,
+    attend[(B + n_chunks, G, splits)](
+        q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end,
+        row_from, chunks, B, *args, 0, 0, 0,
         *new_strides, rope_stride, *scale_strides, scale,
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
         **launch,
     )  # fmt: skip
-    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=splits, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, EXP2=exp2)
+    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=parts, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, EXP2=exp2)
     return out
