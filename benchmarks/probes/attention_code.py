@@ -105,7 +105,14 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
 
 
 def compile_one(
-    kv: str, block: int, warps: int, stages: int, maxnreg: int, exp2: bool, warp_slots: bool, shared: bool = False,
+    kv: str,
+    block: int,
+    warps: int,
+    stages: int,
+    maxnreg: int,
+    exp2: bool,
+    warp_slots: bool,
+    shared: bool = False,
     groups: bool = False,
 ) -> dict:
     """One setting compiled for sm_90: its resources and its slot loop."""
@@ -180,7 +187,8 @@ def main(argv=None) -> dict:
         if getattr(args, option) is None:
             setattr(args, option, [int(engine[key])])
     report = {"target": "sm_90", "args": vars(args), "settings": []}
-    head = "kv    block warps stages maxnreg exp2 warp_slots shared groups | regs stack shared programs/SM (by regs, shared)"
+    head = "kv    block warps stages maxnreg exp2 warp_slots shared groups | regs stack shared programs/SM"
+    head += " (by regs, shared)"
     print(head + " | loop: " + " ".join(KINDS), flush=True)
     settings = itertools.product(
         args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, args.shared, args.groups

@@ -266,7 +266,8 @@ def _kernels():
     @triton.jit
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-        lead_ptr, shared_ptr, row_from_ptr, chunk_ptr, n_rows, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g,
+        lead_ptr, shared_ptr, row_from_ptr, chunk_ptr, n_rows, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t,
+        so_b, so_g, so_r, skn_b, skn_g,
         svn_b, svn_g, srope_b, ss_b, ss_g, scale,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
@@ -489,7 +490,8 @@ def _kernels():
             tl.store(m_ptr + at, m_i, mask=live)
             tl.store(l_ptr + at, l_i, mask=live)
             alone = live & (b < n_rows) & (row_from < 0)
-            tl.store(out_ptr + (at - R)[:, None] * D + dims[None, :], tl.zeros([R_PAD, D_PAD], tl.float32), mask=alone[:, None] & (dims < D)[None, :])
+            empty = tl.zeros([R_PAD, D_PAD], tl.float32)
+            tl.store(out_ptr + (at - R)[:, None] * D + dims[None, :], empty, mask=alone[:, None] & (dims < D)[None, :])
             tl.store(m_ptr + at - R, tl.full([R_PAD], float("-inf"), tl.float32), mask=alone)
             tl.store(l_ptr + at - R, tl.zeros([R_PAD], tl.float32), mask=alone)
         elif SPLITS == 1:
