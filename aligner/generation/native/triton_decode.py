@@ -284,6 +284,8 @@ def _kernels():
             c = tl.maximum(b - n_rows, 0)
             first, count = tl.load(chunk_ptr + c * 3), tl.load(chunk_ptr + c * 3 + 1)
             chunk_len = tl.load(chunk_ptr + c * 3 + 2)
+            if in_chunk & (count == 0):  # an unused chunk
+                return
             row = tl.where(in_chunk, first, b)
             row_from = tl.load(row_from_ptr + row)
         # pos was written by an earlier step's token choice, and with PDL every kernel releases the next only after
@@ -508,9 +510,11 @@ def _kernels():
     def decode_attention_merge(
         acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_g, so_r,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
-        EXP2: tl.constexpr,
+        EXP2: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         b, g = tl.program_id(0), tl.program_id(1)
+        if PDL:  # launched early (pdl.py): wait for the attention's partial results
+            tl.extra.cuda.gdc_wait()
         rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
         qmask = (rows < R)[:, None] & (dims < D)[None, :]
         first = (b * tl.num_programs(1) + g) * SPLITS
@@ -525,6 +529,8 @@ def _kernels():
             total += w * tl.load(l_ptr + (first + s) * R + rows, mask=rows < R, other=0.0)
             part = tl.load(acc_ptr + (first + s) * R * D + rows[:, None] * D + dims[None, :], mask=qmask, other=0.0)
             acc += w[:, None] * part
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         out = acc / total[:, None]
         dst = out_ptr + b * so_b + g * so_g + rows[:, None] * so_r + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -734,7 +740,7 @@ def decode_attention(
         common["num_stages"] = num_stages
     if maxnreg:
         common["maxnreg"] = maxnreg
-    launch = dict(PDL=use_pdl, launch_pdl=True) if use_pdl else dict(PDL=False)  # the merge kernel: plain
+    launch = dict(PDL=use_pdl, launch_pdl=True) if use_pdl else dict(PDL=False)
     # TF32 products are exact for 16-bit keys and values; a float32 cache gets float32 products
     precision = "ieee" if act_dtype == torch.float32 else "tf32"
     if splits == 1 and groups is None:
@@ -756,5 +762,10 @@ def decode_attention(
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
         **launch,
     )  # fmt: skip
-    merge[(B, G)](acc, m, l_, out, *out.stride()[:3], SPLITS=parts, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, EXP2=exp2)
+    # (with PDL after the group programs' form; after split ranges plain, as timed before it)
+    merge_launch = launch if groups is not None else dict(PDL=False)
+    merge[(B, G)](
+        acc, m, l_, out, *out.stride()[:3], SPLITS=parts, R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, EXP2=exp2,
+        **merge_launch,
+    )  # fmt: skip
     return out
