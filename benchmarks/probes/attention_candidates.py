@@ -13,9 +13,9 @@ FP8_STAGES (docs/PERF.md); the thirty-first session timed them and made each bat
    largest batch size), each in a process of its own with its constants set by --set;
 3. with --groups N (thirtieth session): the engine on GRPO-shaped calls (--group-batch rows, each prompt in N
    neighbouring rows): every row prefilled, the prompt prefilled once with each row reading its own copy
-   (triton_decode.SHARED_PREFIX off), once with the group's prompt read from its first row (the engine's default),
-   that with the prompt attended once for a chunk of a group's rows (triton_decode.GROUP_PREFIX), and the default
-   with the plain candidate's settings;
+   (triton_decode.SHARED_PREFIX off), once with the group's prompt read from its first row (GROUP_PREFIX off), that
+   with the prompt attended once for a chunk of a group's rows (triton_decode.GROUP_PREFIX, here at every batch
+   size), and the engine's default with the plain candidate's settings;
 then prints the tables. --tiny: the CPU's smoke run (Triton's interpreter; the engine with its CPU settings).
 
     python3 benchmarks/probes/attention_candidates.py --out result.json
@@ -84,8 +84,8 @@ def kernel_alone(name: str, candidate: tuple, args) -> dict:
 GROUP_FORMS = {
     "each_row": (["--prefill-each-row"], []),
     "once": ([], ["triton_decode.SHARED_PREFIX=False"]),
-    "once_shared": ([], []),
-    "once_groups": ([], ["triton_decode.GROUP_PREFIX=True"]),
+    "once_shared": ([], ["triton_decode.GROUP_PREFIX=False"]),
+    "once_groups": ([], ["triton_decode.GROUP_PREFIX_MIN_BATCH=2"]),
     "once_plain": ([], settings(CANDIDATES["plain"])),
 }
 

@@ -360,8 +360,9 @@ def test_repeated_prompts_are_prefilled_once(attention, monkeypatch):
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, group_prefix, monkeypatch):
     """triton_decode.SHARED_PREFIX: the Triton kernel reads a repeated prompt's whole steps from the group's first row
-    (decode steps of 16 slots here, prompts of 20-36 tokens); with GROUP_PREFIX a group program attends them for a
-    chunk of the group's rows (the model's 2 query heads a KV group: chunks of up to 8 rows; here rows 0-2 and 3-4);
+    (decode steps of 16 slots here, prompts of 20-36 tokens); with GROUP_PREFIX (from GROUP_PREFIX_MIN_BATCH rows,
+    here 2) a group program attends them for a chunk of the group's rows (the model's 2 query heads a KV group:
+    chunks of up to 8 rows; here rows 0-2 and 3-4), not below that many rows;
     the samples are those of the engine that prefills every row (same seeds: same tokens, log-probs within float32
     rounding), and the kernel got each row's lead. Calls without repeated prompts, or with SHARED_PREFIX off, pass
     the kernel no leads (its plain form)."""
@@ -371,6 +372,7 @@ def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, group_
     monkeypatch.setattr(triton_decode, "BLOCK_N", 16)
     monkeypatch.setattr(triton_decode, "SHARED_PREFIX", True)
     monkeypatch.setattr(triton_decode, "GROUP_PREFIX", group_prefix)
+    monkeypatch.setattr(triton_decode, "GROUP_PREFIX_MIN_BATCH", 2)
     model = _model(LLAMA)
     gen = replace(
         GEN, max_batch_size=6, max_prompt_length=36, max_response_length=6, decode_attention="triton", kv_dtype=kv_dtype
@@ -400,6 +402,11 @@ def test_shared_prefix_reads_a_groups_prompt_from_its_first_row(kv_dtype, group_
     assert leads[-1] is None and chunks[-1] is None  # every row prefilled: no group
     assert torch.equal(a.response_tokens_BR, b.response_tokens_BR)
     torch.testing.assert_close(a.logprobs_BR, b.logprobs_BR, rtol=0, atol=1e-5)
+    if group_prefix:  # fewer rows than GROUP_PREFIX_MIN_BATCH: the rows' programs only
+        monkeypatch.setattr(triton_decode, "GROUP_PREFIX_MIN_BATCH", 7)
+        d = once.generate(prompts, lengths, sp)
+        assert leads[-1] == [0, 0, 0, 3, 3, 5] and chunks[-1] is None
+        assert torch.equal(a.response_tokens_BR, d.response_tokens_BR)
     monkeypatch.setattr(triton_decode, "SHARED_PREFIX", False)
     c = once.generate(prompts, lengths, sp)
     assert leads[-1] is None and torch.equal(a.response_tokens_BR, c.response_tokens_BR)

@@ -54,8 +54,8 @@ def test_grpo_shaped_calls_prefilled_once_and_every_row(tmp_path):
     prefilled = {name: run["4"]["prefill_prompts"] for name, run in report["groups"].items()}
     assert prefilled == {"each_row": 4, "once": 2, "once_shared": 2, "once_groups": 2, "once_plain": 2}
     assert report["groups"]["once"]["args"]["set"] == ["triton_decode.SHARED_PREFIX=False"]
-    assert report["groups"]["once_shared"]["args"]["set"] == []
-    assert report["groups"]["once_groups"]["args"]["set"] == ["triton_decode.GROUP_PREFIX=True"]
+    assert report["groups"]["once_shared"]["args"]["set"] == ["triton_decode.GROUP_PREFIX=False"]
+    assert report["groups"]["once_groups"]["args"]["set"] == ["triton_decode.GROUP_PREFIX_MIN_BATCH=2"]
     assert report["groups"]["once_plain"]["args"]["set"] == attention_candidates.settings(
         attention_candidates.CANDIDATES["plain"]
     )

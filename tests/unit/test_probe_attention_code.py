@@ -89,3 +89,21 @@ def test_the_engines_fp8_launch_by_batch_size(tmp_path, rows, block, warps, prog
     assert (row["block"], row["warps"], row["stages"], row["maxnreg"], row["exp2"]) == (block, warps, 2, 128, True)
     assert row["registers"] <= 128 and row["programs"] == programs
     assert row["loop"]["STL"] == row["loop"]["LDL"] == 0 and row["loop"]["HMMA"] == 64
+
+
+def test_the_group_programs_form_at_512_rows(tmp_path):
+    """triton_decode.GROUP_PREFIX's kernel (group programs beside the rows', the engine's form from 512 rows): at the
+    engine's launch for 512 rows still 8 programs an SM, no more than two spilled loads in the slot loop (as the
+    shared prefix's form), at most 10 % more loop instructions than that form (the query rows gathered by row)."""
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--rows", "512",
+         "--shared", "1", "--groups", "0", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    shared, groups = sorted(json.load(open(out))["settings"], key=lambda r: r["groups"])
+    assert groups["groups"] and not shared["groups"] and groups["programs"] == shared["programs"] == 8
+    assert groups["loop"]["STL"] == 0 and groups["loop"]["LDL"] <= 2
+    assert shared["loop_instructions"] < groups["loop_instructions"] < 1.1 * shared["loop_instructions"]

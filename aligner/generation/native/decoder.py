@@ -490,7 +490,8 @@ class Decoder:
             splits = triton_decode.choose_splits(B * G, self.max_seq, kv.device)
             shared = (self.lead_B[:B], self.shared_B[:B]) if grouped and triton_decode.SHARED_PREFIX else None
             groups = None  # a group's prompt attended once for a chunk of its rows
-            if shared is not None and triton_decode.GROUP_PREFIX and triton_decode.group_rows(r) >= 2 and B >= 2:
+            by_rows = B >= max(2, triton_decode.GROUP_PREFIX_MIN_BATCH) and triton_decode.group_rows(r) >= 2
+            if shared is not None and triton_decode.GROUP_PREFIX and by_rows:
                 groups = (self.from_B[:B], self.chunks[: B // 2])
         elif self.decode_attention == "flash":
             T = self.max_seq

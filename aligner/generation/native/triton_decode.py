@@ -66,11 +66,14 @@ FP8_WARP_SLOTS = False
 # prompts (GRPO's groups) only. Timed on an H100, 512 rows of 8 samples a prompt, FP8 weights and cache: decode steps
 # 3.609 -> 3.305 ms, tokens/s +9.0 % (docs/PERF.md, thirty-fourth session). False: every row reads its own copy.
 SHARED_PREFIX = True
-# ... and with it, a group's prompt attended once for up to group_rows(r) of its rows: one group program per chunk of
-# rows and KV group attends their query rows together over the prompt's whole steps (a tensor-core product has 16
-# rows; a row's own program fills r of them), the rows' programs their slots after those, the two parts merged
-# (decode_attention's `groups`). Off until timed on a GPU.
-GROUP_PREFIX = False
+# ... and with it, from GROUP_PREFIX_MIN_BATCH rows, a group's prompt attended once for up to group_rows(r) of its
+# rows: one group program per chunk of rows and KV group attends their query rows together over the prompt's whole
+# steps (a tensor-core product has 16 rows; a row's own program fills r of them), the rows' programs their slots
+# after those, the two parts merged (decode_attention's `groups`). Timed on an H100, 8 samples a prompt, FP8 weights
+# and cache: decode steps -1.5 to -1.8 % at 512 rows, +3.3 to +3.9 % at 128 (the merge and the partial results cost
+# more than the shared steps save there); docs/PERF.md, thirty-fifth session.
+GROUP_PREFIX = True
+GROUP_PREFIX_MIN_BATCH = 512
 LOG2E = 1.4426950408889634
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
@@ -284,8 +287,6 @@ def _kernels():
             c = tl.maximum(b - n_rows, 0)
             first, count = tl.load(chunk_ptr + c * 3), tl.load(chunk_ptr + c * 3 + 1)
             chunk_len = tl.load(chunk_ptr + c * 3 + 2)
-            if in_chunk & (count == 0):  # an unused chunk
-                return
             row = tl.where(in_chunk, first, b)
             row_from = tl.load(row_from_ptr + row)
         # pos was written by an earlier step's token choice, and with PDL every kernel releases the next only after
