@@ -96,3 +96,58 @@ def test_what_the_kernels_do_not_take_is_named():
         rows.quantize_rows(x.t())
     with pytest.raises(ValueError, match="contiguous rows"):
         rows.quantize_rows(torch.zeros(2, rows.MAX_WIDTH + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(9, 96), (2, 3, 200)], ids=["rows", "batch_tokens"])
+def test_swiglu_quantize_is_the_compiled_act_q(dtype, shape):
+    """One pass over fc1's unit-scale FP8 product: dequantized and rounded, silu(gate) * up in float32 rounded once
+    (the compiled act_q's rounding points), quantized per row; against those maths in torch (exp's last bits may
+    differ: a value on a rounding boundary lands one unit apart), and within one e4m3 unit of the eager act_q (which
+    also rounds silu's output), for 2-D and [B, T, .] inputs, a row count that does not fill the last program
+    (SWIGLU_ROWS 4) and an all-zero row."""
+    *lead, width = shape
+    g = torch.Generator().manual_seed(width)
+    y = (40 * torch.randn(*lead, 2 * width, generator=g)).to(dtype)
+    y.view(-1, 2 * width)[1] = 0
+    y_scale = 0.01 + torch.rand(*lead, 1, generator=g)
+    w_scale = 0.001 + 0.01 * torch.rand(2 * width, generator=g)
+    a8, a_scale = rows.swiglu_quantize(y, y_scale, w_scale)
+    gate, up = fp8.dequantize(y, y_scale, w_scale, dtype).float().chunk(2, dim=-1)
+    ref8, ref_scale = fp8.quantize_rows((torch.nn.functional.silu(gate) * up).to(dtype))
+    assert a8.shape == ref8.shape == (*lead, width) and a_scale.shape == ref_scale.shape == (*lead, 1)
+    assert a8.dtype == fp8.E4M3
+    torch.testing.assert_close(a_scale, ref_scale, rtol=1e-6, atol=0)
+    diff = a8.float() != ref8.float()
+    assert diff.float().mean() < 0.005, diff.float().mean()
+    _one_rounding_apart(a8.view(-1, width), ref8.view(-1, width))
+    e8, _ = EAGER.act_q(y, y_scale, w_scale, None, dtype)
+    assert torch.all((a8.float() - e8.float()).abs() <= 2.0**-3 * e8.float().abs() * 1.01 + 1e-6)
+    assert torch.all(a8.view(-1, width)[1].float() == 0)
+    with pytest.raises(ValueError, match="rows.swiglu_quantize"):
+        rows.swiglu_quantize(y, y_scale, w_scale[:-2])
+
+
+def test_prefill_takes_swiglu_quantize_where_it_is_wanted(monkeypatch):
+    """decoder.PREFILL_SWIGLU_ROWS: prefill's act_q becomes rows.swiglu_quantize for a SwiGLU family with FP8 decode
+    weights and compiled kernels on a CUDA device; a call with an fc1 bias still takes the compiled act_q."""
+    from aligner.generation.native import decoder
+
+    llama, gpt2 = family("llama"), family("gpt2")
+    monkeypatch.setattr(decoder, "PREFILL_SWIGLU_ROWS", True)
+    assert decoder.swiglu_rows_wanted(llama, object(), True, "cuda")
+    assert not decoder.swiglu_rows_wanted(gpt2, object(), True, "cuda")  # GELU, no gate
+    assert not decoder.swiglu_rows_wanted(llama, None, True, "cuda")  # bf16 MLP weights
+    assert not decoder.swiglu_rows_wanted(llama, object(), False, "cuda")  # the plain pieces
+    assert not decoder.swiglu_rows_wanted(llama, object(), True, "cpu")
+    monkeypatch.setattr(decoder, "PREFILL_SWIGLU_ROWS", False)
+    assert not decoder.swiglu_rows_wanted(llama, object(), True, "cuda")
+    calls = []
+    act_q = decoder._swiglu_act_q(lambda *a: calls.append(a) or EAGER.act_q(*a))
+    g = torch.Generator().manual_seed(1)
+    y, y_scale, w_scale = torch.randn(3, 64, generator=g), torch.ones(3, 1), torch.ones(64)
+    _same(act_q(y, y_scale, w_scale, None, torch.float32), rows.swiglu_quantize(y, y_scale, w_scale))
+    assert not calls
+    bias = torch.randn(64, generator=g)
+    _same(act_q(y, y_scale, w_scale, bias, torch.float32), EAGER.act_q(y, y_scale, w_scale, bias, torch.float32))
+    assert len(calls) == 1
