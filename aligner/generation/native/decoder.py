@@ -66,10 +66,6 @@ from aligner.generation.native.fused import make_kernels
 # Prefill's last layer runs proj and the MLP on each prompt's last position only (Decoder._stack's `pick`); False
 # runs them on every position, as before (probes compare the two: --set decoder.PREFILL_LAST_ONLY=False).
 PREFILL_LAST_ONLY = True
-# Prefill's SwiGLU and its quantization after the FP8 fc1 (no fc1 bias) by one Triton pass over each row
-# (rows.swiglu_quantize) instead of the compiled act_q (which reads the row again for the quantization's largest
-# value); on the GPU with compiled kernels. Off until timed on a GPU.
-PREFILL_SWIGLU_ROWS = False
 
 
 def _qk_norms(lw: dict) -> tuple:
@@ -146,8 +142,6 @@ class Decoder:
         if compile_elementwise and pdl.inductor_options(device):
             self.k_pdl = make_kernels(fam, eps, True, qk_norm, max_batch=max_batch, pdl_device=torch.device(device))
         self.k_prefill = make_kernels(fam, eps, compile_elementwise, qk_norm, prefill=True)
-        if swiglu_rows_wanted(fam, decode_fp8, compile_elementwise, device):
-            self.k_prefill = replace(self.k_prefill, act_q=_swiglu_act_q(self.k_prefill.act_q))
         if decode_fp8 is not None and decode_gemm == "splitk" and fam.normalization == "RMSNorm":
             # After the Triton GEMMs, the add+norm+quantize and the activation's quantization by one-program-per-row
             # Triton kernels (rows.py: faster than the compiled looped reductions at these widths)
@@ -596,26 +590,6 @@ class Decoder:
             dist.all_gather_into_tensor(gathered, logits_local_BV.contiguous(), group=self.group)
             logits_local_BV = gathered.view(lo.tp, B, lo.vocab_local).transpose(0, 1).reshape(B, -1)
         return logits_local_BV
-
-
-def swiglu_rows_wanted(family: FamilySpec, decode_fp8, compiled: bool, device) -> bool:
-    """Whether prefill's FP8 MLP takes rows.swiglu_quantize (PREFILL_SWIGLU_ROWS): a SwiGLU family with FP8 decode
-    weights and compiled kernels on a CUDA device."""
-    swiglu = family.gated_mlp and family.activation == "silu"
-    on_gpu = torch.device(device).type == "cuda"
-    return PREFILL_SWIGLU_ROWS and swiglu and decode_fp8 is not None and compiled and on_gpu
-
-
-def _swiglu_act_q(compiled_act_q):
-    """act_q by rows.swiglu_quantize where it takes the call (no bias, rows of up to rows.MAX_WIDTH values), else
-    the compiled one."""
-
-    def act_q(y, y_scale, w_scale, bias, dtype):
-        if bias is None and y.shape[-1] // 2 <= rows.MAX_WIDTH and y.stride(-1) == 1 and y.dtype == dtype:
-            return rows.swiglu_quantize(y, y_scale, w_scale)
-        return compiled_act_q(y, y_scale, w_scale, bias, dtype)
-
-    return act_q
 
 
 def flash_varlen(q_BHD, k_packed, v_packed, cu_q, cu_k, max_k: int, used_k, scale: float) -> torch.Tensor:

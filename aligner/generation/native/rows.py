@@ -132,46 +132,7 @@ def _quantize_kernel():
     return quantize_rows_k
 
 
-@lru_cache(maxsize=1)
-def _swiglu_kernel():
-    import triton
-    import triton.language as tl
-
-    _helpers()
-
-    @triton.jit
-    def swiglu_quantize_rows(
-        y_ptr, ys_ptr, ws_ptr, q_ptr, s_ptr, M, F, sy_m, tiny, e4m3_max,
-        BLOCK: tl.constexpr, ROWS: tl.constexpr, EMULATE: tl.constexpr, RECIPROCAL: tl.constexpr,
-    ):  # fmt: skip
-        cols = tl.arange(0, BLOCK)
-        ok = cols < F
-        dtype = y_ptr.dtype.element_ty
-        # the weight rows' scales, gate's then up's: read once for the program's ROWS rows
-        w_gate = tl.load(ws_ptr + cols, mask=ok, other=0.0)
-        w_up = tl.load(ws_ptr + F + cols, mask=ok, other=0.0)
-        for i in tl.static_range(ROWS):
-            row = tl.program_id(0) * ROWS + i
-            live = row < M
-            mask = ok & live
-            ys = tl.load(ys_ptr + row, mask=live, other=1.0)
-            gate = tl.load(y_ptr + row * sy_m + cols, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(y_ptr + row * sy_m + F + cols, mask=mask, other=0.0).to(tl.float32)
-            # fp8.dequantize's (y * row scale * column scale) rounded to the activations' dtype, then SwiGLU in
-            # float32 rounded once (as the compiled act_q: inductor keeps silu's output unrounded)
-            gate = _rounded(gate * ys * w_gate, dtype, EMULATE)
-            up = _rounded(up * ys * w_up, dtype, EMULATE)
-            a = _rounded(gate / (1.0 + tl.exp(-gate)) * up, dtype, EMULATE)
-            scale = _scale(tl.max(tl.abs(a), axis=0), tiny, e4m3_max, RECIPROCAL)
-            tl.store(q_ptr + row * F + cols, tl.math.div_rn(a, scale).to(q_ptr.dtype.element_ty), mask=mask)
-            tl.store(s_ptr + row, scale, mask=live)
-
-    return swiglu_quantize_rows
-
-
 MAX_WIDTH = 16384  # widest row a program holds (values); wider rows keep the compiled pieces
-SWIGLU_ROWS = 4  # rows a program of swiglu_quantize takes in turn (the weights' scales read once for them)
-SWIGLU_WARPS = 16
 
 
 NUM_WARPS = 16  # measured fastest of 4, 8, 16 for rows of 2048 and 8192 values at 64 and 128 rows (module docstring)
@@ -221,27 +182,6 @@ def quantize_rows(x_MN: torch.Tensor, num_warps: int | None = None) -> tuple[tor
     s = torch.empty((M, 1), dtype=torch.float32, device=x_MN.device)
     _quantize(x_MN, q, s, num_warps)
     return q.to(fp8.E4M3), s
-
-
-def swiglu_quantize(y: torch.Tensor, y_scale: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused.py's act_q for a SwiGLU MLP without fc1 bias, in one pass over fc1's unit-scale FP8 product: y [..., 2F]
-    (the activations' dtype, rows contiguous), its rows' scales [..., 1] and the weight rows' scales [2F]; each row
-    dequantized and rounded (fp8.dequantize), silu(gate) * up rounded once, quantized per row (fp8.quantize_rows):
-    returns (e4m3 [..., F], scales float32 [..., 1]). Where the compiled act_q reads its row again for the
-    quantization's largest value, this reads it once (prefill: every prompt token's MLP)."""
-    F = y.shape[-1] // 2
-    y2 = y.reshape(-1, 2 * F)
-    M = y2.shape[0]
-    if y.shape[-1] != 2 * F or y2.stride(-1) != 1 or F > MAX_WIDTH or w_scale.numel() != 2 * F:
-        raise ValueError(f"rows.swiglu_quantize: y {tuple(y.shape)} with weight scales {tuple(w_scale.shape)}")
-    q = _fp8_out(y2, (M, F))
-    s = torch.empty((M, 1), dtype=torch.float32, device=y.device)
-    _swiglu_kernel()[(-(-M // SWIGLU_ROWS),)](
-        y2, y_scale.reshape(M).contiguous(), w_scale.reshape(2 * F).contiguous(), q, s, M, F, y2.stride(0),
-        fp8._TINY, fp8.E4M3_MAX, BLOCK=1 << (F - 1).bit_length(), ROWS=SWIGLU_ROWS, EMULATE=_emulate(y2),
-        RECIPROCAL=y.device.type == "cuda", num_warps=SWIGLU_WARPS,
-    )  # fmt: skip
-    return q.to(fp8.E4M3).view(*y.shape[:-1], F), s.view(*y.shape[:-1], 1)
 
 
 def _quantize(x_MN, q_MN, s_M, num_warps: int | None) -> None:
