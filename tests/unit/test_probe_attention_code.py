@@ -19,6 +19,18 @@ sys.path.insert(0, ROOT)
 from benchmarks.probes.attention_code import programs_per_sm  # noqa: E402
 
 
+def _compiled(tmp_path, *args: str) -> list:
+    """attention_code.py's settings rows for `args`, compiled in a process of its own (Triton's interpreter off)."""
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return json.load(open(out))["settings"]
+
+
 def test_programs_per_sm_by_hand():
     # 168 registers: 5376 a warp (21 x 256), 21504 a program of 4 warps: 3 in 65536; 43008 + 1024 bytes: 5 in 228 KB
     assert programs_per_sm(168, 41984, 4) == {"registers_limit": 3, "shared_limit": 5, "warps_limit": 16, "programs": 3}
@@ -27,15 +39,8 @@ def test_programs_per_sm_by_hand():
 
 
 def test_the_fp8_kernel_compiled_for_sm90(tmp_path):
-    out = tmp_path / "r.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--maxnreg", "0", "128",
-         "168", "--exp2", "0", "1", "--warp-slots", "0", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    rows = {(r["maxnreg"], r["exp2"], r["warp_slots"]): r for r in json.load(open(out))["settings"]}
+    settings = _compiled(tmp_path, "--maxnreg", "0", "128", "168", "--exp2", "0", "1", "--warp-slots", "0", "1")
+    rows = {(r["maxnreg"], r["exp2"], r["warp_slots"]): r for r in settings}
     shared = {(cap, exp2): row for (cap, exp2, own), row in rows.items() if not own}
     for row in rows.values():
         assert row["block"] == 128 and row["stages"] == 2 and row["shared_bytes"] > 0  # the engine's FP8 settings
@@ -58,15 +63,8 @@ def test_the_shared_prefix_form_keeps_the_kernels_occupancy_at_a_cap_of_168(tmp_
     """triton_decode.SHARED_PREFIX (a group's prompt steps read from its first row) adds a choice of row a step: at
     the register cap 168 the kernel keeps 3 programs an SM and no spill in its loop, a few percent more instructions
     (uncapped it takes more registers than the engine's kernel: timed on a GPU with the cap)."""
-    out = tmp_path / "r.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--maxnreg", "168",
-         "--exp2", "0", "--shared", "0", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    plain, shared = sorted(json.load(open(out))["settings"], key=lambda r: r["shared"])
+    settings = _compiled(tmp_path, "--maxnreg", "168", "--exp2", "0", "--shared", "0", "1")
+    plain, shared = sorted(settings, key=lambda r: r["shared"])
     assert shared["shared"] and shared["programs"] == plain["programs"] == 3
     assert shared["loop"]["STL"] == shared["loop"]["LDL"] == 0
     assert plain["loop_instructions"] < shared["loop_instructions"] < 1.06 * plain["loop_instructions"]
@@ -77,15 +75,7 @@ def test_the_engines_fp8_launch_by_batch_size(tmp_path, rows, block, warps, prog
     """The FP8 cache's launch the engine takes on the GPU (triton_decode.fp8_launch, timed on an H200): 128 slots in
     4 warps below 128 rows, 64 in 2 warps from there, both capped at 128 registers with the softmax in base 2: 4 and 8
     programs an SM, nothing spilled inside the slot loop."""
-    out = tmp_path / "r.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--rows", str(rows),
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    (row,) = json.load(open(out))["settings"]
+    (row,) = _compiled(tmp_path, "--rows", str(rows))
     assert (row["block"], row["warps"], row["stages"], row["maxnreg"], row["exp2"]) == (block, warps, 2, 128, True)
     assert row["registers"] <= 128 and row["programs"] == programs
     assert row["loop"]["STL"] == row["loop"]["LDL"] == 0 and row["loop"]["HMMA"] == 64
@@ -95,15 +85,8 @@ def test_the_group_programs_form_at_512_rows(tmp_path):
     """triton_decode.GROUP_PREFIX's kernel (group programs beside the rows', the engine's form from 512 rows): at the
     engine's launch for 512 rows still 8 programs an SM, no more than two spilled loads in the slot loop (as the
     shared prefix's form), at most 10 % more loop instructions than that form (the query rows gathered by row)."""
-    out = tmp_path / "r.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "attention_code.py"), "--rows", "512",
-         "--shared", "1", "--groups", "0", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    shared, groups = sorted(json.load(open(out))["settings"], key=lambda r: r["groups"])
+    settings = _compiled(tmp_path, "--rows", "512", "--shared", "1", "--groups", "0", "1")
+    shared, groups = sorted(settings, key=lambda r: r["groups"])
     assert groups["groups"] and not shared["groups"] and groups["programs"] == shared["programs"] == 8
     assert groups["loop"]["STL"] == 0 and groups["loop"]["LDL"] <= 2
     assert shared["loop_instructions"] < groups["loop_instructions"] < 1.1 * shared["loop_instructions"]

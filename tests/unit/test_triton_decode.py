@@ -266,6 +266,20 @@ def test_warp_slots_give_the_same_attention(splits, cache, exp2):
         decode_attention(q, kv[0], values, pos, 1.0, block=32, num_warps=4, warp_slots=True, **extra)
 
 
+def _cache_as(cache: str, kv):
+    """(keys, values, extra arguments) of a [2, B, G, T, D] float32 cache as decode_attention takes it: fresh copies,
+    for "fp8" quantized (values in chunks of 64 slots) with its scales."""
+    from aligner.generation.native.triton_decode import quantize_fp8, write_value_chunks
+
+    if cache != "fp8":
+        return kv[0].clone(), kv[1].clone(), {}
+    B, G, T, D = kv.shape[1:]
+    kv8, scales = quantize_fp8(kv)
+    values = torch.zeros(B, G, T // 64, D, 64).to(kv8.dtype)
+    write_value_chunks(values, kv8[1])
+    return kv8[0].clone(), values, {"kv_scales": (scales[0].clone(), scales[1].clone())}
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("cache", ["fp32", "fp8"])
 @pytest.mark.parametrize("warp_slots", [False, True], ids=["shared_steps", "warp_slots"])
@@ -275,8 +289,6 @@ def test_a_groups_prompt_slots_read_from_its_lead_row(splits, cache, warp_slots)
     of the lead's slots are garbage where the lead is to be read: the result is attention over the lead's prompt
     slots and the row's own slots after them (the step's own key and value with RoPE written into its own row), for
     either loop form, split ranges and an FP8 cache with values in chunks."""
-    from aligner.generation.native.triton_decode import quantize_fp8, write_value_chunks
-
     B, G, r, D, T, block = 4, 2, 2, 32, 192, 64
     g = torch.Generator().manual_seed(7 + splits)
     qkv = torch.randn(B, G, r + 2, D, generator=g)
@@ -292,12 +304,7 @@ def test_a_groups_prompt_slots_read_from_its_lead_row(splits, cache, warp_slots)
     kv[:, 2, :, :64] = -50.0  # row 2 shares 64 slots: one step
     outs = {}
     for name, cache_kv, sh in (("shared", kv, (lead, shared)), ("plain", true_kv, None)):
-        extra, values, keys = {}, cache_kv[1].clone(), cache_kv[0].clone()
-        if cache == "fp8":
-            kv8, scales = quantize_fp8(cache_kv)
-            keys, values = kv8[0].clone(), torch.zeros(B, G, T // 64, D, 64).to(kv8.dtype)
-            write_value_chunks(values, kv8[1])
-            extra["kv_scales"] = (scales[0].clone(), scales[1].clone())
+        keys, values, extra = _cache_as(cache, cache_kv)
         args = dict(splits=splits, block=block, num_warps=4, new_kv=new, rope=rope, warp_slots=warp_slots)
         outs[name] = decode_attention(q, keys, values, pos, D**-0.5, shared=sh, **args, **extra)
         if name == "shared":  # the step's own key went into each row's own cache, never the lead's
@@ -318,7 +325,7 @@ def test_a_groups_prompt_attended_once_for_a_chunk_of_its_rows(cache, r):
     group_rows(r) rows, the rest in a chunk of their own or, one row left, by its row program reading the lead as
     `shared` does), a group of 3 with a prompt shorter than a step (a chunk with no whole step), a row alone. The
     rows' own copies of the lead's whole steps are garbage wherever the lead is to be read."""
-    from aligner.generation.native.triton_decode import group_chunks, group_rows, quantize_fp8, write_value_chunks
+    from aligner.generation.native.triton_decode import group_chunks, group_rows
 
     B, G, D, T, block = 13, 2, 32, 256, 64
     per_chunk = group_rows(r)
@@ -345,12 +352,7 @@ def test_a_groups_prompt_attended_once_for_a_chunk_of_its_rows(cache, r):
     for name, cache_kv, sh, grp in (
         ("groups", kv, (lead, lengths), (from_B, chunks)), ("plain", true_kv, None, None)
     ):  # fmt: skip
-        extra, values, keys = {}, cache_kv[1].clone(), cache_kv[0].clone()
-        if cache == "fp8":
-            kv8, scales = quantize_fp8(cache_kv)
-            keys, values = kv8[0].clone(), torch.zeros(B, G, T // 64, D, 64).to(kv8.dtype)
-            write_value_chunks(values, kv8[1])
-            extra["kv_scales"] = (scales[0].clone(), scales[1].clone())
+        keys, values, extra = _cache_as(cache, cache_kv)
         args = dict(block=block, num_warps=4, new_kv=new, rope=rope, shared=sh, groups=grp)
         lead_keys = keys[0].clone()
         outs[name] = decode_attention(q, keys, values, pos, D**-0.5, **args, **extra)

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("triton")
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "triton_sm90.py")
 KERNELS = [
-    "decode_attention_fwd", "splitk_gemm", "gated_gemm", "splitk_fp8_gemm", "gated_fp8_gemm", "quantize_rows_k",
+    "decode_attention_fwd", "decode_attention_merge", "splitk_gemm", "gated_gemm", "splitk_fp8_gemm", "gated_fp8_gemm", "quantize_rows_k",
     "add_norm_rows", "choice_parts", "choice_merge", "prefill_fp8_write",
 ]  # fmt: skip
 
@@ -38,5 +38,7 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     # its values in the engine's chunks
     assert compiled.stdout.count("'WRITE_NEW': True") >= 4 and "'KV_FP8': True" in compiled.stdout
     assert "'V_CHUNK': 64" in compiled.stdout
+    # a group's prompt by group programs (GROUP_PREFIX: the start-up check's call) and the merge after them
+    assert "'GROUPS': True" in compiled.stdout and "'SPLITS': 2" in compiled.stdout
     # and what steps above 128 rows take: FP8 fc1 and qkv in row blocks, 64 attention slots a step
     assert compiled.stdout.count("'BLOCK_M': 128") == 2 and "'BLOCK': 64," in compiled.stdout
