@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("triton")
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "triton_sm90.py")
 KERNELS = [
-    "decode_attention_fwd", "decode_attention_merge", "splitk_gemm", "gated_gemm", "splitk_fp8_gemm", "gated_fp8_gemm", "quantize_rows_k",
+    "decode_attention_fwd", "decode_attention_merge", "splitk_gemm", "gated_gemm", "splitk_fp8_gemm",
+    "gated_fp8_gemm", "quantize_rows_k",
     "add_norm_rows", "choice_parts", "choice_merge", "prefill_fp8_write",
 ]  # fmt: skip
 
