@@ -22,6 +22,34 @@ def _mpiexec():
     return here if os.path.exists(here) else shutil.which("mpiexec")
 
 
+def _run_or_report(cmd: list[str], env: dict, tmp_path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The launcher, run to its end. Past `timeout` (a rank that never joined its world once hung this test: docs/
+    PERF.md, thirty-fourth session) the test fails with what was running below the launcher (pid, parent, state,
+    command line) and the output so far, and every one of those processes is killed, so that no mpiexec proxy keeps
+    spinning through the rest of the suite."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        below = psutil.Process(proc.pid).children(recursive=True)
+        lines = []
+        for p in below:
+            try:
+                lines.append(f"{p.pid} {p.ppid()} {p.status()} {' '.join(p.cmdline())[:300]}")
+                p.kill()
+            except psutil.Error:
+                pass
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(
+            f"the launcher ran past {timeout} s (experiment {tmp_path}); below it:\n" + "\n".join(lines)
+            + f"\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+        )  # fmt: skip
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.mark.parametrize(
     "launcher",
     [
@@ -33,7 +61,7 @@ def _mpiexec():
 )
 def test_two_rank_actor(tmp_path, launcher):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run(
+    proc = _run_or_report(
         [
             sys.executable,
             LAUNCHER,
@@ -49,11 +77,8 @@ def test_two_rank_actor(tmp_path, launcher):
             "validation.every=0",
             "logging.progress_bar=false",
         ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        env,
+        tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     head = "mpiexec -n 2 " if launcher == "mpiexec" else "torch.distributed.run --nproc-per-node 2 "
