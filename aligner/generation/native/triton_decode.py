@@ -70,8 +70,8 @@ SHARED_PREFIX = True
 # rows: one group program per chunk of rows and KV group attends their query rows together over the prompt's whole
 # steps (a tensor-core product has 16 rows; a row's own program fills r of them), the rows' programs their slots
 # after those, the two parts merged (decode_attention's `groups`). Timed on an H100, 8 samples a prompt, FP8 weights
-# and cache: decode steps -1.5 to -1.8 % at 512 rows, +3.3 to +3.9 % at 128 (the merge and the partial results cost
-# more than the shared steps save there); docs/PERF.md, thirty-fifth session.
+# and cache: decode steps -1.4 to -1.8 % at 512 rows, even at 256, +3.3 to +3.9 % at 128 (the merge and the partial
+# results cost more than the shared steps save there); docs/PERF.md, thirty-fifth session.
 GROUP_PREFIX = True
 GROUP_PREFIX_MIN_BATCH = 512
 LOG2E = 1.4426950408889634
@@ -266,7 +266,7 @@ def _kernels():
     global _step_rows, _query_rows
     _step_rows, _query_rows = step_rows, query_rows
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])  # (the batch size: no compilation of its own for B = 1 or 16 | B)
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
         lead_ptr, shared_ptr, row_from_ptr, chunk_ptr, n_rows, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t,
