@@ -255,16 +255,8 @@ def _kernels():
             return k, v, tl.where(on_lead, ks_lead, ks_own), tl.where(on_lead, vs_lead, vs_own)
         return bases
 
-    @triton.jit
-    def query_rows(in_chunk, first, count, b, rows, R: tl.constexpr):
-        """Query row i's (row, head, whether it is one): a group program's row first + i // R, head i % R; a row
-        program's row b, head i."""
-        q_row = tl.where(in_chunk, first + rows // R, b)
-        head = tl.where(in_chunk, rows % R, rows)
-        return q_row, head, tl.where(in_chunk, rows // R < count, rows < R)
-
-    global _step_rows, _query_rows
-    _step_rows, _query_rows = step_rows, query_rows
+    global _step_rows
+    _step_rows = step_rows
 
     @triton.jit(do_not_specialize=["n_rows"])  # (the batch size: no compilation of its own for B = 1 or 16 | B)
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
@@ -315,8 +307,10 @@ def _kernels():
             v_new = tl.load(vn_ptr + b * svn_b + g * svn_g + dims, mask=dmask, other=0.0)
             if ROPE:
                 k_sw = tl.load(kn_ptr + b * skn_b + g * skn_g + swapped, mask=dmask, other=0.0).to(tl.float32)
-        if GROUPS:
-            q_row, head, live = _query_rows(in_chunk, first, count, b, rows, R)
+        if GROUPS:  # query row i: a group program's row first + i // R, head i % R; a row program's row b, head i
+            q_row = tl.where(in_chunk, first + rows // R, b)
+            head = tl.where(in_chunk, rows % R, rows)
+            live = tl.where(in_chunk, rows // R < count, rows < R)
             qmask = live[:, None] & (dims < D)[None, :]
             q_rows = q_ptr + q_row[:, None] * sq_b + g * sq_g + head[:, None] * sq_r
         else:
@@ -485,8 +479,6 @@ def _kernels():
                 m_i = m_new
         if GROUPS:  # partial results [B, G, 2, R, D] (merged by decode_attention_merge): a group program's in range 0
             # of each of its rows, a row program's in range 1, and range 0 empty where no group program covers it
-            q_row, head, live = _query_rows(in_chunk, first, count, b, rows, R)  # (again: fewer registers in the loop)
-            qmask = live[:, None] & (dims < D)[None, :]
             part = (q_row * tl.num_programs(1) + g) * 2 + tl.where(in_chunk, 0, 1)
             at = part * R + head
             tl.store(out_ptr + at[:, None] * D + dims[None, :], acc, mask=qmask)
@@ -562,7 +554,7 @@ def group_chunks(lead_B: torch.Tensor, lengths_B: torch.Tensor, rows: int) -> tu
     at = torch.where(starts, torch.cumsum(starts, 0) - 1, P)
     chunks = torch.zeros(P + 1, 3, dtype=torch.int32, device=lead_B.device)
     chunks[at] = torch.stack((index, count, lengths_B.to(index.dtype)), 1).to(torch.int32)
-    return torch.where(covered, lengths_B.to(index.dtype), -1), chunks[:P].contiguous()
+    return torch.where(covered, lengths_B.to(index.dtype), -1), chunks[:P]
 
 
 def choose_splits(pairs: int, max_keys: int, device: torch.device) -> int:
