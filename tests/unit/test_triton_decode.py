@@ -229,6 +229,41 @@ def test_softmax_in_base_2_gives_the_same_attention(splits, fp8):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32_cache", "fp8_cache"])
+@pytest.mark.parametrize("r, r_pad", [(1, 8), (2, 2), (2, 8), (3, 4), (3, 2)])
+def test_query_rows_padded_to_fewer_than_16(splits, fp8, r, r_pad):
+    """r_pad (triton_decode.FP8_R_PAD: a program's r query rows padded to fewer than a tensor-core product's 16; a
+    power of two, at least r's) attends as plain attention: rows of padding (r_pad 8 for 1 or 2 heads, 4 for 3), none
+    (2 for 2), r_pad below r (3 heads: padded to 4), the step's own key and value written, split ranges, an FP8 cache
+    with values in chunks. A padding that is no power of two is refused."""
+    from aligner.generation.native.triton_decode import quantize_fp8, value_rows, write_value_chunks
+
+    B, G, D, T = 3, 2, 32, 48
+    g = torch.Generator().manual_seed(11 + 10 * r + splits)
+    qkv = torch.randn(B, G, r + 2, D, generator=g)
+    q, new = qkv[:, :, :r], (qkv[:, :, r], qkv[:, :, r + 1])
+    pos = torch.tensor([0, T - 1, T // 2])
+    kv = torch.randn(2, B, G, T, D, generator=g)
+    extra, values = {}, kv[1]
+    if fp8:
+        kv8, scales = quantize_fp8(kv)
+        values = torch.zeros(B, G, T // 16, D, 16).to(kv8.dtype)
+        write_value_chunks(values, kv8[1])
+        extra["kv_scales"] = (scales[0], scales[1])
+        kv = kv8
+    with pytest.raises(ValueError, match="r_pad must be a power of two"):
+        decode_attention(q, kv[0], values, pos, 1.0, r_pad=6, **extra)
+    out = decode_attention(q, kv[0], values, pos, D**-0.5, splits=splits, new_kv=new, r_pad=r_pad, **extra)
+    if fp8:  # the cache as the kernel left it (the step's key and value written), dequantized
+        kv = torch.stack([kv8[0], value_rows(values)]).float() * scales[..., None]
+    else:
+        rows = torch.arange(B)
+        kv[0, rows, :, pos], kv[1, rows, :, pos] = new
+    assert out.shape == (B, G, r, D) and not out.isnan().any()
+    torch.testing.assert_close(out, _reference(q, kv[0], kv[1], pos, D**-0.5), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("cache", ["fp32", "fp8"])
 @pytest.mark.parametrize("exp2", [False, True], ids=["exp", "exp2"])
 def test_warp_slots_give_the_same_attention(splits, cache, exp2):
@@ -465,11 +500,11 @@ def test_fp8_launch_by_batch_size_and_the_settings_that_override_it(monkeypatch)
     """An FP8 cache's launch on the GPU as timed on an H200 (docs/PERF.md, thirty-first session): 128 slots in 4
     warps below FP8_NARROW_MIN_BATCH rows, 64 in 2 warps from there, a cap of 128 registers and base 2 at both; the
     module's FP8 settings, set, hold at every size (how the probes time a candidate in the engine)."""
-    common = dict(num_stages=2, maxnreg=128, exp2=True, warp_slots=False)
+    common = dict(num_stages=2, maxnreg=128, exp2=True, warp_slots=False, r_pad=td.FP8_R_PAD)
     assert td.fp8_launch(64) == dict(block=128, num_warps=4, **common)
     assert td.fp8_launch(td.FP8_NARROW_MIN_BATCH - 1)["num_warps"] == 4
     assert td.fp8_launch(td.FP8_NARROW_MIN_BATCH) == td.fp8_launch(256) == dict(block=64, num_warps=2, **common)
     for name, value in (("FP8_BLOCK_N", 128), ("FP8_WARPS", 4), ("FP8_MAXNREG", 0), ("EXP2", False)):
         monkeypatch.setattr(td, name, value)
-    plain = dict(block=128, num_warps=4, num_stages=2, maxnreg=0, exp2=False, warp_slots=False)
+    plain = dict(block=128, num_warps=4, num_stages=2, maxnreg=0, exp2=False, warp_slots=False, r_pad=td.FP8_R_PAD)
     assert td.fp8_launch(64) == td.fp8_launch(512) == plain

@@ -51,6 +51,12 @@ V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module d
 # the narrow form, which fills an SM's 8 program slots in one wave there (1,024 programs of 8 KV groups).
 FP8_NARROW_MIN_BATCH = 128
 FP8_STAGES = 2
+# The query rows a program's products hold (r heads padded up to this many, a power of two): a tensor-core product
+# takes 16 rows, but Triton 3.6 pads fewer itself, and in its layout a thread then holds half the scores,
+# probabilities and output of 16 rows: in the sm_90 code the FP8 cache's slot loop 787 -> 693 instructions (64 slots
+# in 2 warps) and 832 -> 742 (128 in 4), half the exponentials (benchmarks/probes/attention_code.py --r-pad). Not for
+# a 16-bit cache (more register copies there) nor the group programs' form (their chunk of rows fills 16).
+FP8_R_PAD = 16
 # Each of these, set, holds for every batch size (the probes' --set: candidates compared in one tree); None: by size.
 FP8_BLOCK_N: int | None = None
 FP8_WARPS: int | None = None
@@ -568,12 +574,12 @@ def choose_splits(pairs: int, max_keys: int, device: torch.device) -> int:
 
 def fp8_launch(B: int) -> dict:
     """An FP8 cache's decode attention launch on the GPU at B rows (the module's FP8 settings; those set hold for every
-    size): decode_attention's block, num_warps, num_stages, maxnreg (0: no cap), exp2 and warp_slots."""
+    size): decode_attention's block, num_warps, num_stages, maxnreg (0: no cap), exp2, warp_slots and r_pad."""
     narrow = B >= FP8_NARROW_MIN_BATCH
     return dict(
         block=FP8_BLOCK_N or (64 if narrow else 128), num_warps=FP8_WARPS or (2 if narrow else 4),
         num_stages=FP8_STAGES, maxnreg=128 if FP8_MAXNREG is None else FP8_MAXNREG,
-        exp2=True if EXP2 is None else EXP2, warp_slots=FP8_WARP_SLOTS,
+        exp2=True if EXP2 is None else EXP2, warp_slots=FP8_WARP_SLOTS, r_pad=FP8_R_PAD,
     )  # fmt: skip
 
 
@@ -595,6 +601,7 @@ def decode_attention(
     warp_slots: bool | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    r_pad: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -618,8 +625,9 @@ def decode_attention(
 
     `exp2` takes the softmax in base 2; `maxnreg` caps the kernel's registers a thread (a Triton launch option, 0:
     none); `warp_slots` gives each warp its own block / num_warps slots of a step (at least 16), merged once at the
-    end, instead of sharing every slot among the warps. Not given, these and the block, warps and stages are
-    fp8_launch(B)'s with an FP8 cache on the GPU, else base e (EXP2 where set), no cap, shared slots.
+    end, instead of sharing every slot among the warps; `r_pad` (a power of two) pads the r query rows of a program's
+    products up to that many (16 with `groups`). Not given, these and the block, warps and stages are fp8_launch(B)'s
+    with an FP8 cache on the GPU, else base e (EXP2 where set), no cap, shared slots, 16 rows.
 
     `shared` = (lead_B, shared_B), int [B] each: row b's steps that lie wholly inside slots [0, shared_B[b]) read
     row lead_B[b]'s keys, values (and scales) instead of its own; those slots must hold the same values in both rows
@@ -661,6 +669,9 @@ def decode_attention(
         maxnreg = launch["maxnreg"] if maxnreg is None else maxnreg
         warp_slots = launch["warp_slots"] if warp_slots is None else warp_slots
         exp2 = launch["exp2"] if exp2 is None else exp2
+        r_pad = r_pad or launch["r_pad"]
+    if r_pad is not None and (r_pad < 1 or r_pad & (r_pad - 1)):
+        raise ValueError(f"decode_attention: r_pad must be a power of two (got {r_pad})")
     if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows)
         block = BLOCK_N if B < WIDE_MIN_BATCH else WIDE_BLOCK_N
     num_warps = num_warps or 4
@@ -694,7 +705,8 @@ def decode_attention(
             raise ValueError("decode_attention: groups' chunks need a contiguous int32 tensor")
         n_chunks, splits = chunks.shape[0], 1
     out = torch.empty((B, G, r, D), dtype=act_dtype, device=keys_BGTD.device)
-    R_PAD, D_PAD = max(16, pow2(r)), max(16, pow2(D))
+    # (the group programs' chunk of rows fills a product's 16: group_rows)
+    R_PAD, D_PAD = max(16 if groups is not None or r_pad is None else r_pad, pow2(r)), max(16, pow2(D))
     split_len = -(-T // splits)
     split_len = -(-split_len // block) * block
     splits = -(-T // split_len)
