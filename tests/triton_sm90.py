@@ -103,6 +103,9 @@ def record(path: str) -> int:
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
+    from aligner.generation.native import triton_decode
+
+    triton_decode.GROUP_PREFIX = True  # (off in the engine, a switch the probes turn on: its start-up call compiles)
     initialize(1, 1, master_port=int(os.environ.get("MASTER_PORT", "0")) or None)
     base = dict(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512)
     base.update(vocab_size=250, params_dtype="bfloat16")
@@ -131,7 +134,7 @@ def record(path: str) -> int:
             print(f"recorded {name} {extra or 'engine dtype'}: {len(specs)} specializations so far", flush=True)
     # what steps of 129-512 rows take, at 3 rows: the limits lowered (FP8 fc1 and qkv in blocks of ROW_BLOCK rows,
     # proj and fc2 by cuBLAS, 64 attention slots a step)
-    from aligner.generation.native import splitk, triton_decode
+    from aligner.generation.native import splitk
 
     splitk.MAX_BATCH = splitk.GATED_MAX_BATCH = 2
     triton_decode.WIDE_MIN_BATCH = 3

@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
 
     fp8 = args.kv == "fp8"
     if fp8:  # the engine's launch at --rows rows
-        engine = triton_decode.fp8_launch(args.rows)
+        engine = {**triton_decode.fp8_launch(args.rows), "r_pad": triton_decode.FP8_R_PAD}
     else:  # a bf16 cache: the wide step, 4 warps, 3 stages, no cap, base e
         engine = dict(block=triton_decode.WIDE_BLOCK_N, num_warps=4, num_stages=3, maxnreg=0, exp2=False, r_pad=16)
     names = {"blocks": "block", "warps": "num_warps", "stages": "num_stages", "maxnreg": "maxnreg", "exp2": "exp2"}

@@ -39,7 +39,9 @@ def test_programs_per_sm_by_hand():
 
 
 def test_the_fp8_kernel_compiled_for_sm90(tmp_path):
-    settings = _compiled(tmp_path, "--maxnreg", "0", "128", "168", "--exp2", "0", "1", "--warp-slots", "0", "1")
+    settings = _compiled(  # (16 query rows, as then: FP8_R_PAD came in the thirty-sixth session)
+        tmp_path, "--maxnreg", "0", "128", "168", "--exp2", "0", "1", "--warp-slots", "0", "1", "--r-pad", "16"
+    )
     rows = {(r["maxnreg"], r["exp2"], r["warp_slots"]): r for r in settings}
     shared = {(cap, exp2): row for (cap, exp2, own), row in rows.items() if not own}
     for row in rows.values():
@@ -63,7 +65,7 @@ def test_the_shared_prefix_form_keeps_the_kernels_occupancy_at_a_cap_of_168(tmp_
     """triton_decode.SHARED_PREFIX (a group's prompt steps read from its first row) adds a choice of row a step: at
     the register cap 168 the kernel keeps 3 programs an SM and no spill in its loop, a few percent more instructions
     (uncapped it takes more registers than the engine's kernel: timed on a GPU with the cap)."""
-    settings = _compiled(tmp_path, "--maxnreg", "168", "--exp2", "0", "--shared", "0", "1")
+    settings = _compiled(tmp_path, "--maxnreg", "168", "--exp2", "0", "--shared", "0", "1", "--r-pad", "16")
     plain, shared = sorted(settings, key=lambda r: r["shared"])
     assert shared["shared"] and shared["programs"] == plain["programs"] == 3
     assert shared["loop"]["STL"] == shared["loop"]["LDL"] == 0
@@ -82,10 +84,11 @@ def test_the_engines_fp8_launch_by_batch_size(tmp_path, rows, block, warps, prog
 
 
 def test_the_group_programs_form_at_512_rows(tmp_path):
-    """triton_decode.GROUP_PREFIX's kernel (group programs beside the rows', the engine's form from 512 rows): at the
-    engine's launch for 512 rows still 8 programs an SM, no more than two spilled loads in the slot loop (as the
-    shared prefix's form), at most 10 % more loop instructions than that form (the query rows gathered by row)."""
-    settings = _compiled(tmp_path, "--rows", "512", "--shared", "1", "--groups", "0", "1")
+    """triton_decode.GROUP_PREFIX's kernel (group programs beside the rows', 16 query rows a program; the engine's
+    form from 512 rows in the thirty-fifth session, off since): at the engine's launch for 512 rows still 8 programs
+    an SM, no more than two spilled loads in the slot loop (as the shared prefix's form at 16 rows), at most 10 % more
+    loop instructions than that form (the query rows gathered by row)."""
+    settings = _compiled(tmp_path, "--rows", "512", "--shared", "1", "--groups", "0", "1", "--r-pad", "16")
     shared, groups = sorted(settings, key=lambda r: r["groups"])
     assert groups["groups"] and not shared["groups"] and groups["programs"] == shared["programs"] == 8
     assert groups["loop"]["STL"] == 0 and groups["loop"]["LDL"] <= 2
@@ -94,14 +97,18 @@ def test_the_group_programs_form_at_512_rows(tmp_path):
 
 @pytest.mark.parametrize("rows, programs", [(64, 4), (256, 8)])
 def test_fewer_padded_query_rows_shorten_the_fp8_slot_loop(tmp_path, rows, programs):
-    """triton_decode.FP8_R_PAD: the 2 query heads of a group padded to 8 rows instead of a tensor-core product's 16
-    (Triton pads the product itself): a thread holds half the scores and probabilities, so the slot loop has half
-    the exponentials and at least a tenth fewer instructions, at the same products and occupancy, nothing spilled in
-    the loop."""
-    settings = _compiled(tmp_path, "--rows", str(rows), "--r-pad", "16", "8")
-    sixteen, eight = sorted(settings, key=lambda r: -r["r_pad"])
-    assert (sixteen["r_pad"], eight["r_pad"]) == (16, 8)
-    assert eight["programs"] == sixteen["programs"] == programs and eight["loop"]["HMMA"] == 64
-    assert eight["loop"]["MUFU"] * 2 == sixteen["loop"]["MUFU"]
-    assert eight["loop_instructions"] < 0.9 * sixteen["loop_instructions"]
-    assert eight["loop"]["STL"] == eight["loop"]["LDL"] == 0
+    """triton_decode.FP8_R_PAD: the 2 query heads of a group padded to 8 or 4 rows instead of a tensor-core product's
+    16 (Triton pads the product itself): a thread holds half the scores and probabilities, so the slot loop has half
+    the exponentials and at least 8 % fewer instructions, at the same products and occupancy, nothing spilled in the
+    loop. The engine's default (no --r-pad) is FP8_R_PAD's 4."""
+    from aligner.generation.native import triton_decode
+
+    (engine,) = _compiled(tmp_path, "--rows", str(rows))
+    assert engine["r_pad"] == triton_decode.FP8_R_PAD == 4
+    by_pad = {r["r_pad"]: r for r in _compiled(tmp_path, "--rows", str(rows), "--r-pad", "16", "8")}
+    by_pad[4] = engine
+    assert all(row["programs"] == programs and row["loop"]["HMMA"] == 64 for row in by_pad.values())
+    for fewer in (by_pad[8], by_pad[4]):
+        assert fewer["loop"]["MUFU"] * 2 == by_pad[16]["loop"]["MUFU"]
+        assert fewer["loop_instructions"] < 0.92 * by_pad[16]["loop_instructions"]
+        assert fewer["loop"]["STL"] == fewer["loop"]["LDL"] == 0

@@ -500,11 +500,11 @@ def test_fp8_launch_by_batch_size_and_the_settings_that_override_it(monkeypatch)
     """An FP8 cache's launch on the GPU as timed on an H200 (docs/PERF.md, thirty-first session): 128 slots in 4
     warps below FP8_NARROW_MIN_BATCH rows, 64 in 2 warps from there, a cap of 128 registers and base 2 at both; the
     module's FP8 settings, set, hold at every size (how the probes time a candidate in the engine)."""
-    common = dict(num_stages=2, maxnreg=128, exp2=True, warp_slots=False, r_pad=td.FP8_R_PAD)
+    common = dict(num_stages=2, maxnreg=128, exp2=True, warp_slots=False)
     assert td.fp8_launch(64) == dict(block=128, num_warps=4, **common)
     assert td.fp8_launch(td.FP8_NARROW_MIN_BATCH - 1)["num_warps"] == 4
     assert td.fp8_launch(td.FP8_NARROW_MIN_BATCH) == td.fp8_launch(256) == dict(block=64, num_warps=2, **common)
     for name, value in (("FP8_BLOCK_N", 128), ("FP8_WARPS", 4), ("FP8_MAXNREG", 0), ("EXP2", False)):
         monkeypatch.setattr(td, name, value)
-    plain = dict(block=128, num_warps=4, num_stages=2, maxnreg=0, exp2=False, warp_slots=False, r_pad=td.FP8_R_PAD)
+    plain = dict(block=128, num_warps=4, num_stages=2, maxnreg=0, exp2=False, warp_slots=False)
     assert td.fp8_launch(64) == td.fp8_launch(512) == plain

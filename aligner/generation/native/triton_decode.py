@@ -51,12 +51,15 @@ V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module d
 # the narrow form, which fills an SM's 8 program slots in one wave there (1,024 programs of 8 KV groups).
 FP8_NARROW_MIN_BATCH = 128
 FP8_STAGES = 2
-# The query rows a program's products hold (r heads padded up to this many, a power of two): a tensor-core product
-# takes 16 rows, but Triton 3.6 pads fewer itself, and in its layout a thread then holds half the scores,
-# probabilities and output of 16 rows: in the sm_90 code the FP8 cache's slot loop 787 -> 693 instructions (64 slots
-# in 2 warps) and 832 -> 742 (128 in 4), half the exponentials (benchmarks/probes/attention_code.py --r-pad). Not for
-# a 16-bit cache (more register copies there) nor the group programs' form (their chunk of rows fills 16).
-FP8_R_PAD = 16
+# With an FP8 cache, the query rows a program's products hold: its r heads padded up to FP8_R_PAD (a power of two)
+# instead of a tensor-core product's 16 (Triton 3.6 pads a smaller product itself; a thread of its layout then holds
+# half the scores, probabilities and output): the sm_90 slot loop 787 -> 675 instructions (64 slots in 2 warps) and
+# 832 -> 750 (128 in 4), half the exponentials (benchmarks/probes/attention_code.py --r-pad). Timed on an H100, FP8
+# weights and cache, decode steps against 16: 8 rows -1.3 % at 64 rows, -2.7 % at 128, -3.4 % at 256; 4 rows a little
+# faster again at 64 and 256 (-0.2 %, -0.5 % against 8); GRPO-shaped (8 a prompt, shared prefix) -3.9 to -5.8 % at
+# 128-512 rows (docs/PERF.md, thirty-sixth session). Not for a 16-bit cache (more register copies in its loop) nor
+# the group programs' form (their chunk of rows fills 16). On the CPU too: the interpreter runs the GPU's padding.
+FP8_R_PAD = 4
 # Each of these, set, holds for every batch size (the probes' --set: candidates compared in one tree); None: by size.
 FP8_BLOCK_N: int | None = None
 FP8_WARPS: int | None = None
@@ -77,8 +80,10 @@ SHARED_PREFIX = True
 # steps (a tensor-core product has 16 rows; a row's own program fills r of them), the rows' programs their slots
 # after those, the two parts merged (decode_attention's `groups`). Timed on an H100, 8 samples a prompt, FP8 weights
 # and cache: decode steps -1.4 to -1.8 % at 512 rows, even at 256, +3.3 to +3.9 % at 128 (the merge and the partial
-# results cost more than the shared steps save there); docs/PERF.md, thirty-fifth session.
-GROUP_PREFIX = True
+# results cost more than the shared steps save there); docs/PERF.md, thirty-fifth session. Off since the rows'
+# programs hold fewer padded query rows (FP8_R_PAD; this form keeps 16): at 512 rows the shared prefix alone then
+# took 3.116 ms a step against 3.271 with group programs (thirty-sixth session).
+GROUP_PREFIX = False
 GROUP_PREFIX_MIN_BATCH = 512
 LOG2E = 1.4426950408889634
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
@@ -574,12 +579,12 @@ def choose_splits(pairs: int, max_keys: int, device: torch.device) -> int:
 
 def fp8_launch(B: int) -> dict:
     """An FP8 cache's decode attention launch on the GPU at B rows (the module's FP8 settings; those set hold for every
-    size): decode_attention's block, num_warps, num_stages, maxnreg (0: no cap), exp2, warp_slots and r_pad."""
+    size): decode_attention's block, num_warps, num_stages, maxnreg (0: no cap), exp2 and warp_slots."""
     narrow = B >= FP8_NARROW_MIN_BATCH
     return dict(
         block=FP8_BLOCK_N or (64 if narrow else 128), num_warps=FP8_WARPS or (2 if narrow else 4),
         num_stages=FP8_STAGES, maxnreg=128 if FP8_MAXNREG is None else FP8_MAXNREG,
-        exp2=True if EXP2 is None else EXP2, warp_slots=FP8_WARP_SLOTS, r_pad=FP8_R_PAD,
+        exp2=True if EXP2 is None else EXP2, warp_slots=FP8_WARP_SLOTS,
     )  # fmt: skip
 
 
@@ -626,8 +631,9 @@ def decode_attention(
     `exp2` takes the softmax in base 2; `maxnreg` caps the kernel's registers a thread (a Triton launch option, 0:
     none); `warp_slots` gives each warp its own block / num_warps slots of a step (at least 16), merged once at the
     end, instead of sharing every slot among the warps; `r_pad` (a power of two) pads the r query rows of a program's
-    products up to that many (16 with `groups`). Not given, these and the block, warps and stages are fp8_launch(B)'s
-    with an FP8 cache on the GPU, else base e (EXP2 where set), no cap, shared slots, 16 rows.
+    products up to that many (16 with `groups`; not given: FP8_R_PAD with an FP8 cache, else 16). Not given, these
+    and the block, warps and stages are fp8_launch(B)'s with an FP8 cache on the GPU, else base e (EXP2 where set), no
+    cap, shared slots.
 
     `shared` = (lead_B, shared_B), int [B] each: row b's steps that lie wholly inside slots [0, shared_B[b]) read
     row lead_B[b]'s keys, values (and scales) instead of its own; those slots must hold the same values in both rows
@@ -669,7 +675,8 @@ def decode_attention(
         maxnreg = launch["maxnreg"] if maxnreg is None else maxnreg
         warp_slots = launch["warp_slots"] if warp_slots is None else warp_slots
         exp2 = launch["exp2"] if exp2 is None else exp2
-        r_pad = r_pad or launch["r_pad"]
+    if kv_fp8 and r_pad is None:
+        r_pad = FP8_R_PAD
     if r_pad is not None and (r_pad < 1 or r_pad & (r_pad - 1)):
         raise ValueError(f"decode_attention: r_pad must be a power of two (got {r_pad})")
     if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows)
