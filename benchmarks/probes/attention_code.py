@@ -18,6 +18,7 @@ is why that change measured faster at 64 rows and slower at 256 (docs/PERF.md, t
     python3 benchmarks/probes/attention_code.py --maxnreg 0 128 --exp2 0 1 --out result.json
     python3 benchmarks/probes/attention_code.py --kv bf16 --blocks 32 64 --stages 3
     python3 benchmarks/probes/attention_code.py --rows 256 --r-pad 16 8 4   (query rows a product holds)
+    python3 benchmarks/probes/attention_code.py --rows 256 --bits-cvt 0 1   (e4m3 -> float16 by bit operations)
 """
 
 import argparse
@@ -116,6 +117,7 @@ def compile_one(
     shared: bool = False,
     groups: bool = False,
     r_pad: int = 16,
+    bits_cvt: bool = False,
 ) -> dict:
     """One setting compiled for sm_90: its resources and its slot loop."""
     import triton
@@ -131,7 +133,7 @@ def compile_one(
         SPLIT_LEN=384, SPLITS=1, PRECISION="tf32",
         WRITE_NEW=True, ROPE=True, NATIVE_QK=True, NATIVE_PV=True, KV_FP8=kv == "fp8", PDL=True,
         V_CHUNK=triton_decode.V_CHUNK if kv == "fp8" else 0, EXP2=exp2, WARP_SLOTS=warps if warp_slots else 0,
-        SHARED=shared or groups, GROUPS=groups,
+        SHARED=shared or groups, GROUPS=groups, BITS_CVT=bits_cvt,
     )  # fmt: skip
     options = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
@@ -178,6 +180,9 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--r-pad", type=int, nargs="+", default=None, help="query rows a product holds (default: the engine's)"
     )
+    parser.add_argument(
+        "--bits-cvt", type=int, nargs="+", default=[0], help="1: e4m3 -> float16 by bit operations (FP8_BITS_CVT)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs it off (the test suite's conftest sets it)
@@ -194,27 +199,29 @@ def main(argv=None) -> dict:
         if getattr(args, option) is None:
             setattr(args, option, [int(engine[key])])
     report = {"target": "sm_90", "args": vars(args), "settings": []}
-    head = "kv    block warps stages maxnreg exp2 warp_slots shared groups r_pad | regs stack shared programs/SM"
+    head = "kv    block warps stages maxnreg exp2 warp_slots shared groups r_pad bits | regs stack shared programs/SM"
     head += " (by regs, shared)"
     print(head + " | loop: " + " ".join(KINDS), flush=True)
     settings = itertools.product(
         args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, args.shared, args.groups,
-        args.r_pad,
+        args.r_pad, args.bits_cvt,
     )  # fmt: skip
-    for block, warps, stage, cap, exp2, own, shared, groups, r_pad in settings:
+    for block, warps, stage, cap, exp2, own, shared, groups, r_pad, bits in settings:
         if own and (block % warps or block // warps < 16):  # decode_attention refuses it
             continue
         row = compile_one(
-            args.kv, block, warps, stage, cap, bool(exp2), bool(own), bool(shared), bool(groups), r_pad
+            args.kv, block, warps, stage, cap, bool(exp2), bool(own), bool(shared), bool(groups), r_pad,
+            bool(bits) and fp8,
         )  # fmt: skip
         row.update(
             kv=args.kv, block=block, warps=warps, stages=stage, maxnreg=cap, exp2=bool(exp2), warp_slots=bool(own),
             shared=bool(shared or groups), groups=bool(groups), r_pad=16 if groups else r_pad,
+            bits_cvt=bool(bits) and fp8,
         )  # fmt: skip
         report["settings"].append(row)
         print(
             f"{args.kv:5s} {block:5d} {warps:5d} {stage:6d} {cap:7d} {exp2:4d} {own:10d} {shared:6d} {groups:6d} "
-            f"{row['r_pad']:5d} | "
+            f"{row['r_pad']:5d} {int(row['bits_cvt']):4d} | "
             f"{row['registers']:4d} "
             f"{row['stack_bytes']:5d} {row['shared_bytes']:6d} {row['programs']:3d} ({row['registers_limit']}, "
             f"{row['shared_limit']}) | {row['loop_instructions']}: " + " ".join(str(row["loop"][k]) for k in KINDS),

@@ -112,3 +112,15 @@ def test_fewer_padded_query_rows_shorten_the_fp8_slot_loop(tmp_path, rows, progr
         assert fewer["loop"]["MUFU"] * 2 == by_pad[16]["loop"]["MUFU"]
         assert fewer["loop_instructions"] < 0.92 * by_pad[16]["loop_instructions"]
         assert fewer["loop"]["STL"] == fewer["loop"]["LDL"] == 0
+
+
+def test_e4m3_by_bit_operations_in_the_slot_loop(tmp_path):
+    """triton_decode.FP8_BITS_CVT (prepared, not timed): the kernel with E4M3_BITS_ASM builds for sm_90 and its slot
+    loop keeps no e4m3 conversion (F2FP: those left round the probabilities to float16), at the same products and
+    occupancy, with more, plainer instructions in their place (the trade a GPU timing is to judge)."""
+    unit, bits = sorted(_compiled(tmp_path, "--rows", "256", "--bits-cvt", "0", "1"), key=lambda r: r["bits_cvt"])
+    assert bits["bits_cvt"] and not unit["bits_cvt"]
+    assert unit["loop"]["F2FP"] >= 128 and bits["loop"]["F2FP"] <= 8
+    assert bits["programs"] == unit["programs"] == 8 and bits["loop"]["HMMA"] == unit["loop"]["HMMA"] == 64
+    assert bits["loop_instructions"] > unit["loop_instructions"]
+    assert bits["loop"]["STL"] == bits["loop"]["LDL"] == 0

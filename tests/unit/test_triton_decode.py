@@ -508,3 +508,47 @@ def test_fp8_launch_by_batch_size_and_the_settings_that_override_it(monkeypatch)
         monkeypatch.setattr(td, name, value)
     plain = dict(block=128, num_warps=4, num_stages=2, maxnreg=0, exp2=False, warp_slots=False)
     assert td.fp8_launch(64) == td.fp8_launch(512) == plain
+
+
+def _run_ptx(asm: str, registers: dict) -> dict:
+    """The instructions of `asm` (mov, prmt, and, shr, lop3 on .b32; PTX's rules) on 32-bit integer registers."""
+    import re
+
+    def value(token):
+        return registers[token] if token in registers else int(token, 0)
+
+    for line in asm.splitlines():
+        m = re.match(r"\s*(mov|prmt|and|shr|lop3)\.b32 (.+);", line)
+        if not m:
+            continue
+        op, (d, *src) = m.group(1), [t.strip() for t in m.group(2).split(",")]
+        a = [value(t) for t in src]
+        if op == "mov":
+            out = a[0]
+        elif op == "and":
+            out = a[0] & a[1]
+        elif op == "shr":
+            out = a[0] >> a[1]
+        elif op == "prmt":  # result byte i: byte (c >> 4i) & 7 of {b, a} (a's bytes 0-3, b's 4-7)
+            both = a[0] | a[1] << 32
+            out = sum(((both >> 8 * ((a[2] >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        else:  # lop3: each bit of the result is the look-up table's bit at (a, b, c)'s bits
+            out = sum(((a[3] >> ((a[0] >> i & 1) << 2 | (a[1] >> i & 1) << 1 | (a[2] >> i & 1))) & 1) << i
+                      for i in range(32))  # fmt: skip
+        registers[d] = out & 0xFFFFFFFF
+    return registers
+
+
+def test_e4m3_by_bit_operations_is_exact():
+    """triton_decode.E4M3_BITS_ASM (FP8_BITS_CVT), run by PTX's rules: four e4m3 bytes in, the float16 halves of
+    their values times 2^-8 out, in order, for every finite e4m3 value (subnormals and both zeros included)."""
+    finite = [b for b in range(256) if b & 0x7F != 0x7F]  # 0x7F / 0xFF: e4m3's NaNs
+    wanted = torch.tensor(finite, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16) / 256
+    got = []
+    for i in range(0, len(finite), 4):
+        quad = (finite[i : i + 4] + [0, 0, 0])[:4]
+        regs = _run_ptx(td.E4M3_BITS_ASM, {"$2": quad[0] | quad[1] << 8 | quad[2] << 16 | quad[3] << 24})
+        halves = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
+        got += halves[: len(finite[i : i + 4])]
+    got = torch.tensor(got, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    assert torch.equal(got.view(torch.int16), wanted.view(torch.int16))

@@ -60,6 +60,26 @@ FP8_STAGES = 2
 # 128-512 rows (docs/PERF.md, thirty-sixth session). Not for a 16-bit cache (more register copies in its loop) nor
 # the group programs' form (their chunk of rows fills 16). On the CPU too: the interpreter runs the GPU's padding.
 FP8_R_PAD = 4
+# e4m3 -> float16 by bit operations (E4M3_BITS_ASM) instead of the GPU's conversion instruction (F2FP, one for two
+# values: Hopper's conversions are said to have a low rate). In the sm_90 slot loop: 132 -> 4 conversions, 675 -> 1,087
+# instructions (64 slots in 2 warps). Prepared, not timed: off.
+FP8_BITS_CVT = False
+# Four e4m3 bytes of $2 -> float16 values times 2^-8 in $0 (bytes 0, 1) and $1 (bytes 2, 3): each byte moved to the
+# high half of a 16-bit half (prmt), its sign kept, its other 7 bits shifted one place right (e4m3's 4 exponent bits
+# become float16's 5 with a leading 0: biases 7 and 15, hence 2^-8; e4m3's subnormals land on float16's exactly).
+# Exact for every finite e4m3 value (tests/unit/test_triton_decode.py runs these instructions by PTX's rules).
+E4M3_BITS_ASM = """{
+.reg .b32 z, lo, hi, m;
+mov.b32 z, 0;
+prmt.b32 lo, $2, z, 0x1404;
+prmt.b32 hi, $2, z, 0x3424;
+and.b32 m, lo, 0x7F007F00;
+shr.b32 m, m, 1;
+lop3.b32 $0, lo, 0x80008000, m, 0xEA;
+and.b32 m, hi, 0x7F007F00;
+shr.b32 m, m, 1;
+lop3.b32 $1, hi, 0x80008000, m, 0xEA;
+}"""
 # Each of these, set, holds for every batch size (the probes' --set: candidates compared in one tree); None: by size.
 FP8_BLOCK_N: int | None = None
 FP8_WARPS: int | None = None
@@ -269,6 +289,20 @@ def _kernels():
     global _step_rows
     _step_rows = step_rows
 
+    global _E4M3_BITS_ASM  # (a jit function reads a module global only as a constexpr)
+    _E4M3_BITS_ASM = tl.constexpr(E4M3_BITS_ASM)
+
+    @triton.jit
+    def e4m3_bits_f16(x):
+        """e4m3 values (a float8e4nv tensor) -> float16 values times 2^-8 by E4M3_BITS_ASM, four at a time."""
+        return tl.inline_asm_elementwise(
+            asm=_E4M3_BITS_ASM, constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+            is_pure=True, pack=4,
+        )  # fmt: skip
+
+    global _e4m3_bits_f16
+    _e4m3_bits_f16 = e4m3_bits_f16
+
     @triton.jit(do_not_specialize=["n_rows"])  # (the batch size: no compilation of its own for B = 1 or 16 | B)
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
@@ -279,7 +313,7 @@ def _kernels():
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
         KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr, WARP_SLOTS: tl.constexpr,
-        SHARED: tl.constexpr, GROUPS: tl.constexpr,
+        SHARED: tl.constexpr, GROUPS: tl.constexpr, BITS_CVT: tl.constexpr,
     ):  # fmt: skip
         # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
         # 2: the same softmax, fewer products than exp's own x * log2(e))
@@ -375,13 +409,14 @@ def _kernels():
                 kvmask = (slots < stop)[:, None] & (dims < D)[None, :]
                 k = tl.load(k_row + slots[:, None] * sk_t + dims[None, :], mask=kvmask, other=0.0)
                 if KV_FP8:
-                    k = k.to(op_t)
+                    k = _e4m3_bits_f16(k) if BITS_CVT else k.to(op_t)
                 if NATIVE_QK:  # the cache's 16-bit operands, float32 sums: the same products as TF32 on these values
                     scores = tl.dot(q16, tl.trans(k)) * scale
                 else:
                     scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
                 if KV_FP8:
-                    scores = scores * tl.load(ks_row + slots, mask=slots < stop, other=0.0)[None, :]
+                    k_s = tl.load(ks_row + slots, mask=slots < stop, other=0.0)
+                    scores = scores * (k_s * 256.0 if BITS_CVT else k_s)[None, :]
                 scores = tl.where((slots < stop)[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, 1))
                 alpha = tl.exp2(m_i - m_new) if EXP2 else tl.exp(m_i - m_new)
@@ -397,8 +432,9 @@ def _kernels():
                     v = tl.load(v_row + slots[:, None] * sv_t + dims[None, :], mask=kvmask, other=0.0)
                 p_v = p  # the probabilities, with an FP8 cache times each slot's value scale
                 if KV_FP8:
-                    p_v = p * tl.load(vs_row + slots, mask=slots < stop, other=0.0)[None, :]
-                    v = v.to(op_t)
+                    v_s = tl.load(vs_row + slots, mask=slots < stop, other=0.0)
+                    p_v = p * (v_s * 256.0 if BITS_CVT else v_s)[None, :]
+                    v = _e4m3_bits_f16(v) if BITS_CVT else v.to(op_t)
                 if NATIVE_PV:  # probabilities rounded to the cache's dtype (as the matmul path's bmm takes them)
                     pv = tl.dot(p_v.to(v.dtype), v)
                 else:
@@ -747,6 +783,7 @@ def decode_attention(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
         NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
         WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None, GROUPS=groups is not None,
+        BITS_CVT=bool(FP8_BITS_CVT) and fp8_gpu and native and NATIVE_QK and NATIVE_PV,
     )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
