@@ -36,40 +36,48 @@ from benchmarks.probes import fp8_cache_layout  # noqa: E402
 from benchmarks.probes.common import write_report  # noqa: E402
 from benchmarks.probes.generate_repeats import medians  # noqa: E402
 
-# name: (slots a step, warps, pipeline stages, register cap (0: none), softmax in base 2, each warp its own slots);
-# plain: the engine's settings at every batch size before the thirty-first session
+# name: (slots a step, warps, pipeline stages, register cap (0: none), softmax in base 2, each warp its own slots,
+# query rows a product holds); plain: the engine's settings at every batch size before the thirty-first session; the
+# candidates with 16 query rows as timed then (thirty-first session), those with 4 since FP8_R_PAD (thirty-sixth)
 CANDIDATES = {
-    "plain": (128, 4, 2, 0, 0, 0),
-    "cap128": (128, 4, 2, 128, 0, 0),
-    "exp2_cap168": (128, 4, 2, 168, 1, 0),
-    "exp2_cap128": (128, 4, 2, 128, 1, 0),
-    "own_exp2": (128, 4, 2, 0, 1, 1),
-    "own_exp2_cap168": (128, 4, 2, 168, 1, 1),
-    "own_exp2_cap168_s3": (128, 4, 3, 168, 1, 1),
-    "w2_b64_exp2_cap128": (64, 2, 2, 128, 1, 0),
-    "w2_b64_own_exp2_cap168": (64, 2, 2, 168, 1, 1),
+    "plain": (128, 4, 2, 0, 0, 0, 16),
+    "cap128": (128, 4, 2, 128, 0, 0, 16),
+    "exp2_cap168": (128, 4, 2, 168, 1, 0, 16),
+    "exp2_cap128": (128, 4, 2, 128, 1, 0, 16),
+    "own_exp2": (128, 4, 2, 0, 1, 1, 16),
+    "own_exp2_cap168": (128, 4, 2, 168, 1, 1, 16),
+    "own_exp2_cap168_s3": (128, 4, 3, 168, 1, 1, 16),
+    "w2_b64_exp2_cap128": (64, 2, 2, 128, 1, 0, 16),
+    "w2_b64_own_exp2_cap168": (64, 2, 2, 168, 1, 1, 16),
+    # the engine's forms since the thirty-sixth session (below / from 128 rows), and one warp a program: no exchange
+    # between warps in the loop (in the sm_90 code 675 loop instructions for 32 slots, the 2-warp form's count a warp;
+    # 214 registers uncapped: 9 programs an SM; 168: 12, no spill in the loop)
+    "exp2_cap128_q4": (128, 4, 2, 128, 1, 0, 4),
+    "w2_b64_exp2_cap128_q4": (64, 2, 2, 128, 1, 0, 4),
+    "w1_b32_exp2_q4": (32, 1, 2, 0, 1, 0, 4),
+    "w1_b32_exp2_cap168_q4": (32, 1, 2, 168, 1, 0, 4),
 }
 REPEATS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate_repeats.py")
 
 
 def settings(candidate: tuple) -> list[str]:
     """The candidate as generate_repeats.py's --set items (the engine's triton_decode constants)."""
-    block, warps, stages, cap, exp2, own = candidate
+    block, warps, stages, cap, exp2, own, r_pad = candidate
     return [
         f"triton_decode.FP8_BLOCK_N={block}", f"triton_decode.FP8_WARPS={warps}", f"triton_decode.FP8_STAGES={stages}",
         f"triton_decode.FP8_MAXNREG={cap}", f"triton_decode.EXP2={bool(exp2)}",
-        f"triton_decode.FP8_WARP_SLOTS={bool(own)}",
+        f"triton_decode.FP8_WARP_SLOTS={bool(own)}", f"triton_decode.FP8_R_PAD={r_pad}",
     ]  # fmt: skip
 
 
 def kernel_alone(name: str, candidate: tuple, args) -> dict:
     """Stage 1 for one candidate: {batch size: {"us": us a layer, "vs_float32": a bound on its distance to float32
     attention}}."""
-    block, warps, stages, cap, exp2, own = candidate
+    block, warps, stages, cap, exp2, own, r_pad = candidate
     chunk = 16 if args.tiny else 64
     argv = ["--ragged", "--batch-sizes", *map(str, args.batch_sizes), "--chunks", str(chunk), "--blocks", str(block)]
     argv += ["--warps", str(warps), "--stages", str(stages), "--maxnreg", str(cap), "--exp2", str(exp2)]
-    argv += ["--warp-slots", str(own)] + (["--tiny"] if args.tiny else [])
+    argv += ["--warp-slots", str(own), "--r-pad", str(r_pad)] + (["--tiny"] if args.tiny else [])
     print(f"== {name}: kernel alone", flush=True)
     report = fp8_cache_layout.main(argv)
     out = {}
@@ -85,7 +93,7 @@ GROUP_FORMS = {
     "each_row": (["--prefill-each-row"], []),
     "once": ([], ["triton_decode.SHARED_PREFIX=False"]),
     "once_shared": ([], ["triton_decode.GROUP_PREFIX=False"]),
-    "once_groups": ([], ["triton_decode.GROUP_PREFIX_MIN_BATCH=2"]),
+    "once_groups": ([], ["triton_decode.GROUP_PREFIX=True", "triton_decode.GROUP_PREFIX_MIN_BATCH=2"]),
     "once_plain": ([], settings(CANDIDATES["plain"])),
 }
 

@@ -79,21 +79,23 @@ def _batch(B: int, args, gpu: bool, device, tiny_dims) -> dict:
         k8[c], v8[c], sc[c] = kv8[:, 0].clone(), chunked(kv8[:, 1], c), scales.clone()
     del kv8
     forms = itertools.product(
-        args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, ["rows", *args.chunks]
-    )
-    for block, warps, stages, cap, exp2, own, form in forms:
+        args.blocks, args.warps, args.stages, args.maxnreg, args.exp2, args.warp_slots, args.r_pad,
+        ["rows", *args.chunks],
+    )  # fmt: skip
+    for block, warps, stages, cap, exp2, own, r_pad, form in forms:
         if own and (block % warps or block // warps < 16):  # decode_attention refuses it
             continue
         name = f"fp8_{'rows' if form == 'rows' else f'chunk{form}'}_b{block}"
         name += "" if (warps, stages) == (4, 0) else f"_w{warps}_s{stages}"
         name += (f"_r{cap}" if cap else "") + ("_exp2" if exp2 else "") + ("_own" if own else "")
+        name += f"_q{r_pad}" if r_pad else ""
 
-        def call(i, form=form, block=block, warps=warps, stages=stages, cap=cap, exp2=exp2, own=own):
+        def call(i, form=form, block=block, warps=warps, stages=stages, cap=cap, exp2=exp2, own=own, r_pad=r_pad):
             s = sc[form]
             return decode_attention(
                 q, k8[form][i], v8[form][i], pos, scale, 1, block, warps, new_kv=new, rope=rope,
                 kv_scales=(s[i, 0], s[i, 1]), num_stages=stages or None, exp2=bool(exp2), maxnreg=cap,
-                warp_slots=bool(own),
+                warp_slots=bool(own), r_pad=r_pad or None,
             )  # fmt: skip
 
         calls[name] = call
@@ -144,6 +146,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="register caps (0: none)")
     parser.add_argument("--exp2", type=int, nargs="+", default=[0], help="softmax in base 2 (0 / 1)")
     parser.add_argument("--warp-slots", type=int, nargs="+", default=[0], help="1: each warp its own slots (0 / 1)")
+    parser.add_argument(
+        "--r-pad", type=int, nargs="+", default=[0], help="query rows a product holds (0: the engine's FP8_R_PAD)"
+    )
     parser.add_argument(
         "--ragged", action="store_true", help="row b holds filled / 2 + b * filled / B slots (a call's spread)"
     )

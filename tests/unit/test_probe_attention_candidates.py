@@ -19,6 +19,7 @@ def test_settings_name_the_engine_constants():
     assert attention_candidates.settings(attention_candidates.CANDIDATES["own_exp2_cap168"]) == [
         "triton_decode.FP8_BLOCK_N=128", "triton_decode.FP8_WARPS=4", "triton_decode.FP8_STAGES=2",
         "triton_decode.FP8_MAXNREG=168", "triton_decode.EXP2=True", "triton_decode.FP8_WARP_SLOTS=True",
+        "triton_decode.FP8_R_PAD=16",
     ]  # fmt: skip
     # every constant set: the plain candidate holds at every batch size (no cap: 0), not the engine's by-size choice
     plain = attention_candidates.settings(attention_candidates.CANDIDATES["plain"])
@@ -26,7 +27,7 @@ def test_settings_name_the_engine_constants():
 
 
 def test_candidates_timed_alone_and_in_the_engine(tmp_path):
-    names = ["plain", "own_exp2_cap168", "w2_b64_exp2_cap128"]
+    names = ["plain", "own_exp2_cap168", "w2_b64_exp2_cap128", "w1_b32_exp2_q4"]
     argv = ["--tiny", "--batch-sizes", "3", "--repeats", "1", "--top", "1", "--candidates", *names]
     report = attention_candidates.main([*argv, "--out", str(tmp_path / "r.json")])
     assert (tmp_path / "r.json").exists()
@@ -55,7 +56,9 @@ def test_grpo_shaped_calls_prefilled_once_and_every_row(tmp_path):
     assert prefilled == {"each_row": 4, "once": 2, "once_shared": 2, "once_groups": 2, "once_plain": 2}
     assert report["groups"]["once"]["args"]["set"] == ["triton_decode.SHARED_PREFIX=False"]
     assert report["groups"]["once_shared"]["args"]["set"] == ["triton_decode.GROUP_PREFIX=False"]
-    assert report["groups"]["once_groups"]["args"]["set"] == ["triton_decode.GROUP_PREFIX_MIN_BATCH=2"]
+    assert report["groups"]["once_groups"]["args"]["set"] == [
+        "triton_decode.GROUP_PREFIX=True", "triton_decode.GROUP_PREFIX_MIN_BATCH=2"
+    ]  # fmt: skip
     assert report["groups"]["once_plain"]["args"]["set"] == attention_candidates.settings(
         attention_candidates.CANDIDATES["plain"]
     )

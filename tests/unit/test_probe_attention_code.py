@@ -124,3 +124,18 @@ def test_e4m3_by_bit_operations_in_the_slot_loop(tmp_path):
     assert bits["programs"] == unit["programs"] == 8 and bits["loop"]["HMMA"] == unit["loop"]["HMMA"] == 64
     assert bits["loop_instructions"] > unit["loop_instructions"]
     assert bits["loop"]["STL"] == bits["loop"]["LDL"] == 0
+
+
+def test_one_warp_a_program_exchanges_nothing_in_the_loop(tmp_path):
+    """attention_candidates.py's one-warp candidates (prepared in the thirty-sixth session, not timed): 32 slots a
+    step in one warp with 4 query rows stores nothing to shared memory in the slot loop and waits only at the copy
+    pipeline's barriers, with no more loop instructions than the engine's 2-warp form has a warp for 64 slots;
+    uncapped 9 programs an SM, at a cap of 168 registers 12 without a spill in the loop."""
+    engine = _compiled(tmp_path, "--rows", "256")[0]
+    one = {r["maxnreg"]: r for r in _compiled(tmp_path, "--rows", "256", "--warps", "1", "--blocks", "32",
+                                              "--maxnreg", "0", "168")}  # fmt: skip
+    for row in one.values():
+        assert row["loop"]["STS"] == 0 < engine["loop"]["STS"] and row["loop"]["BAR"] <= 2 < engine["loop"]["BAR"]
+        assert row["loop"]["HMMA"] == 64 and row["loop"]["STL"] == row["loop"]["LDL"] == 0
+    assert one[0]["loop_instructions"] <= engine["loop_instructions"]
+    assert (one[0]["programs"], one[168]["programs"]) == (9, 12)
