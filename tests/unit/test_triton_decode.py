@@ -21,6 +21,29 @@ def _reference(q, keys, values, pos, scale):
     return torch.einsum("bgrt,bgtd->bgrd", probs, values.float())
 
 
+def _attended_with_reference(q, kv, pos, new, fp8: bool, **kwargs):
+    """decode_attention over the float32 cache kv [2, B, G, T, D] (fp8: quantized, values in chunks of 16 slots) with
+    the step's own key and value `new` written by the kernel, and plain attention over the cache as the kernel left
+    it (dequantized)."""
+    from aligner.generation.native.triton_decode import quantize_fp8, value_rows, write_value_chunks
+
+    B, G, T, D = kv.shape[1:]
+    extra, values = {}, kv[1]
+    if fp8:
+        kv8, scales = quantize_fp8(kv)
+        values = torch.zeros(B, G, T // 16, D, 16).to(kv8.dtype)
+        write_value_chunks(values, kv8[1])
+        extra["kv_scales"] = (scales[0], scales[1])
+        kv = kv8
+    out = decode_attention(q, kv[0], values, pos, D**-0.5, new_kv=new, **extra, **kwargs)
+    if fp8:
+        kv = torch.stack([kv8[0], value_rows(values)]).float() * scales[..., None]
+    else:
+        rows = torch.arange(B)
+        kv[0, rows, :, pos], kv[1, rows, :, pos] = new
+    return out, _reference(q, kv[0], kv[1], pos, D**-0.5)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,G,r,D,T", [(3, 2, 2, 64, 50), (2, 1, 3, 24, 70), (2, 3, 1, 16, 33)])
 @pytest.mark.parametrize("splits", [1, 3])
@@ -201,30 +224,16 @@ def test_softmax_in_base_2_gives_the_same_attention(splits, fp8):
     """exp2=True (triton_decode.EXP2: scale times log2(e), exp2 for every exponential, the split merge's included)
     attends as the natural-base softmax does: both within float32 rounding of plain attention, with the step's own
     key and value written (their score's exponential too) and, for an FP8 cache, values in chunks."""
-    from aligner.generation.native.triton_decode import quantize_fp8, value_rows, write_value_chunks
-
     B, G, r, D, T = 3, 2, 2, 32, 48
     g = torch.Generator().manual_seed(5 + splits)
     qkv = torch.randn(B, G, r + 2, D, generator=g)
     q, new = qkv[:, :, :r], (qkv[:, :, r], qkv[:, :, r + 1])
     pos = torch.tensor([0, T - 1, T // 2])
-    rows = torch.arange(B)
     outs = {}
     for exp2 in (False, True):
         kv = torch.randn(2, B, G, T, D, generator=torch.Generator().manual_seed(1))
-        extra, values = {}, kv[1]
-        if fp8:
-            kv8, scales = quantize_fp8(kv)
-            values = torch.zeros(B, G, T // 16, D, 16).to(kv8.dtype)
-            write_value_chunks(values, kv8[1])
-            extra["kv_scales"] = (scales[0], scales[1])
-            kv = kv8
-        outs[exp2] = decode_attention(q, kv[0], values, pos, D**-0.5, splits=splits, new_kv=new, exp2=exp2, **extra)
-        if fp8:  # the cache as the kernel left it (the step's key and value written), dequantized
-            kv = torch.stack([kv8[0], value_rows(values)]).float() * scales[..., None]
-        else:
-            kv[0, rows, :, pos], kv[1, rows, :, pos] = new
-        torch.testing.assert_close(outs[exp2], _reference(q, kv[0], kv[1], pos, D**-0.5), rtol=0, atol=1e-5)
+        outs[exp2], ref = _attended_with_reference(q, kv, pos, new, fp8, splits=splits, exp2=exp2)
+        torch.testing.assert_close(outs[exp2], ref, rtol=0, atol=1e-5)
     assert not torch.equal(outs[True], outs[False])  # the base-2 path did run
 
 
@@ -236,31 +245,17 @@ def test_query_rows_padded_to_fewer_than_16(splits, fp8, r, r_pad):
     power of two, at least r's) attends as plain attention: rows of padding (r_pad 8 for 1 or 2 heads, 4 for 3), none
     (2 for 2), r_pad below r (3 heads: padded to 4), the step's own key and value written, split ranges, an FP8 cache
     with values in chunks. A padding that is no power of two is refused."""
-    from aligner.generation.native.triton_decode import quantize_fp8, value_rows, write_value_chunks
-
     B, G, D, T = 3, 2, 32, 48
     g = torch.Generator().manual_seed(11 + 10 * r + splits)
     qkv = torch.randn(B, G, r + 2, D, generator=g)
     q, new = qkv[:, :, :r], (qkv[:, :, r], qkv[:, :, r + 1])
     pos = torch.tensor([0, T - 1, T // 2])
     kv = torch.randn(2, B, G, T, D, generator=g)
-    extra, values = {}, kv[1]
-    if fp8:
-        kv8, scales = quantize_fp8(kv)
-        values = torch.zeros(B, G, T // 16, D, 16).to(kv8.dtype)
-        write_value_chunks(values, kv8[1])
-        extra["kv_scales"] = (scales[0], scales[1])
-        kv = kv8
     with pytest.raises(ValueError, match="r_pad must be a power of two"):
-        decode_attention(q, kv[0], values, pos, 1.0, r_pad=6, **extra)
-    out = decode_attention(q, kv[0], values, pos, D**-0.5, splits=splits, new_kv=new, r_pad=r_pad, **extra)
-    if fp8:  # the cache as the kernel left it (the step's key and value written), dequantized
-        kv = torch.stack([kv8[0], value_rows(values)]).float() * scales[..., None]
-    else:
-        rows = torch.arange(B)
-        kv[0, rows, :, pos], kv[1, rows, :, pos] = new
+        decode_attention(q, kv[0], kv[1], pos, 1.0, r_pad=6)
+    out, ref = _attended_with_reference(q, kv, pos, new, fp8, splits=splits, r_pad=r_pad)
     assert out.shape == (B, G, r, D) and not out.isnan().any()
-    torch.testing.assert_close(out, _reference(q, kv[0], kv[1], pos, D**-0.5), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
