@@ -51,7 +51,8 @@ CANDIDATES = {
     "w2_b64_own_exp2_cap168": (64, 2, 2, 168, 1, 1, 16),
     # the engine's forms since the thirty-sixth session (below / from 128 rows), and one warp a program: no exchange
     # between warps in the loop (in the sm_90 code 675 loop instructions for 32 slots, the 2-warp form's count a warp;
-    # 214 registers uncapped: 9 programs an SM; 168: 12, no spill in the loop)
+    # 214 registers uncapped: 9 programs an SM; 168: 12, no spill in the loop). Uncapped in the engine on an H100:
+    # -0.5 to -0.8 % at 128-256 rows without groups, +0.9 to +1.5 % GRPO-shaped (docs/PERF.md, thirty-sixth session)
     "exp2_cap128_q4": (128, 4, 2, 128, 1, 0, 4),
     "w2_b64_exp2_cap128_q4": (64, 2, 2, 128, 1, 0, 4),
     "w1_b32_exp2_q4": (32, 1, 2, 0, 1, 0, 4),

@@ -62,7 +62,8 @@ FP8_STAGES = 2
 FP8_R_PAD = 4
 # e4m3 -> float16 by bit operations (E4M3_BITS_ASM) instead of the GPU's conversion instruction (F2FP, one for two
 # values: Hopper's conversions are said to have a low rate). In the sm_90 slot loop: 132 -> 4 conversions, 675 -> 1,087
-# instructions (64 slots in 2 warps). Prepared, not timed: off.
+# instructions (64 slots in 2 warps). Timed on an H100: decode steps +3.1 % at 256 rows (docs/PERF.md, thirty-sixth
+# session): off.
 FP8_BITS_CVT = False
 # Four e4m3 bytes of $2 -> float16 values times 2^-8 in $0 (bytes 0, 1) and $1 (bytes 2, 3): each byte moved to the
 # high half of a 16-bit half (prmt), its sign kept, its other 7 bits shifted one place right (e4m3's 4 exponent bits
