@@ -150,6 +150,7 @@ def compile_one(
     shared = compiled.metadata.shared
     loop = slot_loop(sass)
     return {
+        "r_pad": constexprs["R_PAD"],
         "registers": resources["reg"],
         "stack_bytes": resources.get("stack", 0) + resources.get("local", 0),
         "shared_bytes": shared,
@@ -193,8 +194,8 @@ def main(argv=None) -> dict:
         engine = {**triton_decode.fp8_launch(args.rows), "r_pad": triton_decode.FP8_R_PAD}
     else:  # a bf16 cache: the wide step, 4 warps, 3 stages, no cap, base e
         engine = dict(block=triton_decode.WIDE_BLOCK_N, num_warps=4, num_stages=3, maxnreg=0, exp2=False, r_pad=16)
-    names = {"blocks": "block", "warps": "num_warps", "stages": "num_stages", "maxnreg": "maxnreg", "exp2": "exp2"}
-    names["r_pad"] = "r_pad"
+    names = {"blocks": "block", "warps": "num_warps", "stages": "num_stages", "maxnreg": "maxnreg", "exp2": "exp2",
+             "r_pad": "r_pad"}  # fmt: skip
     for option, key in names.items():  # those not given: the engine's (recorded in the report)
         if getattr(args, option) is None:
             setattr(args, option, [int(engine[key])])
@@ -215,8 +216,7 @@ def main(argv=None) -> dict:
         )  # fmt: skip
         row.update(
             kv=args.kv, block=block, warps=warps, stages=stage, maxnreg=cap, exp2=bool(exp2), warp_slots=bool(own),
-            shared=bool(shared or groups), groups=bool(groups), r_pad=16 if groups else r_pad,
-            bits_cvt=bool(bits) and fp8,
+            shared=bool(shared or groups), groups=bool(groups), bits_cvt=bool(bits) and fp8,
         )  # fmt: skip
         report["settings"].append(row)
         print(

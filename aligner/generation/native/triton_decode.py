@@ -712,9 +712,9 @@ def decode_attention(
         maxnreg = launch["maxnreg"] if maxnreg is None else maxnreg
         warp_slots = launch["warp_slots"] if warp_slots is None else warp_slots
         exp2 = launch["exp2"] if exp2 is None else exp2
-    if kv_fp8 and r_pad is None:
-        r_pad = FP8_R_PAD
-    if r_pad is not None and (r_pad < 1 or r_pad & (r_pad - 1)):
+    if r_pad is None:
+        r_pad = FP8_R_PAD if kv_fp8 else 16
+    if r_pad < 1 or r_pad & (r_pad - 1):
         raise ValueError(f"decode_attention: r_pad must be a power of two (got {r_pad})")
     if block is None:  # the slots per inner step: BLOCK_N (WIDE_BLOCK_N from WIDE_MIN_BATCH rows)
         block = BLOCK_N if B < WIDE_MIN_BATCH else WIDE_BLOCK_N
@@ -750,7 +750,7 @@ def decode_attention(
         n_chunks, splits = chunks.shape[0], 1
     out = torch.empty((B, G, r, D), dtype=act_dtype, device=keys_BGTD.device)
     # (the group programs' chunk of rows fills a product's 16: group_rows)
-    R_PAD, D_PAD = max(16 if groups is not None or r_pad is None else r_pad, pow2(r)), max(16, pow2(D))
+    R_PAD, D_PAD = max(16 if groups is not None else r_pad, pow2(r)), max(16, pow2(D))
     split_len = -(-T // splits)
     split_len = -(-split_len // block) * block
     splits = -(-T // split_len)
