@@ -505,6 +505,20 @@ def test_fp8_launch_by_batch_size_and_the_settings_that_override_it(monkeypatch)
     assert td.fp8_launch(64) == td.fp8_launch(512) == plain
 
 
+def test_one_warp_launch_by_the_calls_form(monkeypatch):
+    """FP8_ONE_WARP_MIN_BATCH (off: None): from that many rows, calls without a group's shared prompt take 32 slots a
+    step in one warp at FP8_ONE_WARP_MAXNREG; calls with one keep the batch size's launch."""
+    assert td.fp8_launch(256) == td.fp8_launch(256, shared=True)
+    monkeypatch.setattr(td, "FP8_ONE_WARP_MIN_BATCH", 128)
+    monkeypatch.setattr(td, "FP8_ONE_WARP_MAXNREG", 168)
+    common = dict(num_stages=2, exp2=True, warp_slots=False)
+    assert td.fp8_launch(127) == dict(block=128, num_warps=4, maxnreg=128, **common)
+    assert td.fp8_launch(128) == td.fp8_launch(512) == dict(block=32, num_warps=1, maxnreg=168, **common)
+    assert td.fp8_launch(256, shared=True) == dict(block=64, num_warps=2, maxnreg=128, **common)
+    monkeypatch.setattr(td, "FP8_MAXNREG", 0)  # the module's settings still hold at every size and form
+    assert td.fp8_launch(256)["maxnreg"] == td.fp8_launch(256, shared=True)["maxnreg"] == 0
+
+
 def _run_ptx(asm: str, registers: dict) -> dict:
     """The instructions of `asm` (mov, prmt, and, shr, lop3 on .b32; PTX's rules) on 32-bit integer registers."""
     import re

@@ -51,6 +51,12 @@ V_CHUNK = 64  # slots per chunk of an FP8 cache's values in the engine (module d
 # the narrow form, which fills an SM's 8 program slots in one wave there (1,024 programs of 8 KV groups).
 FP8_NARROW_MIN_BATCH = 128
 FP8_STAGES = 2
+# ... and from FP8_ONE_WARP_MIN_BATCH rows (None: never), in calls without a group's shared prompt (`shared`), 32
+# slots a step in one warp, capped at FP8_ONE_WARP_MAXNREG registers (0: no cap): nothing exchanged between warps in
+# the slot loop. Timed on an H100 uncapped (9 programs an SM): decode steps -0.5 to -1.0 % at 128-256 rows without
+# groups, +0.9 to +1.5 % GRPO-shaped (docs/PERF.md, thirty-sixth session), hence by the call's form.
+FP8_ONE_WARP_MIN_BATCH: int | None = None
+FP8_ONE_WARP_MAXNREG = 0
 # With an FP8 cache, the query rows a program's products hold: its r heads padded up to FP8_R_PAD (a power of two)
 # instead of a tensor-core product's 16 (Triton 3.6 pads a smaller product itself; a thread of its layout then holds
 # half the scores, probabilities and output): the sm_90 slot loop 787 -> 675 instructions (64 slots in 2 warps) and
@@ -167,8 +173,12 @@ def unavailable(
             kv8, scales = quantize_fp8(kv)
             chunks = torch.zeros(B, G, T // V_CHUNK, D, V_CHUNK, dtype=FP8, device=device)
             write_value_chunks(chunks, kv8[1])
-            # each launch form the engine may take on the GPU (fp8_launch: by batch size)
-            forms = [fp8_launch(1), fp8_launch(FP8_NARROW_MIN_BATCH)] if q.device.type == "cuda" else [{}]
+            # each launch form the engine may take on the GPU (fp8_launch: by batch size and the call's form)
+            forms = [{}]
+            if q.device.type == "cuda":
+                sizes = (1, FP8_NARROW_MIN_BATCH, FP8_ONE_WARP_MIN_BATCH or 1)
+                forms = list({tuple(fp8_launch(n, shared).items()): fp8_launch(n, shared)
+                              for n in sizes for shared in (False, True)}.values())  # fmt: skip
             outs = [decode_attention(q, kv8[0], chunks, pos, D**-0.5, kv_scales=(scales[0], scales[1]), **form)
                     for form in forms]  # fmt: skip
             cache = (kv8[0], chunks, dict(kv_scales=(scales[0], scales[1])))
@@ -614,14 +624,17 @@ def choose_splits(pairs: int, max_keys: int, device: torch.device) -> int:
     return max(1, min(want, max_keys // (4 * BLOCK_N), 16))
 
 
-def fp8_launch(B: int) -> dict:
-    """An FP8 cache's decode attention launch on the GPU at B rows (the module's FP8 settings; those set hold for every
-    size): decode_attention's block, num_warps, num_stages, maxnreg (0: no cap), exp2 and warp_slots."""
+def fp8_launch(B: int, shared: bool = False) -> dict:
+    """An FP8 cache's decode attention launch on the GPU at B rows, `shared`: in a call whose rows read a group's
+    prompt from its first row (the module's FP8 settings; those set hold for every size and form): decode_attention's
+    block, num_warps, num_stages, maxnreg (0: no cap), exp2 and warp_slots."""
     narrow = B >= FP8_NARROW_MIN_BATCH
+    one_warp = FP8_ONE_WARP_MIN_BATCH is not None and B >= FP8_ONE_WARP_MIN_BATCH and not shared
+    block, warps, cap = (32, 1, FP8_ONE_WARP_MAXNREG) if one_warp else (64, 2, 128) if narrow else (128, 4, 128)
     return dict(
-        block=FP8_BLOCK_N or (64 if narrow else 128), num_warps=FP8_WARPS or (2 if narrow else 4),
-        num_stages=FP8_STAGES, maxnreg=128 if FP8_MAXNREG is None else FP8_MAXNREG,
-        exp2=True if EXP2 is None else EXP2, warp_slots=FP8_WARP_SLOTS,
+        block=FP8_BLOCK_N or block, num_warps=FP8_WARPS or warps, num_stages=FP8_STAGES,
+        maxnreg=cap if FP8_MAXNREG is None else FP8_MAXNREG, exp2=True if EXP2 is None else EXP2,
+        warp_slots=FP8_WARP_SLOTS,
     )  # fmt: skip
 
 
@@ -669,8 +682,8 @@ def decode_attention(
     none); `warp_slots` gives each warp its own block / num_warps slots of a step (at least 16), merged once at the
     end, instead of sharing every slot among the warps; `r_pad` (a power of two) pads the r query rows of a program's
     products up to that many (16 with `groups`; not given: FP8_R_PAD with an FP8 cache, else 16). Not given, these
-    and the block, warps and stages are fp8_launch(B)'s with an FP8 cache on the GPU, else base e (EXP2 where set), no
-    cap, shared slots.
+    and the block, warps and stages are fp8_launch(B, shared)'s with an FP8 cache on the GPU, else base e (EXP2 where
+    set), no cap, shared slots.
 
     `shared` = (lead_B, shared_B), int [B] each: row b's steps that lie wholly inside slots [0, shared_B[b]) read
     row lead_B[b]'s keys, values (and scales) instead of its own; those slots must hold the same values in both rows
@@ -705,7 +718,7 @@ def decode_attention(
     # the launch settings not given: an FP8 cache on the GPU takes fp8_launch's (timed there), else the plain ones
     fp8_gpu = kv_fp8 and keys_BGTD.device.type == "cuda"
     if fp8_gpu:
-        launch = fp8_launch(B)
+        launch = fp8_launch(B, shared is not None)
         block = launch["block"] if block is None else block
         num_warps = num_warps or launch["num_warps"]
         num_stages = launch["num_stages"] if num_stages is None else num_stages
