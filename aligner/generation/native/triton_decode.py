@@ -53,8 +53,9 @@ FP8_NARROW_MIN_BATCH = 128
 FP8_STAGES = 2
 # ... and from FP8_ONE_WARP_MIN_BATCH rows (None: never), in calls without a group's shared prompt (`shared`), 32
 # slots a step in one warp, capped at FP8_ONE_WARP_MAXNREG registers (0: no cap): nothing exchanged between warps in
-# the slot loop. Timed on an H100 uncapped (9 programs an SM): decode steps -0.5 to -1.0 % at 128-256 rows without
-# groups, +0.9 to +1.5 % GRPO-shaped (docs/PERF.md, thirty-sixth session), hence by the call's form.
+# the slot loop. Timed on H100s uncapped (9 programs an SM), calls without groups: decode steps -0.2 to -0.7 % at 128
+# rows, -1.0 to +0.4 % at 256, +1.0 % at 512; a cap of 168 (12 programs) +3 to +5 %; GRPO-shaped +0.9 to +1.5 %
+# (docs/PERF.md, thirty-sixth and thirty-seventh sessions): off.
 FP8_ONE_WARP_MIN_BATCH: int | None = None
 FP8_ONE_WARP_MAXNREG = 0
 # With an FP8 cache, the query rows a program's products hold: its r heads padded up to FP8_R_PAD (a power of two)
