@@ -177,9 +177,9 @@ def unavailable(
             # each launch form the engine may take on the GPU (fp8_launch: by batch size and the call's form)
             forms = [{}]
             if q.device.type == "cuda":
-                sizes = (1, FP8_NARROW_MIN_BATCH, FP8_ONE_WARP_MIN_BATCH or 1)
-                forms = list({tuple(fp8_launch(n, shared).items()): fp8_launch(n, shared)
-                              for n in sizes for shared in (False, True)}.values())  # fmt: skip
+                launches = [fp8_launch(n, shared) for n in (1, FP8_NARROW_MIN_BATCH, FP8_ONE_WARP_MIN_BATCH or 1)
+                            for shared in (False, True)]  # fmt: skip
+                forms = [f for i, f in enumerate(launches) if f not in launches[:i]]
             outs = [decode_attention(q, kv8[0], chunks, pos, D**-0.5, kv_scales=(scales[0], scales[1]), **form)
                     for form in forms]  # fmt: skip
             cache = (kv8[0], chunks, dict(kv_scales=(scales[0], scales[1])))
