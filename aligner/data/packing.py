@@ -4,15 +4,18 @@ Packing (SFT): `pack(lengths, capacity)` groups samples into rows of at most `ca
 decreasing). `packed_rows(samples, capacity)` lays them out: one row holds several samples back to back, with
   - `position_ids` restarting at 0 for each sample (learned position embeddings read them; RoPE is relative, so a
     sample's attention scores depend only on distances inside it, whatever its offset in the row),
-  - `segment_ids` (0, 1, ... per sample; the padding after the last sample is a segment of its own), from which
-    `attention_mask` forbids attention across samples: megatron's convention, bool [B, 1, T, T], True = masked.
+  - `segment_ids` (0, 1, ... per sample; the padding after the last sample, -1, is a segment of its own), which
+    keep attention inside each sample in one of two forms: `attention_mask`, megatron's convention, bool
+    [B, 1, T, T], True = masked (any attention core reads it), or `segment_starts`: where each sample starts in the
+    flattened rows, for a variable-length attention kernel that computes only the samples' own causal blocks
+    (aligner.models.attention.Segments; the SFT trainer's `data.packed_attention`).
 Together they make each sample's logits those of the sample alone (tests/unit/test_packing.py).
 Bucketing: `length_buckets(lengths, size)` sorts examples by length before cutting micro-batches, so each is padded
 only to its own longest member.
 
 Row layout of a micro-batch dict: `tokens` [B, T] (pad id after the end), `targets` [B, T] bool (token t is trained
 on; never the first token of a sample, which nothing before it in its sample predicts), and for packed rows
-`position_ids` [B, T] and `attention_mask` [B, 1, T, T].
+`position_ids` [B, T], `segment_ids` [B, T] and (unless `collate(..., mask=False)`) `attention_mask` [B, 1, T, T].
 """
 
 from __future__ import annotations
@@ -72,9 +75,24 @@ def attention_mask_from_segments(segment_ids_BT: torch.Tensor) -> torch.Tensor:
     return (other_BTT | future_TT).unsqueeze(1)
 
 
-def collate(rows: Sequence[dict], width: int, pad_id: int, device=None) -> dict[str, torch.Tensor]:
+def segment_starts(segment_ids_BT: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(starts, longest) of the segments of packed rows, the rows laid end to end ([B x T] tokens): `starts` int32
+    [n + 1], the first token of each of the n segments and then B x T (a variable-length kernel's cumulative
+    lengths); a segment starts at each row's first token and wherever the id changes. `longest`: the longest
+    segment's length."""
+    B, T = segment_ids_BT.shape
+    flat = segment_ids_BT.reshape(-1)
+    first = torch.ones_like(flat, dtype=torch.bool)
+    first[1:] = flat[1:] != flat[:-1]
+    first[::T] = True
+    starts = torch.cat([first.nonzero().squeeze(1), torch.tensor([B * T], device=flat.device)]).to(torch.int32)
+    return starts, int((starts[1:] - starts[:-1]).max())
+
+
+def collate(rows: Sequence[dict], width: int, pad_id: int, device=None, mask: bool = True) -> dict[str, torch.Tensor]:
     """Rows (from `packed_row` or `plain_row`) right-padded to `width` as one micro-batch (see the module docstring).
-    Padding is never a target; in packed rows it is its own segment, so its (unused) attention rows are not empty."""
+    Padding is never a target; in packed rows it is its own segment, so its (unused) attention rows are not empty.
+    `mask=False`: packed rows without the dense `attention_mask` (their attention reads `segment_ids`)."""
     B = len(rows)
     tokens = torch.full((B, width), pad_id, dtype=torch.long)
     targets = torch.zeros(B, width, dtype=torch.bool)
@@ -95,7 +113,9 @@ def collate(rows: Sequence[dict], width: int, pad_id: int, device=None) -> dict[
     out = {"tokens": tokens, "targets": targets}
     if packed:
         out["position_ids"] = positions
-        out["attention_mask"] = attention_mask_from_segments(segments)
+        out["segment_ids"] = segments
+        if mask:
+            out["attention_mask"] = attention_mask_from_segments(segments)
     if device is not None:
         out = {k: v.to(device) for k, v in out.items()}
     return out

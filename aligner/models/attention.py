@@ -8,15 +8,46 @@ mask alone keeps real tokens from seeing it). An explicit `attention_mask` (mega
 [b, 1, sq, sk], True = masked out) replaces it, e.g. the block-diagonal causal mask of packed sequences
 (aligner.data.packing); with a mask, grouped KV heads are expanded first, because the memory-efficient SDPA kernel
 takes a mask but not `enable_gqa` (the math fallback would materialise the full score matrix).
+Packed rows without a mask: `packed_seq_params` as `Segments` (the samples' starts in the rows laid end to end) runs
+causal attention inside each sample only: on a GPU in 16-bit by PyTorch's variable-length flash kernel (the
+samples' own causal blocks, grouped KV heads as they are: none of the dense mask's work across samples), elsewhere
+by SDPA over one sample at a time (the same maths; a reference, slow for many samples).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+
+@dataclass
+class Segments(PackedSeqParams):
+    """Samples packed side by side in a micro-batch's rows, for `SDPAttention`: `cu_seqlens_q` (= `cu_seqlens_kv`)
+    int32 [n + 1], where each of the n samples starts in the [B x T] tokens of the rows laid end to end, then B x T
+    (aligner.data.packing.segment_starts); `longest` the longest sample; `tokens` B x T. megatron reads
+    `qkv_format` ('sbhd': its tensors keep their usual layout, RoPE by position in the row) and `max_seqlen_q` /
+    `max_seqlen_kv` (the rows' width T: its RoPE table's length)."""
+
+    longest: int = 0
+    tokens: int = 0
+
+    @classmethod
+    def of(cls, starts: torch.Tensor, longest: int, rows: int, width: int) -> "Segments":
+        return cls(
+            qkv_format="sbhd",
+            cu_seqlens_q=starts,
+            cu_seqlens_kv=starts,
+            max_seqlen_q=width,
+            max_seqlen_kv=width,
+            longest=longest,
+            tokens=rows * width,
+        )
 
 
 class SDPAttention(MegatronModule):
@@ -47,10 +78,13 @@ class SDPAttention(MegatronModule):
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np*hn]."""
-        if packed_seq_params is not None or attention_bias is not None:
+        if attention_bias is not None or not (packed_seq_params is None or isinstance(packed_seq_params, Segments)):
             raise NotImplementedError(
-                "SDPAttention: THD packed sequences and attention bias are not supported (pack with an attention_mask)"
+                "SDPAttention: THD packed sequences and attention bias are not supported "
+                "(pack with an attention_mask or aligner.models.attention.Segments)"
             )
+        if packed_seq_params is not None:
+            return self._segments(query, key, value, packed_seq_params)
         if query.shape[0] != key.shape[0] and query.shape[0] != 1:
             raise NotImplementedError("SDPAttention: chunked prefill over a cache (1 < sq != sk) is not supported")
         q_bhsd = query.permute(1, 2, 0, 3)
@@ -77,3 +111,36 @@ class SDPAttention(MegatronModule):
         )
         sq, b = query.shape[0], query.shape[1]
         return out_bhsd.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * self.head_dim)
+
+    def _segments(self, query, key, value, segments: Segments):
+        """Causal attention inside each packed sample (see the module docstring); [sq, b, ...] as `forward`."""
+        sq, b = query.shape[0], query.shape[1]
+        if key.shape[0] != sq or segments.tokens != b * sq:
+            raise ValueError(f"Segments cover {segments.tokens} tokens; the rows hold {b} x {sq}")
+        q_ND, k_ND, v_ND = (x.transpose(0, 1).reshape(b * sq, x.shape[2], x.shape[3]) for x in (query, key, value))
+        starts, dropout = segments.cu_seqlens_q, self.dropout_p if self.training else 0.0
+        if q_ND.is_cuda and q_ND.dtype in (torch.float16, torch.bfloat16) and flash_head_dim(self.head_dim):
+            longest = segments.longest
+            out_ND = torch.ops.aten._flash_attention_forward(
+                q_ND, k_ND, v_ND, starts, starts, longest, longest, dropout, True, False, scale=self.softmax_scale
+            )[0]
+        else:
+            gqa = self.heads_per_partition != self.groups_per_partition
+            bounds = starts.tolist()
+            parts = [
+                F.scaled_dot_product_attention(
+                    *(x[start:end].transpose(0, 1) for x in (q_ND, k_ND, v_ND)),
+                    is_causal=True,
+                    dropout_p=dropout,
+                    scale=self.softmax_scale,
+                    enable_gqa=gqa,
+                ).transpose(0, 1)
+                for start, end in zip(bounds[:-1], bounds[1:])
+            ]
+            out_ND = torch.cat(parts)
+        return out_ND.reshape(b, sq, -1).transpose(0, 1).contiguous()
+
+
+def flash_head_dim(width: int) -> bool:
+    """Head widths PyTorch's flash kernel takes."""
+    return width % 8 == 0 and width <= 256

@@ -18,7 +18,9 @@ Contract:
   is 1, 'grad_norm' NaN): one poisoned batch must never reach the weights.
 - Micro-batches are dicts with at least `tokens` [mbs, T]; under PP > 1 all must share one shape. Optional
   `position_ids` [mbs, T] and `attention_mask` (bool [mbs, 1, T, T], True = masked out) reach the model as given
-  (packed sequences, aligner.data.packing); by default positions count from 0 and attention is causal.
+  (packed sequences, aligner.data.packing); packed rows without a mask keep attention inside their `segment_ids`
+  [mbs, T] (aligner.models.attention.Segments: the SDPA attention core). By default positions count from 0 and
+  attention is causal.
 - `frozen`: names of parameters (e.g. `output_layer.bias`) that keep their initial or loaded values: no gradient,
   no optimizer state.
 """
@@ -31,11 +33,14 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from aligner.config.schema import ModelConfig, OptimConfig
+from aligner.data.packing import segment_starts
+from aligner.models.attention import Segments
 from aligner.models.gpt import build_gpt, pad_for_sequence_parallel, position_ids_like, sequence_multiple
 from aligner.models.optim import ModelOptimizer, build_optimizer
 from aligner.parallel.device import current_device, on_gpu
@@ -169,7 +174,11 @@ class TrainableModel:
                 position_ids_like(tokens) if positions is None else positions,
                 batch.get("attention_mask"),
             )
-            output = model(tokens, positions, attention_mask=mask)
+            segments = None
+            if mask is None and "segment_ids" in batch:
+                ids = F.pad(batch["segment_ids"], (0, tokens.shape[1] - T), value=-1)  # padding: a segment
+                segments = Segments.of(*segment_starts(ids), *tokens.shape)
+            output = model(tokens, positions, attention_mask=mask, packed_seq_params=segments)
             if tokens.shape[1] != T and self.last_stage:
                 output = output[:, :T]  # [B, T, ...]: the padding's outputs dropped
 

@@ -1,7 +1,8 @@
 """Supervised fine-tuning: next-token NLL on the response tokens of prompt/response or chat samples.
 
-Data and targets: aligner.data.supervised.SFTDataset; micro-batches: aligner.data.packing (packed rows with a
-block-diagonal causal mask and restarting positions when `data.packing`, else length-bucketed samples). The loss is
+Data and targets: aligner.data.supervised.SFTDataset; micro-batches: aligner.data.packing (packed rows with
+restarting positions and attention kept inside each sample, by the samples' starts or a block-diagonal mask as
+`data.packed_attention` says, when `data.packing`; else length-bucketed samples). The loss is
 the mean NLL over every target token of the global batch (aligner.rl.nll_loss, normalised by the job-wide token
 count). The checkpoint is a policy checkpoint (LM head, `model.yaml`): the actor job takes it as `model.checkpoint`,
 and scripts/convert_nemo_to_hf.py exports it as `*ForCausalLM`.
@@ -23,10 +24,22 @@ from aligner.config.errors import ConfigError
 from aligner.config.sft import SFTJobConfig
 from aligner.data.packing import collate, length_buckets, pack, packed_row, plain_row
 from aligner.data.supervised import Sample, SFTDataset
+from aligner.models.attention import flash_head_dim
 from aligner.models.gpt import resolve_attention_backend
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
+from aligner.parallel.device import on_gpu
 from aligner.train.common import TaskBase
+
+
+def packed_attention(cfg: SFTJobConfig) -> str:
+    """How packed rows keep attention inside each sample: 'varlen' (the samples' starts) or 'mask' (see
+    aligner.config.sft). `auto` takes varlen where PyTorch's variable-length flash kernel runs."""
+    if cfg.data.packed_attention != "auto":
+        return cfg.data.packed_attention
+    flash = resolve_attention_backend(cfg.model.attention_backend) == "sdpa" and on_gpu()
+    flash = flash and cfg.model.params_dtype in ("bfloat16", "float16") and flash_head_dim(cfg.model.kv_channels)
+    return "varlen" if flash else "mask"
 
 
 class SFTTask(TaskBase):
@@ -38,6 +51,7 @@ class SFTTask(TaskBase):
             raise ConfigError(
                 "data.packing", "needs model.attention_backend=sdpa or unfused (here: te); or set data.packing=false"
             )
+        self.packed_mask = cfg.data.packing and packed_attention(cfg) == "mask"
         self.train_data = SFTDataset(cfg.data.train_file, self.tokenizer, cfg.data)
         self.val_data = SFTDataset(cfg.data.val_file, self.tokenizer, cfg.data) if cfg.data.val_file else None
         self.model = TrainableModel(cfg.model, cfg.optim, head="lm")
@@ -64,7 +78,7 @@ class SFTTask(TaskBase):
             groups = [g + [filler] * (size - len(g)) for g in groups]
         widths = self.widths([[len(r["tokens"]) for r in g] for g in groups])
         pad = self.tokenizer.pad_id
-        return [collate(g, w, pad, self.device) for g, w in zip(groups, widths, strict=True)]
+        return [collate(g, w, pad, self.device, self.packed_mask) for g, w in zip(groups, widths, strict=True)]
 
     def _logprobs(self, batch: dict, logits_BTV: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logprobs(

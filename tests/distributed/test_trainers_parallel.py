@@ -90,6 +90,7 @@ CASES = [  # trainer, TP, PP, overrides (DP = 2 / (TP * PP))
     ("sft", 2, 1, ()),
     ("sft", 1, 2, ()),
     ("sft", 1, 1, ("data.packing=false",)),  # DP=2, length-bucketed micro-batches
+    ("sft", 2, 1, ("data.packed_attention=varlen", "model.sequence_parallel=true")),  # the samples' starts
     ("reward_model", 2, 1, ()),
     ("reward_model", 1, 2, ()),
     ("dpo", 2, 1, ()),

@@ -1,7 +1,8 @@
 """The by-hand GPU checks of each model family (tests/gpu/engine_families.py: the generation engine;
 tests/gpu/train_families.py: the training forward and backward; tests/gpu/hf_families.py: a converted HF model
-against HF's forward) run on the CPU at their tiny sizes: they pass where the code is right and fail where a refit is
-lost, the fused RoPE computes something else or a loaded weight is off."""
+against HF's forward; tests/gpu/packed_attention.py: packed rows by the samples' starts against the dense mask) run on
+the CPU at their tiny sizes: they pass where the code is right and fail where a refit is lost, the fused RoPE computes
+something else, a loaded weight is off or attention crosses the packed samples."""
 
 import importlib.util
 import json
@@ -21,7 +22,7 @@ def scripts():
 
     initialize(1, 1, master_port=free_port())
     loaded = {}
-    for name in ("engine_families", "train_families", "hf_families"):
+    for name in ("engine_families", "train_families", "hf_families", "packed_attention"):
         spec = importlib.util.spec_from_file_location(name, os.path.join(GPU_DIR, f"{name}.py"))
         loaded[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(loaded[name])
@@ -99,3 +100,26 @@ def test_the_hf_check_fails_a_weight_loaded_wrong(scripts, monkeypatch, tmp_path
     assert scripts["hf_families"].main(["--tiny", "--kinds", "llama3", "--out", str(out)]) == 1
     (row,) = _rows(out)
     assert not row["pass"] and row["ours_max"] > 0.01
+
+
+def test_the_packed_attention_check_passes(scripts, tmp_path):
+    out = tmp_path / "report.json"
+    assert scripts["packed_attention"].main(["--tiny", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["pass"] and report["samples"] > 4 and report["varlen"]["grad_max"] < 1e-4
+
+
+def test_the_packed_attention_check_fails_attention_across_samples(scripts, monkeypatch, tmp_path):
+    import torch
+
+    from aligner.data import packing
+
+    def rows_only(segment_ids_BT):  # each row one segment: its samples see each other
+        B, T = segment_ids_BT.shape
+        return torch.arange(0, B * T + 1, T, dtype=torch.int32), T
+
+    monkeypatch.setattr(packing, "segment_starts", rows_only)
+    out = tmp_path / "report.json"
+    assert scripts["packed_attention"].main(["--tiny", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert not report["pass"] and report["varlen"]["logp_mean"] > 0.01

@@ -1,13 +1,21 @@
 """Sequence packing: bins, row layout, the block-diagonal causal mask, and the claim that matters: a packed sample's
 logits equal its logits alone (attention does not leak across samples), for RoPE (llama) and learned positions
-(gpt2), through SDPA and megatron's unfused attention."""
+(gpt2), through SDPA with the dense mask or the samples' starts (`Segments`) and megatron's unfused attention."""
 
 import numpy as np
 import pytest
 import torch
 from dist import run_ranks
 
-from aligner.data.packing import attention_mask_from_segments, collate, length_buckets, pack, packed_row, plain_row
+from aligner.data.packing import (
+    attention_mask_from_segments,
+    collate,
+    length_buckets,
+    pack,
+    packed_row,
+    plain_row,
+    segment_starts,
+)
 from aligner.data.supervised import Sample
 
 
@@ -62,12 +70,28 @@ def test_plain_rows_have_no_mask_or_positions():
     assert set(batch) == {"tokens", "targets"}
 
 
-def _packed_vs_alone(rank, world, arch, backend):
+def test_segment_starts_cover_each_sample_and_each_rows_padding():
+    ids = torch.tensor([[0] * 7 + [1] * 12 + [-1] * 3, [0] * 5 + [1] * 9 + [-1] * 8])
+    starts, longest = segment_starts(ids)
+    assert starts.dtype == torch.int32
+    assert starts.tolist() == [0, 7, 19, 22, 27, 36, 44] and longest == 12
+    # a row with no padding: the next row's first sample, id 0 like this row's first, is still a new segment
+    starts, longest = segment_starts(torch.tensor([[0, 0, 1], [0, 0, 0]]))
+    assert starts.tolist() == [0, 2, 3, 6] and longest == 3
+
+
+def test_collate_without_the_mask_keeps_the_segments():
+    rows = [packed_row([_sample([5, 6, 7], 1), _sample([8, 9], 1)])]
+    with_mask, without = collate(rows, 7, pad_id=0), collate(rows, 7, pad_id=0, mask=False)
+    assert "attention_mask" not in without and set(with_mask) == set(without) | {"attention_mask"}
+    assert without["segment_ids"].tolist() == [[0, 0, 0, 1, 1, -1, -1]]
+    assert torch.equal(with_mask["attention_mask"], attention_mask_from_segments(without["segment_ids"]))
+
+
+def _model(arch, backend):
     from aligner.config import ModelConfig
     from aligner.models.gpt import build_gpt
-    from aligner.parallel import initialize
 
-    initialize(seed=5)
     extra = {"arch": "gpt2", "num_query_groups": None} if arch == "gpt2" else {"num_query_groups": 2}
     cfg = ModelConfig(
         num_layers=2,
@@ -80,13 +104,27 @@ def _packed_vs_alone(rank, world, arch, backend):
         attention_backend=backend,
         **extra,
     )
-    model = build_gpt(cfg).eval()
+    return build_gpt(cfg)
+
+
+def _packed_vs_alone(rank, world, arch, backend):
+    from aligner.models.attention import Segments
+    from aligner.parallel import initialize
+
+    initialize(seed=5)
+    model = _model(arch, "sdpa" if backend == "varlen" else backend).eval()
     g = torch.Generator().manual_seed(0)
     samples = [_sample(torch.randint(4, 48, (n,), generator=g).numpy(), 1) for n in (7, 12, 5, 9)]
     rows = [packed_row(samples[:2]), packed_row(samples[2:])]
-    batch = collate(rows, 22, pad_id=0)
+    batch = collate(rows, 22, pad_id=0, mask=backend != "varlen")
+    segments = Segments.of(*segment_starts(batch["segment_ids"]), 2, 22) if backend == "varlen" else None
     with torch.no_grad():
-        packed = model(batch["tokens"], batch["position_ids"], attention_mask=batch["attention_mask"])
+        packed = model(
+            batch["tokens"],
+            batch["position_ids"],
+            attention_mask=batch.get("attention_mask"),
+            packed_seq_params=segments,
+        )
         alone = []
         for s in samples:
             t = torch.from_numpy(s.ids).unsqueeze(0)
@@ -99,7 +137,45 @@ def _packed_vs_alone(rank, world, arch, backend):
     return out
 
 
-@pytest.mark.parametrize("arch, backend", [("llama", "sdpa"), ("llama", "unfused"), ("gpt2", "sdpa")])
+@pytest.mark.parametrize(
+    "arch, backend",
+    [("llama", "sdpa"), ("llama", "unfused"), ("gpt2", "sdpa"), ("llama", "varlen"), ("gpt2", "varlen")],
+)
 def test_packed_logits_equal_each_sample_alone(arch, backend):
     for packed, alone in run_ranks(_packed_vs_alone, 1, arch, backend)[0]:
         torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+
+
+def _mask_vs_segments_gradients(rank, world):
+    """The same packed micro-batch through the dense mask and through `Segments`: loss and every gradient."""
+    from aligner.models.attention import Segments
+    from aligner.parallel import initialize
+
+    initialize(seed=5)
+    model = _model("llama", "sdpa").train()
+    g = torch.Generator().manual_seed(1)
+    samples = [_sample(torch.randint(4, 48, (n,), generator=g).numpy(), 1) for n in (3, 11, 6, 1, 8, 13)]
+    rows = [packed_row(samples[:3]), packed_row(samples[3:])]
+    batch = collate(rows, 24, pad_id=0)
+    segments = Segments.of(*segment_starts(batch["segment_ids"]), 2, 24)
+    out = {}
+    for name, kwargs in (
+        ("mask", {"attention_mask": batch["attention_mask"]}),
+        ("segments", {"attention_mask": None, "packed_seq_params": segments}),
+    ):
+        model.zero_grad()
+        logits = model(batch["tokens"], batch["position_ids"], **kwargs)
+        loss = (logits.log_softmax(-1)[..., 7] * batch["targets"]).sum()
+        loss.backward()
+        out[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    return out
+
+
+def test_segments_give_the_masks_loss_and_gradients():
+    out = run_ranks(_mask_vs_segments_gradients, 1)[0]
+    (loss_m, grads_m), (loss_s, grads_s) = out["mask"], out["segments"]
+    torch.testing.assert_close(loss_s, loss_m, rtol=1e-5, atol=1e-5)
+    assert grads_m.keys() == grads_s.keys() and len(grads_m) > 5
+    for name, grad in grads_m.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grads_s[name], grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -41,6 +41,7 @@ def test_demo_recipes_load_and_take_files_and_exp_dir(trainer, tmp_path):
         ("sft", "data.bad_rows=ignore", "data.bad_rows"),
         ("sft", "data.train_file=nowhere.jsonl", "data.train_file"),
         ("sft", "train.val_every=-1", "train.val_every"),
+        ("sft", "data.packed_attention=flash", "data.packed_attention"),
         ("reward_model", "reward_stats.max_examples=0", "reward_stats.max_examples"),
         ("reward_model", "reward_stats.file=nowhere.jsonl", "reward_stats.file"),
         ("dpo", "dpo.beta=0", "dpo.beta"),
@@ -58,6 +59,14 @@ def test_label_smoothing_is_for_the_sigmoid_loss_only():
     with pytest.raises(ConfigError, match="dpo.label_smoothing.*sigmoid"):
         load_dpo_config(["--config-name=dpo_demo", "dpo.loss=ipo", "dpo.label_smoothing=0.1"])
     assert load_dpo_config(["--config-name=dpo_demo", "dpo.loss=ipo"]).dpo.loss == "ipo"
+
+
+def test_varlen_packed_attention_needs_the_sdpa_core():
+    with pytest.raises(ConfigError, match="data.packed_attention.*attention_backend=sdpa or auto.*unfused"):
+        load_sft_config(["--config-name=sft_demo", "data.packed_attention=varlen", "model.attention_backend=unfused"])
+    cfg = load_sft_config(["--config-name=sft_demo", "data.packed_attention=varlen", "data.packing=false"])
+    assert cfg.data.packed_attention == "varlen"  # no packed rows: nothing to check
+    assert load_sft_config(["--config-name=sft_demo"]).data.packed_attention == "auto"
 
 
 def test_base_configs_need_data_and_a_tokenizer():
