@@ -111,6 +111,9 @@ class PPOConfig:
     num_mini_batches: int = 1  # optimizer steps per epoch over the rollouts
     micro_batch_size: int = 4  # rows per forward/backward pass of the policy update
     forward_micro_batch_size: Optional[int] = None  # rows per forward-only pass (log-probs); None = micro_batch_size
+    # Rows sorted by length into micro-batches, each cut to its longest row rounded up to this many tokens, instead
+    # of the step's longest: the same losses and log-probs, less padding computed. 0 = off (also under PP).
+    trim_padding: int = 64
     epochs: int = 1  # passes over each step's rollouts
     # One epoch of one mini-batch, KL in the loss (or none): the update's own forward gives the "old" log-probs
     # (ratio 1 exactly), so the separate policy log-prob pass is skipped; the KL/mismatch metrics come from the update.
@@ -214,6 +217,7 @@ class ActorJobConfig(JobPaths):
             "ppo.forward_micro_batch_size",
             f"must be >= 1 (or null), got {p.forward_micro_batch_size}",
         )
+        check(p.trim_padding >= 0, "ppo.trim_padding", f"must be >= 0 (0: off), got {p.trim_padding}")
         check(0 < p.clip_eps < 1, "ppo.clip_eps", f"must be in (0, 1), got {p.clip_eps}")
         check(
             p.clip_eps_high is None or 0 < p.clip_eps_high < 10,

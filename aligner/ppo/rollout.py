@@ -7,6 +7,10 @@ sample b sits at shifted index p_b - 1 + j, and `mask_BS` is 1 exactly there. Th
 [B, T] grid of positions (value at position i = critic's output at i, the state tokens[:i+1]); `values[:, :-1]`
 is therefore the value of the state before each token, on the shifted grid.
 
+Micro-batches (`micro_batches`): rows of the rollout with their per-token tensors, optionally sorted by length and
+cut to their own longest row (right padding after a row changes none of its causal outputs); `by_row` puts their
+results back in rollout order.
+
 Groups: with n samples per prompt, sample j of prompt g sits at position g * n + j of the step's global batch, so a
 prompt's samples are consecutive rows; the layout functions deal out whole groups (`expand_groups`).
 """
@@ -184,3 +188,36 @@ def sample_seeds(base_seed: int, step: int, indices: list[int]) -> list[int]:
     """Per-sample sampling seeds that depend only on (seed, step, position in the global batch): a resumed run or
     another data-parallel layout draws the same responses."""
     return [(base_seed * 1_000_003 + step * 65_537 + i * 7919) % (2**31 - 1) for i in indices]
+
+
+def micro_batches(rollout: Rollout, rows: list[int] | None, size: int, trim: int = 0, **per_token) -> list[dict]:
+    """Micro-batches of `size` of `rows` (None: all, in order): `tokens`, `mask`, `ended`, `rows` (the rollout rows
+    it holds, a tensor) and each `per_token` [B, T-1] tensor. `trim` > 0: the rows go longest first (ties in order)
+    and each micro-batch is cut to its longest row rounded up to a multiple of `trim` tokens (at most T)."""
+    rows = list(range(rollout.batch_size)) if rows is None else list(rows)
+    T = rollout.tokens_BT.shape[1]
+    lengths = rollout.lengths_B.tolist()
+    if trim:
+        rows.sort(key=lambda r: -lengths[r])
+    out = []
+    for lo in range(0, len(rows), size):
+        chunk = rows[lo : lo + size]
+        width = min(T, -(-max(lengths[r] for r in chunk) // trim) * trim) if trim else T
+        idx = torch.tensor(chunk, device=rollout.tokens_BT.device)
+        mb = {
+            "tokens": rollout.tokens_BT[idx, :width],
+            "mask": rollout.mask_BS[idx, : width - 1],
+            "ended": rollout.ended_B[idx],
+            "rows": idx,
+        }
+        mb.update({k: v[idx, : width - 1] for k, v in per_token.items()})
+        out.append(mb)
+    return out
+
+
+def by_row(micro: list[dict], parts: list[torch.Tensor], rows: int, width: int) -> torch.Tensor:
+    """[rows, width] from per-micro-batch results [mb, w <= width] in rollout order (zeros past a micro-batch's w)."""
+    out = parts[0].new_zeros(rows, width)
+    for mb, part in zip(micro, parts, strict=True):
+        out[mb["rows"], : part.shape[1]] = part
+    return out

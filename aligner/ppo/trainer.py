@@ -54,9 +54,11 @@ from aligner.ppo.reward_sources import TrainedCritic, build_reward_source
 from aligner.ppo.rollout import (
     Rollout,
     assemble,
+    by_row,
     concat,
     expand_groups,
     gather_rollout,
+    micro_batches,
     minibatch_positions,
     pad_to,
     sample_seeds,
@@ -320,15 +322,8 @@ class PPOTrainer:
     def _micro_batches(
         self, rollout: Rollout, rows: list[int] | None = None, size: int | None = None, **per_token
     ) -> list[dict]:
-        rows = list(range(rollout.batch_size)) if rows is None else rows
-        mbs = size or self.cfg.ppo.micro_batch_size
-        out = []
-        for lo in range(0, len(rows), mbs):
-            idx = torch.tensor(rows[lo : lo + mbs], device=rollout.tokens_BT.device)
-            mb = {"tokens": rollout.tokens_BT[idx], "mask": rollout.mask_BS[idx], "ended": rollout.ended_B[idx]}
-            mb.update({k: v[idx] for k, v in per_token.items()})
-            out.append(mb)
-        return out
+        multiple = self.cfg.ppo.trim_padding if self.policy.pp == 1 else 0  # PP: one shape for every micro-batch
+        return micro_batches(rollout, rows, size or self.cfg.ppo.micro_batch_size, multiple, **per_token)
 
     def _logprobs_fn(self, batch, logits_BTV):
         return vocab_parallel_logprobs(
@@ -362,9 +357,9 @@ class PPOTrainer:
         same shapes), so its log-probs match the update's bit for bit while the weights are equal (KL 0 at step 0)."""
         p = self.cfg.ppo
         micro = self._micro_batches(rollout, size=p.forward_micro_batch_size if policy else p.micro_batch_size)
-        logp = torch.cat(self.policy.forward(micro, self._logprobs_fn)) if policy else None
-        ref_logp = self.reference.forward(micro, self._logprobs_fn)
-        return logp, torch.cat(ref_logp)
+        B, S = rollout.mask_BS.shape
+        logp = by_row(micro, self.policy.forward(micro, self._logprobs_fn), B, S) if policy else None
+        return logp, by_row(micro, self.reference.forward(micro, self._logprobs_fn), B, S)
 
     def compute_advantages(self, rollout, logp_BS, ref_logp_BS, values_BT, scores_B) -> tuple[dict, dict]:
         """Rewards, advantages and returns of this rank's rows (the estimator's), and the rollout metrics."""
@@ -461,13 +456,15 @@ class PPOTrainer:
         cfg = self.cfg.ppo
         B = rollout.batch_size
         per_mini = B // cfg.num_mini_batches
-        stats, grad_norms, skipped = [], [], 0
+        stats, grad_norms, skipped, real, computed = [], [], 0, 0.0, 0.0
         g = torch.Generator().manual_seed(self.cfg.seed * 31 + self.step)
         for epoch in range(cfg.epochs):
             # Epoch 0 keeps the global mini-batches laid out by _my_positions; later epochs reshuffle locally.
             order = list(range(B)) if epoch == 0 else torch.randperm(B, generator=g).tolist()
             for m in range(cfg.num_mini_batches):
                 micro = self._micro_batches(rollout, order[m * per_mini : (m + 1) * per_mini], **batch)
+                real += float(sum(rollout.lengths_B[mb["rows"]].sum() for mb in micro))
+                computed += float(sum(mb["tokens"].numel() for mb in micro))
                 keep = [rl.policy_loss_mask(mb["mask"], mb["ended"], cfg.zero_unended) for mb in micro]
                 num_tokens = max(1, rl.global_token_count(keep, group=self.dp_group))
                 result = self.policy.step(micro, lambda mb, logits, n=num_tokens: self._policy_loss(mb, logits, n))
@@ -476,7 +473,10 @@ class PPOTrainer:
                 skipped += result["skipped"]
         rollout_stats = [{k: s.pop(k) for k in list(s) if k.startswith("rollout_")} for s in stats]
         reduced = rl.reduce_stats(stats, group=self.dp_group)
-        metrics = {"ppo/kl_loss": reduced["kl_loss"]} if "kl_loss" in reduced else {}
+        counts = rl.sum_by_name({"real": real, "computed": computed}, group=self.dp_group)
+        metrics = {"ppo/padding_fraction": 1.0 - counts["real"] / counts["computed"]}
+        if "kl_loss" in reduced:
+            metrics["ppo/kl_loss"] = reduced["kl_loss"]
         if any(rollout_stats):  # uses_update_logprobs: the rollout's KL and mismatch, measured by the update
             r = rl.reduce_stats(rollout_stats, group=self.dp_group, count="rollout_tokens")
             metrics |= {

@@ -191,6 +191,27 @@ def test_several_epochs_per_rollout_batch(tmp_path, digit_reward):
     assert "ppo/rollout_weight_mean" not in one[0]  # ppo.rollout_correction_cap is off by default
 
 
+def test_micro_batches_cut_to_their_longest_row_train_the_same(tmp_path, digit_reward):
+    """ppo.trim_padding: rows sorted by length into micro-batches, each cut to its longest row (here to the token:
+    the demo's sequences are shorter than the default 64). The same log-probs, losses and steps as micro-batches of
+    the step's width with the rows sorted (the default 64 leaves these widths whole) or in rollout order (0), with
+    less padding computed. Prompts of several lengths (the PPO demo's)."""
+    args = (*KL_IN_LOSS, f"reward.fn={digit_reward}", "data.train_file=conf/demo/prompts_train.jsonl")
+    runs = {trim: train(tmp_path, f"trim{trim}", 1, *args, f"ppo.trim_padding={trim}")[0] for trim in (64, 1, 0)}
+    whole, cut, in_order = runs[64], runs[1], runs[0]
+    assert len(whole) == len(cut) == len(in_order) == 2
+    for a, b, c in zip(whole, cut, in_order):
+        assert set(a) == set(b) == set(c)
+        assert b["ppo/padding_fraction"] < a["ppo/padding_fraction"] == c["ppo/padding_fraction"]
+        for key, value in _comparable(a).items():
+            if key in ("ppo/logprob_mismatch", "ppo/logprob_mismatch_max", "ppo/ratio_error"):
+                assert b[key] < 1e-5 and c[key] < 1e-5, key
+            elif key != "ppo/padding_fraction":
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+                assert c[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert whole[1]["ppo/kl"] > 0, "the policy moved: a vacuous comparison"
+
+
 def test_update_logprobs_replace_the_policy_pass(tmp_path, one_process, digit_reward):
     """One epoch of one mini-batch with the KL in the loss (issue 17): the update's own forward gives the old
     log-probs and the separate policy pass is skipped. Same training as with that pass (the ratio is 1 either way),

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from aligner.ppo.rollout import assemble, concat, pad_to, response_mask, sample_seeds
+from aligner.ppo.rollout import assemble, by_row, concat, micro_batches, pad_to, response_mask, sample_seeds
 
 
 def test_layout_and_shifted_grid():
@@ -114,3 +114,48 @@ def test_select_and_gather_rows_in_global_order():
     whole, scores = gather_rollout(r, torch.tensor([0.4, 0.0, 0.2]), None, 0)  # no group: this rank's rows
     assert whole.positions == [0, 2, 4] and scores.tolist() == pytest.approx([0.0, 0.2, 0.4])
     assert whole.labels == ["b", "c", "a"] and whole.tokens_BT.device.type == "cpu"
+
+
+def _rollout_of_lengths(prompt_lengths, response_lengths, total):
+    B = len(prompt_lengths)
+    prompts = torch.arange(1, 1 + B * total).view(B, total) % 50 + 3
+    responses = torch.arange(1, 1 + B * total).view(B, total) % 40 + 60
+    return assemble(
+        prompts,
+        torch.tensor(prompt_lengths),
+        responses,
+        torch.tensor(response_lengths),
+        -torch.rand(B, total),
+        torch.ones(B, dtype=torch.bool),
+        pad_id=0,
+        total_length=total,
+    )
+
+
+def test_micro_batches_sorted_by_length_and_cut_to_their_longest_row():
+    r = _rollout_of_lengths([2, 3, 2, 4, 1], [1, 9, 3, 2, 5], total=12)  # lengths 3, 12, 5, 6, 6
+    adv = torch.arange(5 * 11, dtype=torch.float32).view(5, 11)
+    plain = micro_batches(r, None, 2, 0, advantages=adv)
+    assert [mb["rows"].tolist() for mb in plain] == [[0, 1], [2, 3], [4]]
+    assert all(mb["tokens"].shape[1] == 12 and mb["mask"].shape[1] == 11 for mb in plain)
+    trimmed = micro_batches(r, None, 2, 4, advantages=adv)
+    # longest first, ties in their order: 1 (12), 3 (6), 4 (6), 2 (5), 0 (3); widths rounded up to 4, at most 12
+    assert [mb["rows"].tolist() for mb in trimmed] == [[1, 3], [4, 2], [0]]
+    assert [mb["tokens"].shape[1] for mb in trimmed] == [12, 8, 4]
+    for mb in trimmed:
+        w = mb["tokens"].shape[1]
+        assert torch.equal(mb["tokens"], r.tokens_BT[mb["rows"], :w])
+        assert torch.equal(mb["advantages"], adv[mb["rows"], : w - 1]) and mb["mask"].shape[1] == w - 1
+        # nothing cut off is a response token or a real token
+        assert r.mask_BS[mb["rows"], w - 1 :].sum() == 0 and (r.tokens_BT[mb["rows"], w:] == 0).all()
+    # a subset of rows (a mini-batch) is sorted within itself
+    assert [mb["rows"].tolist() for mb in micro_batches(r, [0, 2, 4], 3, 4)] == [[4, 2, 0]]
+
+
+def test_by_row_puts_results_back_in_rollout_order():
+    r = _rollout_of_lengths([2, 3, 2, 4, 1], [1, 9, 3, 2, 5], total=12)
+    micro = micro_batches(r, None, 2, 4)
+    parts = [mb["tokens"][:, 1:].float() for mb in micro]  # a per-token result on each micro-batch's width
+    out = by_row(micro, parts, 5, 11)
+    expected = r.tokens_BT[:, 1:].float() * (torch.arange(11) < torch.tensor([[3], [11], [7], [11], [7]]))
+    assert torch.equal(out, expected)

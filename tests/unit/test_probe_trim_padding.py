@@ -1,0 +1,25 @@
+"""benchmarks/probes/trim_padding.py on the CPU (tiny model, float32): micro-batches cut to their longest row compute
+less padding and the same log-probs as whole-width ones."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from benchmarks.probes import trim_padding  # noqa: E402
+
+
+def test_cut_micro_batches_compute_less_padding_and_the_same_logprobs(tmp_path):
+    from dist import free_port
+
+    from aligner.parallel import initialize
+
+    initialize(1, 1, master_port=free_port())
+    report = trim_padding.main(["--tiny", "--out", str(tmp_path / "r.json")])
+    assert (tmp_path / "r.json").exists() and report["device"] == "cpu"
+    whole, cut = report["rows"]
+    assert (whole["trim"], cut["trim"]) == (0, 4)
+    assert len(whole["widths"]) == 1 and len(cut["widths"]) > 1 and max(cut["widths"]) == whole["widths"][0]
+    assert cut["padding"] < whole["padding"] / 2
+    assert whole["logprob_diff_max"] == 0 and cut["logprob_diff_max"] < 1e-4
+    assert all(r["forward_s"] > 0 and r["step_s"] > 0 for r in report["rows"])
