@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aligner.data.packing import length_buckets
+
 
 @dataclass
 class Rollout:
@@ -197,11 +199,12 @@ def micro_batches(rollout: Rollout, rows: list[int] | None, size: int, trim: int
     rows = list(range(rollout.batch_size)) if rows is None else list(rows)
     T = rollout.tokens_BT.shape[1]
     lengths = rollout.lengths_B.tolist()
-    if trim:
-        rows.sort(key=lambda r: -lengths[r])
+    if trim:  # longest first, ties in their order
+        chunks = [[rows[i] for i in g] for g in length_buckets([lengths[r] for r in rows], size)]
+    else:
+        chunks = [rows[lo : lo + size] for lo in range(0, len(rows), size)]
     out = []
-    for lo in range(0, len(rows), size):
-        chunk = rows[lo : lo + size]
+    for chunk in chunks:
         width = min(T, -(-max(lengths[r] for r in chunk) // trim) * trim) if trim else T
         idx = torch.tensor(chunk, device=rollout.tokens_BT.device)
         mb = {
