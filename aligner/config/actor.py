@@ -113,7 +113,7 @@ class PPOConfig:
     forward_micro_batch_size: Optional[int] = None  # rows per forward-only pass (log-probs); None = micro_batch_size
     # Rows sorted by length into micro-batches, each cut to its longest row rounded up to this many tokens, instead
     # of the step's longest: the same losses and log-probs, less padding computed. 0 = off (also under PP).
-    trim_padding: int = 64
+    trim_padding: int = 64  # micro-batches cut to their longest row, rounded up to this many tokens (0 = off)
     epochs: int = 1  # passes over each step's rollouts
     # One epoch of one mini-batch, KL in the loss (or none): the update's own forward gives the "old" log-probs
     # (ratio 1 exactly), so the separate policy log-prob pass is skipped; the KL/mismatch metrics come from the update.

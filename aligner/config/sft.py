@@ -23,7 +23,7 @@ from aligner.config.train import TrainDataConfig, TrainJobConfig, load_train_con
 class SFTDataConfig(TrainDataConfig):
     response_key: str = "response"
     packing: bool = True
-    packed_attention: Literal["auto", "varlen", "mask"] = "auto"  # packed rows: see the module docstring
+    packed_attention: Literal["auto", "varlen", "mask"] = "auto"  # varlen: flash by samples | mask: dense | auto
 
 
 @dataclass
