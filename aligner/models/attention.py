@@ -118,29 +118,71 @@ class SDPAttention(MegatronModule):
         if key.shape[0] != sq or segments.tokens != b * sq:
             raise ValueError(f"Segments cover {segments.tokens} tokens; the rows hold {b} x {sq}")
         q_ND, k_ND, v_ND = (x.transpose(0, 1).reshape(b * sq, x.shape[2], x.shape[3]) for x in (query, key, value))
-        starts, dropout = segments.cu_seqlens_q, self.dropout_p if self.training else 0.0
-        if q_ND.is_cuda and q_ND.dtype in (torch.float16, torch.bfloat16) and flash_head_dim(self.head_dim):
-            longest = segments.longest
-            out_ND = torch.ops.aten._flash_attention_forward(
-                q_ND, k_ND, v_ND, starts, starts, longest, longest, dropout, True, False, scale=self.softmax_scale
-            )[0]
-        else:
-            gqa = self.heads_per_partition != self.groups_per_partition
-            bounds = starts.tolist()
-            parts = [
-                F.scaled_dot_product_attention(
-                    *(x[start:end].transpose(0, 1) for x in (q_ND, k_ND, v_ND)),
-                    is_causal=True,
-                    dropout_p=dropout,
-                    scale=self.softmax_scale,
-                    enable_gqa=gqa,
-                ).transpose(0, 1)
-                for start, end in zip(bounds[:-1], bounds[1:])
-            ]
-            out_ND = torch.cat(parts)
+        dropout = self.dropout_p if self.training else 0.0
+        out_ND = segment_attention(
+            q_ND, k_ND, v_ND, segments.cu_seqlens_q, segments.longest, self.softmax_scale, dropout
+        )
         return out_ND.reshape(b, sq, -1).transpose(0, 1).contiguous()
 
 
 def flash_head_dim(width: int) -> bool:
     """Head widths PyTorch's flash kernel takes."""
     return width % 8 == 0 and width <= 256
+
+
+def flash_runs(x: torch.Tensor) -> bool:
+    """Whether `segment_attention` takes PyTorch's variable-length flash kernel for queries like `x` [N, H, D]."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and flash_head_dim(x.shape[-1])
+
+
+def segment_attention(q_ND, k_ND, v_ND, starts, longest: int, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention inside each segment [starts[i], starts[i + 1]) of the tokens: q [N, H, D], k and v
+    [N, G, D] (G divides H: grouped KV heads) -> [N, H, D]. The flash kernel where it runs (`flash_runs`), else
+    SDPA one segment at a time."""
+    if flash_runs(q_ND):
+        return torch.ops.aten._flash_attention_forward(
+            q_ND, k_ND, v_ND, starts, starts, longest, longest, dropout, True, False, scale=scale
+        )[0]
+    bounds = starts.tolist()
+    parts = [
+        F.scaled_dot_product_attention(
+            *(x[start:end].transpose(0, 1) for x in (q_ND, k_ND, v_ND)),
+            is_causal=True,
+            dropout_p=dropout,
+            scale=scale,
+            enable_gqa=q_ND.shape[1] != k_ND.shape[1],
+        ).transpose(0, 1)
+        for start, end in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(parts)
+
+
+def varlen_check(device, dtype: torch.dtype) -> str | None:
+    """None when `segment_attention` on `device` in `dtype` gives, within that dtype's rounding, the outputs and
+    gradients of dense attention with a block-diagonal causal mask in float32 on the CPU (three segments, grouped KV
+    heads, head width 64); else why not (an exception's message or the largest difference). The SFT trainer runs it
+    before it takes the flash kernel for packed rows."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        starts, longest, scale = torch.tensor([0, 5, 17, 40], dtype=torch.int32), 23, 0.125
+        inputs = [torch.randn(40, heads, 64, generator=g) for heads in (4, 2, 2)]
+        grad = torch.randn(40, 4, 64, generator=g)
+        leaves = [x.to(dtype).to(device).requires_grad_() for x in inputs]
+        out = segment_attention(*leaves, starts.to(device), longest, scale)
+        out.backward(grad.to(dtype).to(device))
+        got = [t.detach().float().cpu() for t in (out, *(x.grad for x in leaves))]
+        leaves = [x.to(dtype).float().requires_grad_() for x in inputs]  # the same values, float32 maths
+        segment_N = torch.repeat_interleave(torch.arange(3), starts.diff())
+        allowed = (segment_N[:, None] == segment_N[None, :]) & torch.ones(40, 40, dtype=torch.bool).tril()
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in leaves)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        ref = ref.squeeze(0).transpose(0, 1)
+        ref.backward(grad.to(dtype).float())
+        want = [t.detach() for t in (ref, *(x.grad for x in leaves))]
+        for name, a, b in zip(("output", "dq", "dk", "dv"), got, want):
+            error = float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+            if not error < 0.05:
+                return f"{name} differs by {error:.3g} (relative to its largest value) from masked attention"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here; the message says which
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -14,6 +14,7 @@ Metrics: `train/loss`, `train/grad_norm`, `train/lr`, `train/skipped_steps`, `tr
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import numpy as np
@@ -24,22 +25,40 @@ from aligner.config.errors import ConfigError
 from aligner.config.sft import SFTJobConfig
 from aligner.data.packing import collate, length_buckets, pack, packed_row, plain_row
 from aligner.data.supervised import Sample, SFTDataset
-from aligner.models.attention import flash_head_dim
+from aligner.models.attention import flash_head_dim, varlen_check
+from aligner.models.dtypes import torch_dtype
 from aligner.models.gpt import resolve_attention_backend
 from aligner.models.logprobs import vocab_parallel_logprobs
 from aligner.models.training import TrainableModel
-from aligner.parallel.device import on_gpu
+from aligner.parallel.device import current_device, on_gpu
 from aligner.train.common import TaskBase
+
+log = logging.getLogger(__name__)
 
 
 def packed_attention(cfg: SFTJobConfig) -> str:
     """How packed rows keep attention inside each sample: 'varlen' (the samples' starts) or 'mask' (see
-    aligner.config.sft). `auto` takes varlen where PyTorch's variable-length flash kernel runs."""
-    if cfg.data.packed_attention != "auto":
-        return cfg.data.packed_attention
-    flash = resolve_attention_backend(cfg.model.attention_backend) == "sdpa" and on_gpu()
-    flash = flash and cfg.model.params_dtype in ("bfloat16", "float16") and flash_head_dim(cfg.model.kv_channels)
-    return "varlen" if flash else "mask"
+    aligner.config.sft). Where the flash kernel would run, it must first pass `varlen_check` on this GPU: `auto`
+    falls back to the mask with a warning, `varlen` is refused."""
+    choice = cfg.data.packed_attention
+    dtype = torch_dtype(cfg.model.params_dtype)
+    flash = on_gpu() and dtype in (torch.float16, torch.bfloat16) and flash_head_dim(cfg.model.kv_channels)
+    if choice == "mask" or (choice == "auto" and not flash):
+        return "mask"
+    if choice == "auto" and resolve_attention_backend(cfg.model.attention_backend) != "sdpa":
+        return "mask"
+    problem = varlen_check(current_device(), dtype) if flash else None
+    if problem is None:
+        return "varlen"
+    if choice == "varlen":
+        raise ConfigError(
+            "data.packed_attention",
+            f"varlen: PyTorch's flash varlen kernel failed its check here ({problem}); set mask",
+        )
+    log.warning(
+        "data.packed_attention=auto: the flash varlen kernel failed its check (%s); packed rows use the mask", problem
+    )
+    return "mask"
 
 
 class SFTTask(TaskBase):

@@ -179,3 +179,49 @@ def test_segments_give_the_masks_loss_and_gradients():
     for name, grad in grads_m.items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(grads_s[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_varlen_check_passes_attention_by_segments_and_names_a_wrong_one(monkeypatch):
+    from aligner.models import attention
+
+    assert attention.varlen_check("cpu", torch.float32) is None
+    assert attention.varlen_check("cpu", torch.bfloat16) is None
+    real = attention.segment_attention
+
+    def one_segment(q, k, v, starts, longest, scale, dropout=0.0):  # attention across the samples
+        return real(q, k, v, torch.tensor([0, q.shape[0]], dtype=torch.int32), q.shape[0], scale, dropout)
+
+    monkeypatch.setattr(attention, "segment_attention", one_segment)
+    assert attention.varlen_check("cpu", torch.float32).startswith("output differs by")
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(attention, "segment_attention", no_kernel)
+    assert attention.varlen_check("cpu", torch.float32) == "RuntimeError: no kernel image is available"
+
+
+def test_the_sft_trainer_takes_varlen_where_the_flash_kernel_passes_its_check(monkeypatch, caplog):
+    import logging
+
+    from aligner.config import ConfigError
+    from aligner.config.sft import load_sft_config
+    from aligner.train import sft
+
+    def choice(*overrides):
+        return sft.packed_attention(load_sft_config(["--config-name=sft_demo", *overrides]))
+
+    assert choice() == "mask"  # the CPU: no flash kernel
+    assert choice("data.packed_attention=varlen") == "varlen"  # SDPA one sample at a time
+    monkeypatch.setattr(sft, "on_gpu", lambda: True)  # a GPU, as far as the choice can tell; the check runs here
+    monkeypatch.setattr(sft, "current_device", lambda: torch.device("cpu"))
+    bf16 = "model.params_dtype=bfloat16"
+    assert choice() == "mask"  # float32 parameters: no flash kernel
+    assert choice(bf16) == "varlen"
+    assert choice(bf16, "model.attention_backend=unfused") == "mask"
+    monkeypatch.setattr(sft, "varlen_check", lambda device, dtype: "RuntimeError: no kernel image is available")
+    with caplog.at_level(logging.WARNING):
+        assert choice(bf16) == "mask"
+    assert "failed its check (RuntimeError: no kernel image is available)" in caplog.text
+    with pytest.raises(ConfigError, match="data.packed_attention.*no kernel image.*set mask"):
+        choice(bf16, "data.packed_attention=varlen")
