@@ -7,7 +7,8 @@ share one row of `data.max_length` tokens (attention stays inside each sample, p
 bucketing) are padded to their longest. `data.packed_attention` says how packed rows keep attention inside each
 sample: `varlen` by the samples' starts (a variable-length flash kernel on GPUs: each sample's own causal block, no
 mask), `mask` by a dense [T, T] block-diagonal mask per row (any attention core; the whole T x T score matrix);
-`auto`: varlen where the flash kernel runs (GPU, bf16/fp16 parameters, the SDPA core), else mask.
+`auto`: varlen where the flash kernel runs (GPU, bf16/fp16 parameters, the SDPA core) and passes its start-up check
+(aligner.models.attention.varlen_check), else mask.
 """
 
 from __future__ import annotations
