@@ -111,8 +111,8 @@ class PPOConfig:
     num_mini_batches: int = 1  # optimizer steps per epoch over the rollouts
     micro_batch_size: int = 4  # rows per forward/backward pass of the policy update
     forward_micro_batch_size: Optional[int] = None  # rows per forward-only pass (log-probs); None = micro_batch_size
-    # Rows sorted by length into micro-batches, each cut to its longest row rounded up to this many tokens, instead
-    # of the step's longest: the same losses and log-probs, less padding computed. 0 = off (also under PP).
+    # Rows go into micro-batches longest first, each run at its own longest row's width instead of the step's: right
+    # padding changes no causal output, so the losses are the same with less padding computed; off under PP.
     trim_padding: int = 64  # micro-batches cut to their longest row, rounded up to this many tokens (0 = off)
     epochs: int = 1  # passes over each step's rollouts
     # One epoch of one mini-batch, KL in the loss (or none): the update's own forward gives the "old" log-probs
