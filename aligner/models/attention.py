@@ -25,6 +25,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
+from aligner.data import packing
+
 
 @dataclass
 class Segments(PackedSeqParams):
@@ -38,7 +40,10 @@ class Segments(PackedSeqParams):
     tokens: int = 0
 
     @classmethod
-    def of(cls, starts: torch.Tensor, longest: int, rows: int, width: int) -> "Segments":
+    def of(cls, segment_ids_BT: torch.Tensor) -> "Segments":
+        """The segments of packed rows' `segment_ids` [B, T] (aligner.data.packing)."""
+        starts, longest = packing.segment_starts(segment_ids_BT)
+        rows, width = segment_ids_BT.shape
         return cls(
             qkv_format="sbhd",
             cu_seqlens_q=starts,
@@ -125,21 +130,17 @@ class SDPAttention(MegatronModule):
         return out_ND.reshape(b, sq, -1).transpose(0, 1).contiguous()
 
 
-def flash_head_dim(width: int) -> bool:
-    """Head widths PyTorch's flash kernel takes."""
-    return width % 8 == 0 and width <= 256
-
-
-def flash_runs(x: torch.Tensor) -> bool:
-    """Whether `segment_attention` takes PyTorch's variable-length flash kernel for queries like `x` [N, H, D]."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and flash_head_dim(x.shape[-1])
+def flash_takes(cuda: bool, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether PyTorch's variable-length flash kernel takes attention on a CUDA device (or not) in `dtype` with
+    heads `head_dim` wide: where it does, `segment_attention` runs it."""
+    return cuda and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
 def segment_attention(q_ND, k_ND, v_ND, starts, longest: int, scale: float, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention inside each segment [starts[i], starts[i + 1]) of the tokens: q [N, H, D], k and v
-    [N, G, D] (G divides H: grouped KV heads) -> [N, H, D]. The flash kernel where it runs (`flash_runs`), else
+    [N, G, D] (G divides H: grouped KV heads) -> [N, H, D]. The flash kernel where it runs (`flash_takes`), else
     SDPA one segment at a time."""
-    if flash_runs(q_ND):
+    if flash_takes(q_ND.is_cuda, q_ND.dtype, q_ND.shape[-1]):
         return torch.ops.aten._flash_attention_forward(
             q_ND, k_ND, v_ND, starts, starts, longest, longest, dropout, True, False, scale=scale
         )[0]

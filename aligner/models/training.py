@@ -39,7 +39,6 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from aligner.config.schema import ModelConfig, OptimConfig
-from aligner.data.packing import segment_starts
 from aligner.models.attention import Segments
 from aligner.models.gpt import build_gpt, pad_for_sequence_parallel, position_ids_like, sequence_multiple
 from aligner.models.optim import ModelOptimizer, build_optimizer
@@ -177,7 +176,7 @@ class TrainableModel:
             segments = None
             if mask is None and "segment_ids" in batch:
                 ids = F.pad(batch["segment_ids"], (0, tokens.shape[1] - T), value=-1)  # padding: a segment
-                segments = Segments.of(*segment_starts(ids), *tokens.shape)
+                segments = Segments.of(ids)
             output = model(tokens, positions, attention_mask=mask, packed_seq_params=segments)
             if tokens.shape[1] != T and self.last_stage:
                 output = output[:, :T]  # [B, T, ...]: the padding's outputs dropped

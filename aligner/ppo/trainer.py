@@ -462,8 +462,9 @@ class PPOTrainer:
             # Epoch 0 keeps the global mini-batches laid out by _my_positions; later epochs reshuffle locally.
             order = list(range(B)) if epoch == 0 else torch.randperm(B, generator=g).tolist()
             for m in range(cfg.num_mini_batches):
-                micro = self._micro_batches(rollout, order[m * per_mini : (m + 1) * per_mini], **batch)
-                real += float(sum(rollout.lengths_B[mb["rows"]].sum() for mb in micro))
+                rows = order[m * per_mini : (m + 1) * per_mini]
+                micro = self._micro_batches(rollout, rows, **batch)
+                real += float(rollout.lengths_B[rows].sum())
                 computed += float(sum(mb["tokens"].numel() for mb in micro))
                 keep = [rl.policy_loss_mask(mb["mask"], mb["ended"], cfg.zero_unended) for mb in micro]
                 num_tokens = max(1, rl.global_token_count(keep, group=self.dp_group))

@@ -25,7 +25,7 @@ from aligner.config.errors import ConfigError
 from aligner.config.sft import SFTJobConfig
 from aligner.data.packing import collate, length_buckets, pack, packed_row, plain_row
 from aligner.data.supervised import Sample, SFTDataset
-from aligner.models.attention import flash_head_dim, varlen_check
+from aligner.models.attention import flash_takes, varlen_check
 from aligner.models.dtypes import torch_dtype
 from aligner.models.gpt import resolve_attention_backend
 from aligner.models.logprobs import vocab_parallel_logprobs
@@ -42,7 +42,7 @@ def packed_attention(cfg: SFTJobConfig) -> str:
     falls back to the mask with a warning, `varlen` is refused."""
     choice = cfg.data.packed_attention
     dtype = torch_dtype(cfg.model.params_dtype)
-    flash = on_gpu() and dtype in (torch.float16, torch.bfloat16) and flash_head_dim(cfg.model.kv_channels)
+    flash = flash_takes(on_gpu(), dtype, cfg.model.kv_channels)
     if choice == "mask" or (choice == "auto" and not flash):
         return "mask"
     if choice == "auto" and resolve_attention_backend(cfg.model.attention_backend) != "sdpa":

@@ -64,13 +64,12 @@ def batch(rows: int, width: int, longest: int, vocab: int, device, seed: int = 0
 
 def run(model, mb: dict, varlen: bool):
     """(log-probs of the target tokens, {name: gradient as float32}) of their mean log-prob."""
-    from aligner.data.packing import segment_starts
     from aligner.models.attention import Segments
 
     model.zero_grad(set_to_none=True)
     tokens = mb["tokens"]
     if varlen:
-        segments = Segments.of(*segment_starts(mb["segment_ids"]), *tokens.shape)
+        segments = Segments.of(mb["segment_ids"])
         logits = model(tokens, mb["position_ids"], attention_mask=None, packed_seq_params=segments)
     else:
         logits = model(tokens, mb["position_ids"], attention_mask=mb["attention_mask"])

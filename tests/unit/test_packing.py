@@ -117,7 +117,7 @@ def _packed_vs_alone(rank, world, arch, backend):
     samples = [_sample(torch.randint(4, 48, (n,), generator=g).numpy(), 1) for n in (7, 12, 5, 9)]
     rows = [packed_row(samples[:2]), packed_row(samples[2:])]
     batch = collate(rows, 22, pad_id=0, mask=backend != "varlen")
-    segments = Segments.of(*segment_starts(batch["segment_ids"]), 2, 22) if backend == "varlen" else None
+    segments = Segments.of(batch["segment_ids"]) if backend == "varlen" else None
     with torch.no_grad():
         packed = model(
             batch["tokens"],
@@ -157,7 +157,7 @@ def _mask_vs_segments_gradients(rank, world):
     samples = [_sample(torch.randint(4, 48, (n,), generator=g).numpy(), 1) for n in (3, 11, 6, 1, 8, 13)]
     rows = [packed_row(samples[:3]), packed_row(samples[3:])]
     batch = collate(rows, 24, pad_id=0)
-    segments = Segments.of(*segment_starts(batch["segment_ids"]), 2, 24)
+    segments = Segments.of(batch["segment_ids"])
     out = {}
     for name, kwargs in (
         ("mask", {"attention_mask": batch["attention_mask"]}),
