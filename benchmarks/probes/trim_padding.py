@@ -12,6 +12,7 @@ median of `--repeats` after one warm-up; and each trim's log-probs against the w
 
     python3 benchmarks/probes/trim_padding.py [--rollouts 512] [--trims 0 64] [--out FILE]
     python3 benchmarks/probes/trim_padding.py --tiny        (CPU: the probe itself; trims 0 and 4)
+    python3 benchmarks/probes/trim_padding.py --count-only  (no model: each trim's positions and padding share)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--trims", type=int, nargs="+", default=[0, 64])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--count-only", action="store_true", help="no model: the positions each trim computes")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.tiny:
@@ -67,8 +69,26 @@ def rollout_of(args, vocab: int, device):
     )
 
 
+def counts(args) -> dict:
+    """Per trim: the positions its micro-batches compute and their padding share (the rollout only, no model)."""
+    from aligner.ppo.rollout import micro_batches
+
+    rollout = rollout_of(args, 32000, torch.device("cpu"))
+    rows = []
+    for trim in args.trims:
+        computed = sum(mb["tokens"].numel() for mb in micro_batches(rollout, None, args.micro_batch, trim))
+        rows.append({"trim": trim, "positions": computed, "padding": 1.0 - float(rollout.lengths_B.sum()) / computed})
+    print(f"{args.rollouts} rollouts of {args.prompt} + U({args.min_response}, {args.max_response}) tokens")
+    print("| trim | positions | padding |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['trim']} | {r['positions']:,} | {r['padding']:.3f} |")
+    return write_report({"device": "none", "args": vars(args), "rows": rows}, args.out)
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.count_only:
+        return counts(args)
     from aligner.config import ModelConfig, OptimConfig
     from aligner.models.logprobs import vocab_parallel_logprobs
     from aligner.models.training import TrainableModel

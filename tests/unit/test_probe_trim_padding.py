@@ -23,3 +23,10 @@ def test_cut_micro_batches_compute_less_padding_and_the_same_logprobs(tmp_path):
     assert cut["padding"] < whole["padding"] / 2
     assert whole["logprob_diff_max"] == 0 and cut["logprob_diff_max"] < 1e-4
     assert all(r["forward_s"] > 0 and r["step_s"] > 0 for r in report["rows"])
+
+
+def test_counting_needs_no_model():
+    report = trim_padding.main(["--count-only", "--rollouts", "64", "--trims", "0", "64", "1"])
+    whole, cut, exact = report["rows"]
+    assert whole["positions"] > cut["positions"] > exact["positions"]
+    assert exact["padding"] < cut["padding"] < whole["padding"]
