@@ -95,6 +95,7 @@ class CriticJobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # the critic's checkpoints
     exp_dir: str = "results/critic"  # the critic's logs and checkpoints
     seed: int = 1234  # seed of initialisation
+    trim_padding: int = 64  # micro-batches sorted by length, cut to their longest row rounded up to this (0 = off)
 
     # -- rules -------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -145,6 +146,8 @@ class CriticJobConfig:
         ):
             if value < 1:
                 raise ConfigError(key, f"must be >= 1, got {value}")
+        if self.trim_padding < 0:
+            raise ConfigError("trim_padding", f"must be >= 0 (0: off), got {self.trim_padding}")
         if t.value_clip_eps is not None and not t.value_clip_eps > 0:
             raise ConfigError("train.value_clip_eps", f"must be > 0 (or null for no clipping), got {t.value_clip_eps}")
         for name, port in s.resolved_ports().items():

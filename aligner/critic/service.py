@@ -54,6 +54,7 @@ from aligner.critic.protocol import (
     check_train,
 )
 from aligner.critic.reward_fn import RewardFunction, RewardFunctionError
+from aligner.data.packing import trimmed_groups
 from aligner.parallel import host_barrier, host_group
 from aligner.parallel.device import current_device
 from aligner.rl import explained_variance, global_token_count, reduce_stats, value_loss
@@ -111,6 +112,8 @@ class CriticService:
             self.reward_function = RewardFunction(
                 cfg.reward_fn, cfg.tokenizer_path, workers, cfg.reward_fn_timeout, cfg.reward_fn_samples_per_call
             )
+        # Micro-batches cut to their longest row (sorted by length); under PP every micro-batch keeps one shape.
+        self.trim = cfg.trim_padding if ps.get_pipeline_model_parallel_world_size() == 1 else 0
         self.run_id: str | None = None  # set by resume(): the actor's run
         self.base_step = 0  # the step the critic's state corresponds to (resumed or last saved)
         self.trains_since_base = 0
@@ -159,9 +162,9 @@ class CriticService:
         start, stop = self._my_rows(batch)
         if stop > start:  # a DP slice with no rows skips the forward (no collective spans DP in a forward pass)
             if self.critic is not None:
-                values_BT[start:stop] = self._forward_values(self.critic, tokens_dev[start:stop])
+                values_BT[start:stop] = self._forward_values(self.critic, tokens_dev[start:stop], lengths[start:stop])
             if self.reward_model is not None:
-                scores = self._forward_values(self.reward_model, tokens_dev[start:stop])
+                scores = self._forward_values(self.reward_model, tokens_dev[start:stop], lengths[start:stop])
                 last = (lengths_dev[start:stop] - 1).unsqueeze(1)
                 rm_B = scores.gather(1, last).squeeze(1)
                 rewards_B[start:stop] = (rm_B - self.reward_mean) / self.reward_std
@@ -175,14 +178,32 @@ class CriticService:
             rewards = rewards_B.cpu()
         return values, rewards.reshape(batch, 1)
 
-    def _forward_values(self, model, tokens_bT: torch.Tensor) -> torch.Tensor:
-        """Scalar-head outputs [b, T] float32 for `tokens_bT`."""
-        mbs = self.cfg.infer.micro_batch_size
+    def _forward_values(self, model, tokens_bT: torch.Tensor, lengths_b: np.ndarray) -> torch.Tensor:
+        """Scalar-head outputs [b, T] float32 for `tokens_bT` (zeros past a micro-batch's width when cut)."""
         rows = tokens_bT.shape[0]
-        padded = self._pad_rows(tokens_bT, mbs)  # equal micro-batch shapes, as the pipeline schedule requires
-        micro = [{"tokens": padded[i : i + mbs]} for i in range(0, padded.shape[0], mbs)]
+        micro = self._micro_batches(self.cfg.infer.micro_batch_size, lengths_b, tokens=tokens_bT)
         outs = model.forward(micro, lambda batch, output: output.squeeze(-1).float())
-        return torch.cat(outs)[:rows]
+        padded = sum(len(mb["rows"]) for mb in micro)  # the micro-batches' rows: a permutation of range(padded)
+        values = torch.zeros(padded, tokens_bT.shape[1], dtype=torch.float32, device=tokens_bT.device)
+        for mb, part in zip(micro, outs, strict=True):
+            values[mb["rows"], : part.shape[1]] = part
+        return values[:rows]
+
+    def _micro_batches(self, size: int, lengths_b: np.ndarray, **tensors) -> list[dict]:
+        """Micro-batches of `size` rows of each [b, T] tensor, with `rows` (a tensor: which rows each holds). Cut to
+        their longest row (`self.trim`, rows sorted by length), else in order at the whole width with the last
+        filled by zero rows (equal shapes, as the pipeline schedule requires)."""
+        first = next(iter(tensors.values()))
+        rows, width = first.shape
+        lengths = lengths_b.tolist()
+        if not self.trim:
+            tensors = {name: self._pad_rows(x, size) for name, x in tensors.items()}
+            lengths += [0] * ((-rows) % size)
+        micro = []
+        for group, w in trimmed_groups(lengths, size, self.trim, width):
+            idx = torch.tensor(group, device=first.device)
+            micro.append({"rows": idx, **{name: x[idx, :w] for name, x in tensors.items()}})
+        return micro
 
     def _rewards_from_fn(self, tokens, lengths, prompt_lengths, labels) -> torch.Tensor:
         """Rank 0 runs the reward function; [ok, rewards...] is broadcast so every rank returns (or raises) alike.
@@ -228,7 +249,7 @@ class CriticService:
                 gb_size = min(cfg.global_batch_size, batch - gb_start)
                 lo, hi = (gb_start + r for r in self._my_rows(gb_size))
                 micro = self._train_micro_batches(
-                    tokens_dev[lo:hi], returns_dev[lo:hi], prev_dev[lo:hi], mask_dev[lo:hi], width
+                    tokens_dev[lo:hi], returns_dev[lo:hi], prev_dev[lo:hi], mask_dev[lo:hi], width, lengths[lo:hi]
                 )
                 num_tokens = global_token_count([m["mask"] for m in micro], group=self.dp_group)
                 result = self.critic.step(micro, partial(self._loss, num_tokens=num_tokens))
@@ -249,18 +270,15 @@ class CriticService:
             "lr": lr,
         }
 
-    def _train_micro_batches(self, tokens, returns, prev_values, mask, width) -> list[dict]:
-        mbs = self.cfg.train.micro_batch_size
+    def _train_micro_batches(self, tokens, returns, prev_values, mask, width, lengths) -> list[dict]:
         if tokens.shape[0] == 0:
             # This DP rank got no rows of a small global batch, but must still join the gradient all-reduce:
             # one all-padding micro-batch (mask 0) contributes exactly zero gradient.
-            tokens = tokens.new_zeros((1, width))
-            returns, prev_values, mask = (x.new_zeros((1, width)) for x in (returns, prev_values, mask))
-        tensors = [self._pad_rows(x, mbs) for x in (tokens, returns, prev_values, mask)]
-        return [
-            dict(zip(("tokens", "returns", "prev_values", "mask"), (x[i : i + mbs] for x in tensors)))
-            for i in range(0, tensors[0].shape[0], mbs)
-        ]
+            tokens, returns, prev_values, mask = (x.new_zeros((1, width)) for x in (tokens, returns, prev_values, mask))
+            lengths = np.full(1, width)
+        return self._micro_batches(
+            self.cfg.train.micro_batch_size, lengths, tokens=tokens, returns=returns, prev_values=prev_values, mask=mask
+        )
 
     def _loss(self, batch: dict, output: torch.Tensor, num_tokens: int):
         values_BT = output.squeeze(-1).float()

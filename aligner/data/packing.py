@@ -53,6 +53,18 @@ def length_buckets(lengths: Sequence[int], size: int) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+def trimmed_groups(lengths: Sequence[int], size: int, trim: int, width: int) -> list[tuple[list[int], int]]:
+    """Micro-batches of `size` indices into `lengths`, each with the width it runs at. `trim` 0: in order, each at
+    `width`; `trim` > 0: longest first (`length_buckets`), each cut to its longest row rounded up to a multiple of
+    `trim` tokens (at most `width`). Right padding changes no causal output, so the cut rows compute the same."""
+    if not trim:
+        return [(list(range(lo, min(lo + size, len(lengths)))), width) for lo in range(0, len(lengths), size)]
+    return [
+        (group, min(width, -(-max(lengths[i] for i in group) // trim) * trim))
+        for group in length_buckets(lengths, size)
+    ]
+
+
 def packed_row(samples: Sequence) -> dict[str, np.ndarray]:
     """One row from `samples` (each with `.ids` and `.targets`): ids, targets, position ids, segment ids (unpadded)."""
     return {

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aligner.data.packing import length_buckets
+from aligner.data.packing import trimmed_groups
 
 
 @dataclass
@@ -197,15 +197,10 @@ def micro_batches(rollout: Rollout, rows: list[int] | None, size: int, trim: int
     it holds, a tensor) and each `per_token` [B, T-1] tensor. `trim` > 0: the rows go longest first (ties in order)
     and each micro-batch is cut to its longest row rounded up to a multiple of `trim` tokens (at most T)."""
     rows = list(range(rollout.batch_size)) if rows is None else list(rows)
-    T = rollout.tokens_BT.shape[1]
     lengths = rollout.lengths_B.tolist()
-    if trim:  # longest first, ties in their order
-        chunks = [[rows[i] for i in g] for g in length_buckets([lengths[r] for r in rows], size)]
-    else:
-        chunks = [rows[lo : lo + size] for lo in range(0, len(rows), size)]
     out = []
-    for chunk in chunks:
-        width = min(T, -(-max(lengths[r] for r in chunk) // trim) * trim) if trim else T
+    for group, width in trimmed_groups([lengths[r] for r in rows], size, trim, rollout.tokens_BT.shape[1]):
+        chunk = [rows[i] for i in group]
         idx = torch.tensor(chunk, device=rollout.tokens_BT.device)
         mb = {
             "tokens": rollout.tokens_BT[idx, :width],

@@ -15,6 +15,7 @@ from aligner.data.packing import (
     packed_row,
     plain_row,
     segment_starts,
+    trimmed_groups,
 )
 from aligner.data.supervised import Sample
 
@@ -37,6 +38,14 @@ def test_pack_first_fit_decreasing_respects_capacity():
 
 def test_length_buckets_group_similar_lengths():
     assert length_buckets([3, 9, 1, 7, 5], 2) == [[1, 3], [4, 0], [2]]
+
+
+def test_trimmed_groups_cut_each_micro_batch_to_its_longest_row():
+    lengths = [3, 9, 1, 7, 5]
+    assert trimmed_groups(lengths, 2, 0, 12) == [([0, 1], 12), ([2, 3], 12), ([4], 12)]  # off: in order, whole
+    assert trimmed_groups(lengths, 2, 4, 12) == [([1, 3], 12), ([4, 0], 8), ([2], 4)]  # 9 -> 12, 5 -> 8, 1 -> 4
+    assert trimmed_groups(lengths, 2, 4, 10) == [([1, 3], 10), ([4, 0], 8), ([2], 4)]  # never past the width
+    assert trimmed_groups(lengths, 2, 1, 12) == [([1, 3], 9), ([4, 0], 5), ([2], 1)]
 
 
 def test_packed_row_restarts_positions_and_keeps_targets_per_sample():
