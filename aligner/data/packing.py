@@ -16,6 +16,8 @@ only to its own longest member.
 Row layout of a micro-batch dict: `tokens` [B, T] (pad id after the end), `targets` [B, T] bool (token t is trained
 on; never the first token of a sample, which nothing before it in its sample predicts), and for packed rows
 `position_ids` [B, T], `segment_ids` [B, T] and (unless `collate(..., mask=False)`) `attention_mask` [B, 1, T, T].
+`collate(..., device)` moves all but `segment_ids` to the device: the ids stay on the CPU, where the samples' starts
+are found without waiting for the GPU (a read-back per micro-batch would stall the host's queue of launches).
 """
 
 from __future__ import annotations
@@ -128,8 +130,8 @@ def collate(rows: Sequence[dict], width: int, pad_id: int, device=None, mask: bo
         out["segment_ids"] = segments
         if mask:
             out["attention_mask"] = attention_mask_from_segments(segments)
-    if device is not None:
-        out = {k: v.to(device) for k, v in out.items()}
+    if device is not None:  # the segment ids stay on the CPU (the module docstring)
+        out = {k: v if k == "segment_ids" else v.to(device) for k, v in out.items()}
     return out
 
 
@@ -145,6 +147,6 @@ def collate_pairs(pairs: Sequence, width: int, pad_id: int, device=None) -> dict
             rows.append({"tokens": ids, "targets": targets})
     out = collate(rows, width, pad_id)
     out["lengths"] = torch.tensor([len(r["tokens"]) for r in rows], dtype=torch.long)
-    if device is not None:
-        out = {k: v.to(device) for k, v in out.items()}
+    if device is not None:  # the segment ids stay on the CPU (the module docstring)
+        out = {k: v if k == "segment_ids" else v.to(device) for k, v in out.items()}
     return out

@@ -40,9 +40,13 @@ class Segments(PackedSeqParams):
     tokens: int = 0
 
     @classmethod
-    def of(cls, segment_ids_BT: torch.Tensor) -> "Segments":
-        """The segments of packed rows' `segment_ids` [B, T] (aligner.data.packing)."""
+    def of(cls, segment_ids_BT: torch.Tensor, device=None) -> "Segments":
+        """The segments of packed rows' `segment_ids` [B, T] (aligner.data.packing), computed where the ids are and
+        handed to `device` (default: there). A micro-batch keeps its ids on the CPU (`collate`): found there, the
+        starts cost the host no wait for the GPU's queued work (on the GPU, reading them back would)."""
         starts, longest = packing.segment_starts(segment_ids_BT)
+        if device is not None:
+            starts = starts.to(device, non_blocking=True)  # staged from the CPU at once: nothing waits
         rows, width = segment_ids_BT.shape
         return cls(
             qkv_format="sbhd",

@@ -176,7 +176,7 @@ class TrainableModel:
             segments = None
             if mask is None and "segment_ids" in batch:
                 ids = F.pad(batch["segment_ids"], (0, tokens.shape[1] - T), value=-1)  # padding: a segment
-                segments = Segments.of(ids)
+                segments = Segments.of(ids, device=tokens.device)
             output = model(tokens, positions, attention_mask=mask, packed_seq_params=segments)
             if tokens.shape[1] != T and self.last_stage:
                 output = output[:, :T]  # [B, T, ...]: the padding's outputs dropped

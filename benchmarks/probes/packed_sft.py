@@ -137,7 +137,7 @@ def model_rows(cfg, width: int, sample: int, repeats: int, gpu: bool, profile: b
     paths = (
         ("causal (unpacked)", lambda: step(position_ids=plain_positions, attention_mask=None)),
         ("mask", lambda: step(attention_mask=mb["attention_mask"])),
-        ("varlen", lambda: step(attention_mask=None, packed_seq_params=Segments.of(mb["segment_ids"]))),
+        ("varlen", lambda: step(attention_mask=None, packed_seq_params=Segments.of(mb["segment_ids"], device))),
     )
     rows = []
     for name, fn in paths:

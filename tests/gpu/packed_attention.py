@@ -69,7 +69,7 @@ def run(model, mb: dict, varlen: bool):
     model.zero_grad(set_to_none=True)
     tokens = mb["tokens"]
     if varlen:
-        segments = Segments.of(mb["segment_ids"])
+        segments = Segments.of(mb["segment_ids"], device=tokens.device)
         logits = model(tokens, mb["position_ids"], attention_mask=None, packed_seq_params=segments)
     else:
         logits = model(tokens, mb["position_ids"], attention_mask=mb["attention_mask"])

@@ -155,6 +155,21 @@ def test_packed_logits_equal_each_sample_alone(arch, backend):
         torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
 
 
+def test_segment_ids_stay_on_the_cpu_and_starts_go_to_the_device():
+    """A micro-batch moved to a device keeps `segment_ids` on the CPU, where `Segments.of` finds the starts without
+    reading anything back from the device, then hands them over ("meta" stands in for a GPU here)."""
+    from aligner.models.attention import Segments
+
+    samples = [_sample(np.arange(4, 4 + n), 1) for n in (3, 5, 2)]
+    batch = collate([packed_row(samples[:2]), packed_row(samples[2:])], 9, pad_id=0, device="meta", mask=False)
+    assert batch["segment_ids"].device.type == "cpu"
+    assert all(v.device.type == "meta" for k, v in batch.items() if k != "segment_ids")
+    segments = Segments.of(batch["segment_ids"], device="meta")
+    assert segments.cu_seqlens_q.device.type == "meta" and segments.cu_seqlens_q.dtype == torch.int32
+    assert (segments.longest, segments.tokens) == (7, 18)  # row 2: a sample of 2, then padding of 7
+    assert Segments.of(batch["segment_ids"]).cu_seqlens_q.tolist() == [0, 3, 8, 9, 11, 18]
+
+
 def _mask_vs_segments_gradients(rank, world):
     """The same packed micro-batch through the dense mask and through `Segments`: loss and every gradient."""
     from aligner.models.attention import Segments
