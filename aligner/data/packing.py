@@ -147,6 +147,6 @@ def collate_pairs(pairs: Sequence, width: int, pad_id: int, device=None) -> dict
             rows.append({"tokens": ids, "targets": targets})
     out = collate(rows, width, pad_id)
     out["lengths"] = torch.tensor([len(r["tokens"]) for r in rows], dtype=torch.long)
-    if device is not None:  # the segment ids stay on the CPU (the module docstring)
-        out = {k: v if k == "segment_ids" else v.to(device) for k, v in out.items()}
+    if device is not None:
+        out = {k: v.to(device) for k, v in out.items()}
     return out
