@@ -71,6 +71,11 @@ class SFTTask(TaskBase):
                 "data.packing", "needs model.attention_backend=sdpa or unfused (here: te); or set data.packing=false"
             )
         self.packed_mask = cfg.data.packing and packed_attention(cfg) == "mask"
+        if cfg.data.packing:
+            log.info(
+                "packed rows: attention kept inside each sample by %s",
+                "a block-diagonal mask" if self.packed_mask else "the samples' starts (flash varlen kernel)",
+            )
         self.train_data = SFTDataset(cfg.data.train_file, self.tokenizer, cfg.data)
         self.val_data = SFTDataset(cfg.data.val_file, self.tokenizer, cfg.data) if cfg.data.val_file else None
         self.model = TrainableModel(cfg.model, cfg.optim, head="lm")
