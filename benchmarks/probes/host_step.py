@@ -48,12 +48,12 @@ def run(args) -> dict:
     from aligner.models.logprobs import default_tp_group, vocab_parallel_logprobs
     from aligner.parallel import initialize
     from benchmarks.model import PRESETS
-    from benchmarks.probes.packed_sft import TINY, packed
+    from benchmarks.probes.packed_sft import packed
 
     gpu = torch.cuda.is_available() and not args.tiny
     width, sample = (64, 16) if args.tiny else (args.width, args.sample)
     initialize(seed=1)
-    shape = TINY if args.tiny else PRESETS["1b"]
+    shape = PRESETS["tiny" if args.tiny else "1b"]
     cfg = ModelConfig(
         **{**shape, "max_position_embeddings": width},
         params_dtype="bfloat16" if gpu else "float32",

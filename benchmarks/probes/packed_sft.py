@@ -35,15 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.probes.common import write_report  # noqa: E402
 
-TINY = dict(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=128,
-    vocab_size=100,
-)
-
 
 def timed_ms(fn, repeats: int, gpu: bool) -> float:
     times = []
@@ -165,7 +156,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available() and not args.tiny
     width = 64 if args.tiny else args.width
     samples = [16] if args.tiny else args.sample
-    shape = TINY if args.tiny else PRESETS["1b"]
+    shape = PRESETS["tiny" if args.tiny else "1b"]
     initialize(seed=5)
     cfg = ModelConfig(
         **{**shape, "max_position_embeddings": width},
