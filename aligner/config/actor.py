@@ -114,6 +114,8 @@ class PPOConfig:
     # Rows go into micro-batches longest first, each run at its own longest row's width instead of the step's: right
     # padding changes no causal output, so the losses are the same with less padding computed; off under PP.
     trim_padding: int = 64  # micro-batches cut to their longest row, rounded up to this many tokens (0 = off)
+    # Micro-batches by tokens instead of rows (every pass): short rows go many to a micro-batch, long rows few.
+    micro_batch_tokens: Optional[int] = None  # rows x width a micro-batch holds at most (>= 1 row); null = by rows
     epochs: int = 1  # passes over each step's rollouts
     # One epoch of one mini-batch, KL in the loss (or none): the update's own forward gives the "old" log-probs
     # (ratio 1 exactly), so the separate policy log-prob pass is skipped; the KL/mismatch metrics come from the update.
@@ -218,6 +220,16 @@ class ActorJobConfig(JobPaths):
             f"must be >= 1 (or null), got {p.forward_micro_batch_size}",
         )
         check(p.trim_padding >= 0, "ppo.trim_padding", f"must be >= 0 (0: off), got {p.trim_padding}")
+        check(
+            p.micro_batch_tokens is None or p.micro_batch_tokens >= 1,
+            "ppo.micro_batch_tokens",
+            f"must be >= 1 (or null: micro-batches by rows), got {p.micro_batch_tokens}",
+        )
+        check(
+            p.micro_batch_tokens is None or self.parallel.pipeline_model_parallel_size == 1,
+            "ppo.micro_batch_tokens",
+            "needs pipeline_model_parallel_size=1 (under PP every micro-batch has one shape); set it to null",
+        )
         check(0 < p.clip_eps < 1, "ppo.clip_eps", f"must be in (0, 1), got {p.clip_eps}")
         check(
             p.clip_eps_high is None or 0 < p.clip_eps_high < 10,
@@ -327,7 +339,10 @@ class ActorJobConfig(JobPaths):
                 f"{per_rank} rollouts per data-parallel rank are not divisible "
                 f"by ppo.num_mini_batches={p.num_mini_batches}",
             )
-        if (per_rank // p.num_mini_batches) * p.n_samples_per_prompt % p.micro_batch_size:
+        if (
+            p.micro_batch_tokens is None
+            and (per_rank // p.num_mini_batches) * p.n_samples_per_prompt % p.micro_batch_size
+        ):
             raise ConfigError(
                 "ppo.micro_batch_size",
                 f"a mini-batch of {per_rank // p.num_mini_batches * p.n_samples_per_prompt} rollouts per "

@@ -55,16 +55,26 @@ def length_buckets(lengths: Sequence[int], size: int) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-def trimmed_groups(lengths: Sequence[int], size: int, trim: int, width: int) -> list[tuple[list[int], int]]:
-    """Micro-batches of `size` indices into `lengths`, each with the width it runs at. `trim` 0: in order, each at
-    `width`; `trim` > 0: longest first (`length_buckets`), each cut to its longest row rounded up to a multiple of
-    `trim` tokens (at most `width`). Right padding changes no causal output, so the cut rows compute the same."""
-    if not trim:
-        return [(list(range(lo, min(lo + size, len(lengths)))), width) for lo in range(0, len(lengths), size)]
-    return [
-        (group, min(width, -(-max(lengths[i] for i in group) // trim) * trim))
-        for group in length_buckets(lengths, size)
-    ]
+def trimmed_groups(
+    lengths: Sequence[int], size: int, trim: int, width: int, max_tokens: int | None = None
+) -> list[tuple[list[int], int]]:
+    """Micro-batches of indices into `lengths`, each with the width it runs at. `trim` 0: in order, each at `width`;
+    `trim` > 0: longest first (ties in order), each cut to its longest row rounded up to a multiple of `trim` tokens
+    (at most `width`). Right padding changes no causal output, so the cut rows compute the same. `size` rows a
+    micro-batch, or with `max_tokens` as many rows as fit in that many tokens at the micro-batch's width (at least
+    one): short rows go in large micro-batches, long rows in small ones."""
+
+    def cut(n: int) -> int:
+        return min(width, -(-n // trim) * trim) if trim else width
+
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if trim else list(range(len(lengths)))
+    groups, lo = [], 0
+    while lo < len(order):
+        count = size if max_tokens is None else max(1, max_tokens // cut(lengths[order[lo]]))
+        group = order[lo : lo + count]
+        groups.append((group, cut(max(lengths[i] for i in group))))
+        lo += count
+    return groups
 
 
 def packed_row(samples: Sequence) -> dict[str, np.ndarray]:

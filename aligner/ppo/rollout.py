@@ -192,14 +192,19 @@ def sample_seeds(base_seed: int, step: int, indices: list[int]) -> list[int]:
     return [(base_seed * 1_000_003 + step * 65_537 + i * 7919) % (2**31 - 1) for i in indices]
 
 
-def micro_batches(rollout: Rollout, rows: list[int] | None, size: int, trim: int = 0, **per_token) -> list[dict]:
+def micro_batches(
+    rollout: Rollout, rows: list[int] | None, size: int, trim: int = 0, max_tokens: int | None = None, **per_token
+) -> list[dict]:
     """Micro-batches of `size` of `rows` (None: all, in order): `tokens`, `mask`, `ended`, `rows` (the rollout rows
     it holds, a tensor) and each `per_token` [B, T-1] tensor. `trim` > 0: the rows go longest first (ties in order)
-    and each micro-batch is cut to its longest row rounded up to a multiple of `trim` tokens (at most T)."""
+    and each micro-batch is cut to its longest row rounded up to a multiple of `trim` tokens (at most T).
+    `max_tokens`: as many rows a micro-batch as fit in that many tokens at its width, instead of `size`
+    (data.packing.trimmed_groups)."""
     rows = list(range(rollout.batch_size)) if rows is None else list(rows)
     lengths = rollout.lengths_B.tolist()
     out = []
-    for group, width in trimmed_groups([lengths[r] for r in rows], size, trim, rollout.tokens_BT.shape[1]):
+    T = rollout.tokens_BT.shape[1]
+    for group, width in trimmed_groups([lengths[r] for r in rows], size, trim, T, max_tokens):
         chunk = [rows[i] for i in group]
         idx = torch.tensor(chunk, device=rollout.tokens_BT.device)
         mb = {

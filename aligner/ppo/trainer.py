@@ -322,8 +322,10 @@ class PPOTrainer:
     def _micro_batches(
         self, rollout: Rollout, rows: list[int] | None = None, size: int | None = None, **per_token
     ) -> list[dict]:
-        multiple = self.cfg.ppo.trim_padding if self.policy.pp == 1 else 0  # PP: one shape for every micro-batch
-        return micro_batches(rollout, rows, size or self.cfg.ppo.micro_batch_size, multiple, **per_token)
+        p = self.cfg.ppo
+        multiple = p.trim_padding if self.policy.pp == 1 else 0  # PP: one shape for every micro-batch
+        size = size or p.micro_batch_size
+        return micro_batches(rollout, rows, size, multiple, p.micro_batch_tokens, **per_token)
 
     def _logprobs_fn(self, batch, logits_BTV):
         return vocab_parallel_logprobs(
@@ -456,7 +458,7 @@ class PPOTrainer:
         cfg = self.cfg.ppo
         B = rollout.batch_size
         per_mini = B // cfg.num_mini_batches
-        stats, grad_norms, skipped, real, computed = [], [], 0, 0.0, 0.0
+        stats, grad_norms, skipped, real, computed, count = [], [], 0, 0.0, 0.0, 0
         g = torch.Generator().manual_seed(self.cfg.seed * 31 + self.step)
         for epoch in range(cfg.epochs):
             # Epoch 0 keeps the global mini-batches laid out by _my_positions; later epochs reshuffle locally.
@@ -466,6 +468,7 @@ class PPOTrainer:
                 micro = self._micro_batches(rollout, rows, **batch)
                 real += float(rollout.lengths_B[rows].sum())
                 computed += float(sum(mb["tokens"].numel() for mb in micro))
+                count += len(micro)
                 keep = [rl.policy_loss_mask(mb["mask"], mb["ended"], cfg.zero_unended) for mb in micro]
                 num_tokens = max(1, rl.global_token_count(keep, group=self.dp_group))
                 result = self.policy.step(micro, lambda mb, logits, n=num_tokens: self._policy_loss(mb, logits, n))
@@ -474,8 +477,12 @@ class PPOTrainer:
                 skipped += result["skipped"]
         rollout_stats = [{k: s.pop(k) for k in list(s) if k.startswith("rollout_")} for s in stats]
         reduced = rl.reduce_stats(stats, group=self.dp_group)
-        counts = rl.sum_by_name({"real": real, "computed": computed}, group=self.dp_group)
-        metrics = {"ppo/padding_fraction": 1.0 - counts["real"] / counts["computed"]}
+        counts = rl.sum_by_name({"real": real, "computed": computed, "micro": count}, group=self.dp_group)
+        metrics = {
+            "ppo/padding_fraction": 1.0 - counts["real"] / counts["computed"],
+            "ppo/micro_batches": counts["micro"]
+            / (cfg.epochs * cfg.num_mini_batches),  # an optimizer step's, all ranks
+        }
         if "kl_loss" in reduced:
             metrics["ppo/kl_loss"] = reduced["kl_loss"]
         if any(rollout_stats):  # uses_update_logprobs: the rollout's KL and mismatch, measured by the update

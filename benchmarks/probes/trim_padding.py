@@ -8,9 +8,10 @@ synthetic rollout: `--rollouts` rows of `--prompt` prompt tokens and responses o
 their padding share, the forward-only log-prob pass (what the reference and the old-policy pass run) and one
 optimizer step over them (a masked mean log-prob loss, as the policy loss reads the same tensors), seconds as the
 median of `--repeats` after one warm-up; and each trim's log-probs against the whole width's on the response tokens
-(max |difference|; the GEMMs' shapes differ, so bf16 sums may round differently).
+(max |difference|; the GEMMs' shapes differ, so bf16 sums may round differently). `--max-tokens N`: one more row,
+the last trim with micro-batches by tokens (`ppo.micro_batch_tokens`: as many rows as fit in N tokens).
 
-    python3 benchmarks/probes/trim_padding.py [--rollouts 512] [--trims 0 64] [--out FILE]
+    python3 benchmarks/probes/trim_padding.py [--rollouts 512] [--trims 0 64] [--max-tokens 16384] [--out FILE]
     python3 benchmarks/probes/trim_padding.py --tiny        (CPU: the probe itself; trims 0 and 4)
     python3 benchmarks/probes/trim_padding.py --count-only  (no model: each trim's positions and padding share)
 """
@@ -39,6 +40,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-response", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--trims", type=int, nargs="+", default=[0, 64])
+    p.add_argument("--max-tokens", type=int, default=None, help="also the last trim by tokens (ppo.micro_batch_tokens)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--count-only", action="store_true", help="no model: the positions each trim computes")
     p.add_argument("--out", default=None)
@@ -124,9 +126,10 @@ def main(argv=None) -> dict:
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
+    settings = [(trim, None) for trim in args.trims] + ([(args.trims[-1], args.max_tokens)] if args.max_tokens else [])
     rows, reference = [], None
-    for trim in args.trims:  # every forward before any optimizer step: the log-probs compare like with like
-        micro = micro_batches(rollout, None, args.micro_batch, trim)
+    for trim, max_tokens in settings:  # every forward before any optimizer step: the log-probs compare like with like
+        micro = micro_batches(rollout, None, args.micro_batch, trim, max_tokens)
         logp = by_row(micro, model.forward(micro, logprobs), B, S)
         if reference is None:
             reference = logp
@@ -135,6 +138,8 @@ def main(argv=None) -> dict:
         rows.append(
             {
                 "trim": trim,
+                "max_tokens": max_tokens,
+                "micro_batches": len(micro),
                 "padding": 1.0 - float(rollout.lengths_B.sum()) / computed,
                 "widths": sorted({mb["tokens"].shape[1] for mb in micro}),
                 "logprob_diff_max": diff,
@@ -142,16 +147,17 @@ def main(argv=None) -> dict:
             }
         )
     for row in rows:
-        micro = micro_batches(rollout, None, args.micro_batch, row["trim"])
+        micro = micro_batches(rollout, None, args.micro_batch, row["trim"], row["max_tokens"])
         row["step_s"] = seconds(lambda m=micro: model.step(m, loss))
     print(f"{B} rollouts of {args.prompt} + U({args.min_response}, {args.max_response}) tokens, width {S + 1}")
-    print("| trim | padding | micro-batch widths | log-probs s | update step s | log-prob diff max |")
-    print("|---|---|---|---|---|---|")
+    print("| trim | micro-batches | padding | micro-batch widths | log-probs s | update step s | log-prob diff max |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         widths = f"{r['widths'][0]}..{r['widths'][-1]} ({len(r['widths'])})"
+        name = f"{r['trim']}, {r['max_tokens']} tokens" if r["max_tokens"] else str(r["trim"])
         print(
-            f"| {r['trim']} | {r['padding']:.3f} | {widths} | {r['forward_s']:.3f} | {r['step_s']:.3f} "
-            f"| {r['logprob_diff_max']:.3g} |"
+            f"| {name} | {r['micro_batches']} | {r['padding']:.3f} | {widths} | {r['forward_s']:.3f} "
+            f"| {r['step_s']:.3f} | {r['logprob_diff_max']:.3g} |"
         )
     device = torch.cuda.get_device_name() if gpu else "cpu"
     return write_report({"device": device, "args": vars(args), "rows": rows}, args.out)

@@ -212,6 +212,26 @@ def test_micro_batches_cut_to_their_longest_row_train_the_same(tmp_path, digit_r
     assert whole[1]["ppo/kl"] > 0, "the policy moved: a vacuous comparison"
 
 
+def test_micro_batches_by_tokens_train_the_same(tmp_path, one_process, digit_reward):
+    """ppo.micro_batch_tokens: each micro-batch holds as many rows as fit in the budget at its width (DP ranks whose
+    rows differ in length then run different numbers of micro-batches: test_model_parallel.py holds that case for the
+    model alone). DP=2 by tokens, cut to the token, takes one process's optimizer steps by rows."""
+    a, steps_a = one_process["loss"]
+    by_tokens = ("ppo.micro_batch_tokens=30", "ppo.trim_padding=1", "ppo.micro_batch_size=1")  # by rows: 8 a step
+    b, steps_b = train(tmp_path, "tokens", 2, *KL_IN_LOSS, *ADAPTIVE, *by_tokens, f"reward.fn={digit_reward}")
+    assert len(a) == len(b) and steps_a == steps_b
+    assert {r["ppo/micro_batches"] for r in a} == {2.0}  # 8 rows an optimizer step in micro-batches of 4 rows
+    # a rank's 4 rows of a mini-batch, two to a micro-batch (two demo rows fit in 30 tokens): 2 ranks x 2
+    assert {r["ppo/micro_batches"] for r in b} == {4.0}
+    for ra, rb in zip(a, b):
+        assert set(ra) == set(rb)
+        for key, value in _comparable(ra).items():
+            if key in ("ppo/logprob_mismatch", "ppo/logprob_mismatch_max", "ppo/ratio_error"):
+                assert rb[key] < 1e-5, key
+            elif key != "ppo/micro_batches":
+                assert rb[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 def test_update_logprobs_replace_the_policy_pass(tmp_path, one_process, digit_reward):
     """One epoch of one mini-batch with the KL in the loss (issue 17): the update's own forward gives the old
     log-probs and the separate policy pass is skipped. Same training as with that pass (the ratio is 1 either way),

@@ -33,7 +33,7 @@ def _full_weights(rank, world, arch):
     return full_state_dict(build_gpt(cfg), cfg)
 
 
-def _run(rank, world, tp, pp, arch, full, overlap=False, steps=1):
+def _run(rank, world, tp, pp, arch, full, overlap=False, steps=1, uneven=False):
     from megatron.core import parallel_state as ps
 
     from aligner.config import OptimConfig
@@ -56,6 +56,8 @@ def _run(rank, world, tp, pp, arch, full, overlap=False, steps=1):
     share = BATCH // dp
     mine = tokens[dp_rank * share : (dp_rank + 1) * share]
     micro = [{"tokens": mine[i : i + 1]} for i in range(share)]
+    if uneven and dp_rank == 0:  # one micro-batch here, one a row on the other rank (micro-batches by tokens)
+        micro = [{"tokens": mine}]
     total_tokens = BATCH * (SEQ - 1)
 
     def logp(batch, logits):
@@ -123,3 +125,13 @@ def test_dp2_half_batches_match_one_big_batch(overlap):
     steps = 2 if overlap else 1
     base = run_ranks(_run, 1, 1, 1, "llama", full, False, steps)
     _compare(base, run_ranks(_run, 2, 1, 1, "llama", full, overlap, steps), dp=2)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["reduce-after", "overlap-grad-reduce"])
+def test_dp2_ranks_with_different_micro_batch_counts_match_one_big_batch(overlap):
+    """Micro-batches by tokens (`ppo.micro_batch_tokens`) give the DP ranks different numbers of micro-batches: one
+    here, two there. The gradients are still summed once a step, in the same buckets on both ranks."""
+    full = run_ranks(_full_weights, 1, "llama")[0]
+    steps = 2 if overlap else 1
+    base = run_ranks(_run, 1, 1, 1, "llama", full, False, steps)
+    _compare(base, run_ranks(_run, 2, 1, 1, "llama", full, overlap, steps, True), dp=2)

@@ -162,6 +162,12 @@ def test_gqa_groups_must_split_over_tp():
         (["generation.max_batch_size=4"], "generation.max_batch_size", "a prompt's samples go in one call"),
         (["ppo.critic_warmup_steps=2"], "ppo.critic_warmup_steps", "no critic to warm up"),
         (["ppo.kl.placement=both"], "ppo.kl.placement", "must be one of"),
+        (["ppo.micro_batch_tokens=0"], "ppo.micro_batch_tokens", "must be >= 1 (or null: micro-batches by rows)"),
+        (
+            ["ppo.micro_batch_tokens=4096", "parallel.pipeline_model_parallel_size=2"],
+            "ppo.micro_batch_tokens",
+            "needs pipeline_model_parallel_size=1",
+        ),
     ],
 )
 def test_rl_recipe_errors_name_the_key(overrides, key, words):
@@ -184,6 +190,8 @@ def test_groups_must_split_over_dp_in_whole_mini_batches():
     cfg.ppo.micro_batch_size = 16
     with pytest.raises(ConfigError, match="a mini-batch of 24 rollouts per data-parallel rank"):
         cfg.validate_world(2)
+    cfg.ppo.micro_batch_tokens = 4096  # micro-batches by tokens: the row count need not divide anything
+    assert cfg.validate_world(2) == 2
 
 
 def test_reward_function_spec_keeps_its_name():

@@ -47,6 +47,11 @@ def test_trimmed_groups_cut_each_micro_batch_to_its_longest_row():
     assert trimmed_groups(lengths, 2, 4, 10) == [([1, 3], 10), ([4, 0], 8), ([2], 4)]  # never past the width
     assert trimmed_groups(lengths, 2, 1, 12) == [([1, 3], 9), ([4, 0], 5), ([2], 1)]
 
+    # By tokens: as many rows as fit at the micro-batch's (first, longest) row's width; at least one.
+    assert trimmed_groups(lengths, 99, 4, 12, max_tokens=16) == [([1], 12), ([3, 4], 8), ([0, 2], 4)]
+    assert trimmed_groups(lengths, 99, 1, 12, max_tokens=5) == [([1], 9), ([3], 7), ([4], 5), ([0], 3), ([2], 1)]
+    assert trimmed_groups(lengths, 99, 0, 12, max_tokens=30) == [([0, 1], 12), ([2, 3], 12), ([4], 12)]
+
 
 def test_packed_row_restarts_positions_and_keeps_targets_per_sample():
     a, b = _sample([1, 10, 11, 12], 2), _sample([1, 20, 21], 1)

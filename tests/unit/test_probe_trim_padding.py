@@ -15,9 +15,11 @@ def test_cut_micro_batches_compute_less_padding_and_the_same_logprobs(tmp_path):
     from aligner.parallel import initialize
 
     initialize(1, 1, master_port=free_port())
-    report = trim_padding.main(["--tiny", "--out", str(tmp_path / "r.json")])
+    report = trim_padding.main(["--tiny", "--max-tokens", "48", "--out", str(tmp_path / "r.json")])
     assert (tmp_path / "r.json").exists() and report["device"] == "cpu"
-    whole, cut = report["rows"]
+    whole, cut, by_tokens = report["rows"]
+    assert (by_tokens["trim"], by_tokens["max_tokens"], cut["max_tokens"]) == (4, 48, None)
+    assert by_tokens["micro_batches"] != cut["micro_batches"] and by_tokens["logprob_diff_max"] < 1e-4
     assert (whole["trim"], cut["trim"]) == (0, 4)
     assert len(whole["widths"]) == 1 and len(cut["widths"]) > 1 and max(cut["widths"]) == whole["widths"][0]
     assert cut["padding"] < whole["padding"] / 2
