@@ -43,6 +43,7 @@ class CriticTrainConfig:
 
     global_batch_size: int = 64  # rows per optimizer step
     micro_batch_size: int = 4  # rows per forward/backward pass on each data-parallel rank
+    micro_batch_tokens: Optional[int] = None  # instead of rows: as many as fit in this many tokens; null = by rows
     epochs: int = 1  # passes over each critic_train request
     value_clip_eps: Optional[float] = 0.2  # None = unclipped value loss
 
@@ -50,6 +51,7 @@ class CriticTrainConfig:
 @dataclass
 class CriticInferConfig:
     micro_batch_size: int = 8  # rows per forward pass of `critic_infer` on each data-parallel rank
+    micro_batch_tokens: Optional[int] = None  # instead of rows: as many as fit in this many tokens; null = by rows
 
 
 @dataclass
@@ -148,6 +150,14 @@ class CriticJobConfig:
                 raise ConfigError(key, f"must be >= 1, got {value}")
         if self.trim_padding < 0:
             raise ConfigError("trim_padding", f"must be >= 0 (0: off), got {self.trim_padding}")
+        for key, budget in (("train", t.micro_batch_tokens), ("infer", self.infer.micro_batch_tokens)):
+            if budget is not None and budget < 1:
+                raise ConfigError(f"{key}.micro_batch_tokens", f"must be >= 1 (or null: by rows), got {budget}")
+            if budget is not None and self.parallel.pipeline_model_parallel_size > 1:
+                raise ConfigError(
+                    f"{key}.micro_batch_tokens",
+                    "needs pipeline_model_parallel_size=1 (under PP every micro-batch has one shape); set it to null",
+                )
         if t.value_clip_eps is not None and not t.value_clip_eps > 0:
             raise ConfigError("train.value_clip_eps", f"must be > 0 (or null for no clipping), got {t.value_clip_eps}")
         for name, port in s.resolved_ports().items():

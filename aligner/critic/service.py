@@ -181,7 +181,8 @@ class CriticService:
     def _forward_values(self, model, tokens_bT: torch.Tensor, lengths_b: np.ndarray) -> torch.Tensor:
         """Scalar-head outputs [b, T] float32 for `tokens_bT` (zeros past a micro-batch's width when cut)."""
         rows = tokens_bT.shape[0]
-        micro = self._micro_batches(self.cfg.infer.micro_batch_size, lengths_b, tokens=tokens_bT)
+        infer = self.cfg.infer
+        micro = self._micro_batches(infer.micro_batch_size, infer.micro_batch_tokens, lengths_b, tokens=tokens_bT)
         outs = model.forward(micro, lambda batch, output: output.squeeze(-1).float())
         padded = sum(len(mb["rows"]) for mb in micro)  # the micro-batches' rows: a permutation of range(padded)
         values = torch.zeros(padded, tokens_bT.shape[1], dtype=torch.float32, device=tokens_bT.device)
@@ -189,18 +190,19 @@ class CriticService:
             values[mb["rows"], : part.shape[1]] = part
         return values[:rows]
 
-    def _micro_batches(self, size: int, lengths_b: np.ndarray, **tensors) -> list[dict]:
-        """Micro-batches of `size` rows of each [b, T] tensor, with `rows` (a tensor: which rows each holds). Cut to
-        their longest row (`self.trim`, rows sorted by length), else in order at the whole width with the last
-        filled by zero rows (equal shapes, as the pipeline schedule requires)."""
+    def _micro_batches(self, size: int, max_tokens: int | None, lengths_b: np.ndarray, **tensors) -> list[dict]:
+        """Micro-batches of `size` rows (or as many as fit in `max_tokens` tokens) of each [b, T] tensor, with `rows`
+        (a tensor: which rows each holds). Cut to their longest row (`self.trim`, rows sorted by length), else in
+        order at the whole width with the last filled by zero rows (equal shapes, as the pipeline schedule
+        requires)."""
         first = next(iter(tensors.values()))
         rows, width = first.shape
         lengths = lengths_b.tolist()
-        if not self.trim:
+        if not self.trim and max_tokens is None:
             tensors = {name: self._pad_rows(x, size) for name, x in tensors.items()}
             lengths += [0] * ((-rows) % size)
         micro = []
-        for group, w in trimmed_groups(lengths, size, self.trim, width):
+        for group, w in trimmed_groups(lengths, size, self.trim, width, max_tokens):
             idx = torch.tensor(group, device=first.device)
             micro.append({"rows": idx, **{name: x[idx, :w] for name, x in tensors.items()}})
         return micro
@@ -276,9 +278,9 @@ class CriticService:
             # one all-padding micro-batch (mask 0) contributes exactly zero gradient.
             tokens, returns, prev_values, mask = (x.new_zeros((1, width)) for x in (tokens, returns, prev_values, mask))
             lengths = np.full(1, width)
-        return self._micro_batches(
-            self.cfg.train.micro_batch_size, lengths, tokens=tokens, returns=returns, prev_values=prev_values, mask=mask
-        )
+        train = self.cfg.train
+        tensors = {"tokens": tokens, "returns": returns, "prev_values": prev_values, "mask": mask}
+        return self._micro_batches(train.micro_batch_size, train.micro_batch_tokens, lengths, **tensors)
 
     def _loss(self, batch: dict, output: torch.Tensor, num_tokens: int):
         values_BT = output.squeeze(-1).float()

@@ -213,3 +213,19 @@ def test_critic_reward_only_mode():
         ["--config-name", "reward_critic", "model@reward_model=tiny", "reward_model.vocab_size=48"]
     )
     assert with_rm.reward_only and [k for k, _ in with_rm.models] == ["reward_model"] and with_rm.vocab_size == 48
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["train.micro_batch_tokens=0"], "must be >= 1 (or null: by rows), got 0"),
+        (["infer.micro_batch_tokens=512", "parallel.pipeline_model_parallel_size=2"], "needs pipeline_model"),
+    ],
+)
+def test_critic_micro_batch_tokens_rules(overrides, words):
+    from aligner.config.critic import load_critic_config
+
+    assert load_critic_config(["--config-name", "ppo_critic_demo", "train.micro_batch_tokens=512"])
+    with pytest.raises(ConfigError, match="micro_batch_tokens") as info:
+        load_critic_config(["--config-name", "ppo_critic_demo", *overrides])
+    assert words in str(info.value)

@@ -152,32 +152,37 @@ def test_train_ignores_values_outside_the_mask(weights, tmp_path):
 
 
 def test_micro_batches_cut_to_their_longest_row_infer_and_train_the_same(weights, tmp_path):
-    """trim_padding: rows sorted by length and each micro-batch cut to its longest row (rounded up) give the values,
-    rewards and training of whole-width micro-batches in order; results go back to their own rows."""
+    """trim_padding: rows sorted by length and each micro-batch cut to its longest row (rounded up), also by tokens
+    (micro_batch_tokens), give the values, rewards and training of whole-width micro-batches in order; results go
+    back to their own rows."""
     tokens, lengths = sample_batch(7, 12, seed=3)
     order = lengths.argsort(descending=True, stable=True)
     assert not torch.equal(order, torch.arange(7))  # sorting moves rows: a result in the wrong row would show
-    cut, whole = (
-        _service(weights, tmp_path / "cut", trim_padding=3),
-        _service(weights, tmp_path / "whole", trim_padding=0),
-    )
-    widths = [mb["tokens"].shape[1] for mb in cut._micro_batches(3, lengths.numpy(), tokens=tokens)]
+    budget = {"infer__micro_batch_tokens": 20, "train__micro_batch_tokens": 20}
+    whole = _service(weights, tmp_path / "whole", trim_padding=0)
+    cut = _service(weights, tmp_path / "cut", trim_padding=3)
+    by_tokens = _service(weights, tmp_path / "tokens", trim_padding=3, **budget)
+    lengths_np = lengths.numpy()
+    widths = [mb["tokens"].shape[1] for mb in cut._micro_batches(3, None, lengths_np, tokens=tokens)]
     assert widths[0] == 12 and min(widths) < 12 and all(w % 3 == 0 for w in widths)
-    assert [mb["tokens"].shape for mb in whole._micro_batches(3, lengths.numpy(), tokens=tokens)] == [(3, 12)] * 3
-    (v_cut, r_cut), (v_whole, r_whole) = cut.infer(tokens, lengths), whole.infer(tokens, lengths)
-    torch.testing.assert_close(v_cut, v_whole, rtol=0, atol=1e-5)
-    torch.testing.assert_close(r_cut, r_whole, rtol=0, atol=1e-5)
+    assert [mb["tokens"].shape for mb in whole._micro_batches(3, None, lengths_np, tokens=tokens)] == [(3, 12)] * 3
+    shapes = [tuple(mb["tokens"].shape) for mb in by_tokens._micro_batches(3, 20, lengths_np, tokens=tokens)]
+    assert all(b * w <= 20 or b == 1 for b, w in shapes) and len(shapes) != len(widths)
+    v_whole, r_whole = whole.infer(tokens, lengths)
+    for service in (cut, by_tokens):
+        values, rewards = service.infer(tokens, lengths)
+        torch.testing.assert_close(values, v_whole, rtol=0, atol=1e-5)
+        torch.testing.assert_close(rewards, r_whole, rtol=0, atol=1e-5)
     valid = torch.arange(12)[None, :] < lengths[:, None]
-    torch.testing.assert_close(v_cut[valid], direct_values(weights["critic"], tokens)[valid], rtol=0, atol=1e-5)
+    torch.testing.assert_close(v_whole[valid], direct_values(weights["critic"], tokens)[valid], rtol=0, atol=1e-5)
 
     tokens, lengths, returns, mask = _train_batch(batch=7, seq=12, seed=8)
     values, _ = whole.infer(tokens, lengths)
-    m_cut, m_whole = (
-        cut.train(tokens, lengths, returns, values, mask),
-        whole.train(tokens, lengths, returns, values, mask),
-    )
-    assert m_cut == pytest.approx(m_whole, rel=1e-4, abs=1e-6)
-    torch.testing.assert_close(cut.infer(tokens, lengths)[0], whole.infer(tokens, lengths)[0], rtol=0, atol=1e-4)
+    m_whole = whole.train(tokens, lengths, returns, values, mask)
+    after = whole.infer(tokens, lengths)[0]
+    for service in (cut, by_tokens):
+        assert service.train(tokens, lengths, returns, values, mask) == pytest.approx(m_whole, rel=1e-4, abs=1e-6)
+        torch.testing.assert_close(service.infer(tokens, lengths)[0], after, rtol=0, atol=1e-4)
 
 
 def test_save_then_resume_gives_identical_values_and_optimizer(weights, tmp_path):
