@@ -13,7 +13,8 @@ the last trim with micro-batches by tokens (`ppo.micro_batch_tokens`: as many ro
 
     python3 benchmarks/probes/trim_padding.py [--rollouts 512] [--trims 0 64] [--max-tokens 16384] [--out FILE]
     python3 benchmarks/probes/trim_padding.py --tiny        (CPU: the probe itself; trims 0 and 4)
-    python3 benchmarks/probes/trim_padding.py --count-only  (no model: each trim's positions and padding share)
+    python3 benchmarks/probes/trim_padding.py --count-only [--max-tokens N]  (no model: micro-batches, positions,
+        padding share and the largest micro-batch of each setting)
 """
 
 from __future__ import annotations
@@ -71,19 +72,40 @@ def rollout_of(args, vocab: int, device):
     )
 
 
+def settings(args) -> list[tuple[int, int | None]]:
+    """(trim, max_tokens) per row: each of --trims by rows, then the last by tokens with --max-tokens."""
+    return [(trim, None) for trim in args.trims] + ([(args.trims[-1], args.max_tokens)] if args.max_tokens else [])
+
+
+def name_of(row: dict) -> str:
+    return f"{row['trim']}, {row['max_tokens']} tokens" if row["max_tokens"] else str(row["trim"])
+
+
 def counts(args) -> dict:
     """Per trim: the positions its micro-batches compute and their padding share (the rollout only, no model)."""
     from aligner.ppo.rollout import micro_batches
 
     rollout = rollout_of(args, 32000, torch.device("cpu"))
     rows = []
-    for trim in args.trims:
-        computed = sum(mb["tokens"].numel() for mb in micro_batches(rollout, None, args.micro_batch, trim))
-        rows.append({"trim": trim, "positions": computed, "padding": 1.0 - float(rollout.lengths_B.sum()) / computed})
+    for trim, max_tokens in settings(args):
+        micro = micro_batches(rollout, None, args.micro_batch, trim, max_tokens)
+        computed = sum(mb["tokens"].numel() for mb in micro)
+        padding = 1.0 - float(rollout.lengths_B.sum()) / computed
+        largest = max(mb["tokens"].numel() for mb in micro)
+        rows.append(
+            {
+                "trim": trim,
+                "max_tokens": max_tokens,
+                "micro_batches": len(micro),
+                "positions": computed,
+                "padding": padding,
+                "largest": largest,
+            }
+        )
     print(f"{args.rollouts} rollouts of {args.prompt} + U({args.min_response}, {args.max_response}) tokens")
-    print("| trim | positions | padding |\n|---|---|---|")
+    print("| trim | micro-batches | positions | padding | largest micro-batch (positions) |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['trim']} | {r['positions']:,} | {r['padding']:.3f} |")
+        print(f"| {name_of(r)} | {r['micro_batches']} | {r['positions']:,} | {r['padding']:.3f} | {r['largest']:,} |")
     return write_report({"device": "none", "args": vars(args), "rows": rows}, args.out)
 
 
@@ -126,9 +148,10 @@ def main(argv=None) -> dict:
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    settings = [(trim, None) for trim in args.trims] + ([(args.trims[-1], args.max_tokens)] if args.max_tokens else [])
     rows, reference = [], None
-    for trim, max_tokens in settings:  # every forward before any optimizer step: the log-probs compare like with like
+    for trim, max_tokens in settings(
+        args
+    ):  # every forward before any optimizer step: the log-probs compare like with like
         micro = micro_batches(rollout, None, args.micro_batch, trim, max_tokens)
         logp = by_row(micro, model.forward(micro, logprobs), B, S)
         if reference is None:
@@ -154,9 +177,8 @@ def main(argv=None) -> dict:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         widths = f"{r['widths'][0]}..{r['widths'][-1]} ({len(r['widths'])})"
-        name = f"{r['trim']}, {r['max_tokens']} tokens" if r["max_tokens"] else str(r["trim"])
         print(
-            f"| {name} | {r['micro_batches']} | {r['padding']:.3f} | {widths} | {r['forward_s']:.3f} "
+            f"| {name_of(r)} | {r['micro_batches']} | {r['padding']:.3f} | {widths} | {r['forward_s']:.3f} "
             f"| {r['step_s']:.3f} | {r['logprob_diff_max']:.3g} |"
         )
     device = torch.cuda.get_device_name() if gpu else "cpu"

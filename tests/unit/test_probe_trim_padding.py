@@ -28,7 +28,10 @@ def test_cut_micro_batches_compute_less_padding_and_the_same_logprobs(tmp_path):
 
 
 def test_counting_needs_no_model():
-    report = trim_padding.main(["--count-only", "--rollouts", "64", "--trims", "0", "64", "1"])
-    whole, cut, exact = report["rows"]
+    report = trim_padding.main(["--count-only", "--rollouts", "64", "--trims", "0", "64", "1", "--max-tokens", "4096"])
+    whole, cut, exact, by_tokens = report["rows"]
     assert whole["positions"] > cut["positions"] > exact["positions"]
     assert exact["padding"] < cut["padding"] < whole["padding"]
+    assert whole["micro_batches"] == cut["micro_batches"] == 4 and whole["largest"] > 4096  # 16 rows, ~1,150 tokens
+    assert (by_tokens["trim"], by_tokens["max_tokens"]) == (1, 4096)
+    assert by_tokens["largest"] <= 4096 and by_tokens["micro_batches"] > 4  # more, smaller micro-batches
