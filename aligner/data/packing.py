@@ -51,8 +51,13 @@ def pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 def length_buckets(lengths: Sequence[int], size: int) -> list[list[int]]:
     """Indices sorted by length (longest first, ties in order), cut into groups of `size` (the last may be smaller)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    order = longest_first(lengths)
     return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def longest_first(lengths: Sequence[int]) -> list[int]:
+    """Indices of `lengths`, longest first (ties in their order)."""
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
 
 
 def trimmed_groups(
@@ -67,7 +72,7 @@ def trimmed_groups(
     def cut(n: int) -> int:
         return min(width, -(-n // trim) * trim) if trim else width
 
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if trim else list(range(len(lengths)))
+    order = longest_first(lengths) if trim else list(range(len(lengths)))
     groups, lo = [], 0
     while lo < len(order):
         count = size if max_tokens is None else max(1, max_tokens // cut(lengths[order[lo]]))

@@ -478,10 +478,10 @@ class PPOTrainer:
         rollout_stats = [{k: s.pop(k) for k in list(s) if k.startswith("rollout_")} for s in stats]
         reduced = rl.reduce_stats(stats, group=self.dp_group)
         counts = rl.sum_by_name({"real": real, "computed": computed, "micro": count}, group=self.dp_group)
+        optimizer_steps = cfg.epochs * cfg.num_mini_batches
         metrics = {
             "ppo/padding_fraction": 1.0 - counts["real"] / counts["computed"],
-            "ppo/micro_batches": counts["micro"]
-            / (cfg.epochs * cfg.num_mini_batches),  # an optimizer step's, all ranks
+            "ppo/micro_batches": counts["micro"] / optimizer_steps,  # an optimizer step's, all ranks together
         }
         if "kl_loss" in reduced:
             metrics["ppo/kl_loss"] = reduced["kl_loss"]
