@@ -8,6 +8,12 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 # Triton kernels (generation.decode_attention=triton) run on the CPU under Triton's interpreter; it must be on
 # before anything imports triton (its own library functions are defined at import).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Each pytest worker (and what it starts) draws free ports from its own part of the pool, so that two workers never
+# draw the same port in the seconds before either binds it (aligner/utils/net.py).
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    os.environ.setdefault(
+        "ALIGNER_PORT_SLICE", f"{int(os.environ['PYTEST_XDIST_WORKER'][2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
+    )
 
 # The order in which the two pytest workers take test files (scripts/test.sh: --dist loadfile
 # --no-loadscope-reorder): the longest files first, so that a run does not end with one worker alone on a long file

@@ -3,6 +3,8 @@
 `run_ranks(fn, world_size, *args)` spawns `world_size` processes, each calls `fn(rank, world_size, *args)`
 after `torch.distributed` is initialised with gloo, and the call returns the list of per-rank return values
 (which must be picklable). A failure on any rank raises here with that rank's traceback.
+The rendezvous store is served by this process on a port the OS hands it while binding (port 0), held from before
+the ranks start: a port drawn free and bound seconds later by a spawned rank can be taken in between (a CI run).
 `fn` must be importable (a module-level function), as with any spawned process.
 """
 
@@ -15,6 +17,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from aligner.utils.net import free_port_range as free_port  # noqa: F401  (tests import it from here)
@@ -34,7 +37,8 @@ def _worker(rank, world_size, port, fn, args, queue):
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         # Serialised to bytes: a tensor sent as-is travels as a shared-memory handle that dies with this process.
         buffer = io.BytesIO()
         torch.save(fn(rank, world_size, *args), buffer)
@@ -55,7 +59,8 @@ def _worker(rank, world_size, port, fn, args, queue):
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -79,6 +84,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():
             p.kill()
+    del store  # its server closes once the ranks are gone
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -8,15 +8,22 @@ compete, and the Slurm launchers are such programs: they take 20000 + (job id % 
 the pool lies above the ephemeral range (61000-65535 by default), else between the two, and overlaps the launchers'
 ports only where nothing else is left (a CI run had a test's critic answer on a Slurm job's port). The draw is
 random from the OS's entropy, not from `random` (jobs seed it alike).
+
+Processes that draw at the same moment can still draw the same port and both find it free, the second bind failing
+seconds later (a CI run: two pytest workers, a rendezvous port lost between the draw and the spawned rank's bind).
+ALIGNER_PORT_SLICE=k/n gives each of n such drawers its own k-th part of the pool (tests/conftest.py sets it for
+each pytest worker); the processes they start inherit it.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
 _DRAW = random.SystemRandom()
 LOWEST = 20000  # the pool's floor: above the usual fixed service ports
+SLICE_ENV = "ALIGNER_PORT_SLICE"  # "k/n": draw from the k-th of n equal parts of the pool (module docstring)
 SLURM_PORTS = (20000, 32699)  # launchers/slurm/*.sbatch: PORT_BASE = 20000 + (job id % 1270) * 10, up to PORT_BASE + 5
 
 
@@ -30,14 +37,39 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _pool(n: int) -> tuple[int, int]:
-    """[first, last] base ports for n consecutive ports outside the ephemeral range: above it, else between the Slurm
-    launchers' ports and it, else below it (module docstring); the first of these with room for a thousand."""
+def _ports(n: int) -> tuple[int, int]:
+    """[first, last] ports of the pool outside the ephemeral range: above it, else between the Slurm launchers'
+    ports and it, else below it (module docstring); the first of these with room for a thousand and n."""
     lo, hi = ephemeral_range()
     for first, last in ((hi + 1, 65535), (SLURM_PORTS[1] + 1, lo - 1), (LOWEST, lo - 1)):
         if last - first + 1 >= 1000 + n:
-            return first, last - n + 1
-    return 1024, 65536 - n  # an unusual range that leaves no room outside: anywhere, checked below
+            return first, last
+    return 1024, 65535  # an unusual range that leaves no room outside: anywhere, checked below
+
+
+def port_slice(env=None) -> tuple[int, int]:
+    """(k, n) from ALIGNER_PORT_SLICE=k/n; (0, 1), the whole pool, where it is unset."""
+    value = (os.environ if env is None else env).get(SLICE_ENV, "").strip()
+    if not value:
+        return 0, 1
+    try:
+        k, n = (int(v) for v in value.split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise ValueError(f"{SLICE_ENV}={value!r}: write k/n with 0 <= k < n (this process's part of n), or unset it")
+    return k, n
+
+
+def _pool(n: int) -> tuple[int, int]:
+    """[first, last] base ports for n consecutive ports inside this process's part of the pool (port_slice)."""
+    first, last = _ports(n)
+    k, parts = port_slice()
+    width = (last - first + 1) // parts
+    if width < n:
+        raise ValueError(f"{SLICE_ENV}: {parts} parts of the {first}-{last} pool leave no room for {n} ports")
+    first += k * width
+    return first, first + width - n
 
 
 def _all_free(host: str, base: int, n: int) -> bool:

@@ -5,6 +5,8 @@ drawn from the OS's entropy, not from the seeded `random`."""
 import random
 import socket
 
+import pytest
+
 from aligner.utils import net
 
 
@@ -48,3 +50,26 @@ def test_seeding_random_does_not_repeat_the_draw():
         random.seed(1234)  # every job seeds `random` alike: its ports must still differ
         draws.add(net.free_port_range(1))
     assert len(draws) > 1
+
+
+def test_port_slices_are_disjoint_parts_of_the_pool(monkeypatch):
+    """ALIGNER_PORT_SLICE=k/n: n concurrent drawers (pytest workers) each draw inside their own part of the pool."""
+    monkeypatch.setattr(net, "ephemeral_range", lambda: (32768, 60999))
+    monkeypatch.delenv(net.SLICE_ENV, raising=False)
+    assert net._pool(3) == (61000, 65533)
+    parts = []
+    for k in range(2):
+        monkeypatch.setenv(net.SLICE_ENV, f"{k}/2")
+        first, last = net._pool(3)
+        parts.append((first, last + 2))  # the ports the draws can take
+        for _ in range(20):
+            base = net.free_port_range(3)
+            assert first <= base <= last
+    assert parts == [(61000, 63267), (63268, 65535)]
+
+
+def test_a_bad_port_slice_names_the_variable(monkeypatch):
+    for value in ("2/2", "1", "a/b", "-1/2"):
+        monkeypatch.setenv(net.SLICE_ENV, value)
+        with pytest.raises(ValueError, match=f"{net.SLICE_ENV}=.*k/n"):
+            net.free_port_range(1)
