@@ -12,7 +12,8 @@ random from the OS's entropy, not from `random` (jobs seed it alike).
 Processes that draw at the same moment can still draw the same port and both find it free, the second bind failing
 seconds later (a CI run: two pytest workers, a rendezvous port lost between the draw and the spawned rank's bind).
 ALIGNER_PORT_SLICE=k/n gives each of n such drawers its own k-th part of the pool (tests/conftest.py sets it for
-each pytest worker); the processes they start inherit it.
+each pytest worker); the processes they start inherit it. One process drawing twice before either port is bound (a
+launcher's critic ports and a job's rendezvous port) never gets a port it handed out in the last two minutes.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from __future__ import annotations
 import os
 import random
 import socket
+import time
 
 _DRAW = random.SystemRandom()
 LOWEST = 20000  # the pool's floor: above the usual fixed service ports
+HOLD_S = 120.0  # a port handed out is not handed out again by this process for this long (module docstring)
+_HANDED: dict[int, float] = {}  # port -> when this process handed it out (time.monotonic)
 SLICE_ENV = "ALIGNER_PORT_SLICE"  # "k/n": draw from the k-th of n equal parts of the pool (module docstring)
 SLURM_PORTS = (20000, 32699)  # launchers/slurm/*.sbatch: PORT_BASE = 20000 + (job id % 1270) * 10, up to PORT_BASE + 5
 
@@ -89,10 +93,15 @@ def _all_free(host: str, base: int, n: int) -> bool:
 
 def free_port_range(n: int = 1, host: str = "127.0.0.1", tries: int = 200) -> int:
     """A port p such that p, p+1, ..., p+n-1 are all free now (the critic server takes HTTP, gRPC and metrics),
-    outside the ephemeral range (module docstring)."""
+    outside the ephemeral range and not handed out by this process in the last HOLD_S seconds (module docstring)."""
     first, last = _pool(n)
+    now = time.monotonic()
+    for port in [p for p, when in _HANDED.items() if now - when >= HOLD_S]:
+        del _HANDED[port]
     for _ in range(tries):
         base = _DRAW.randint(first, last)
-        if _all_free(host, base, n):
+        ports = range(base, base + n)
+        if not any(p in _HANDED for p in ports) and _all_free(host, base, n):
+            _HANDED.update(dict.fromkeys(ports, now))
             return base
     raise RuntimeError(f"no {n} consecutive free ports found on {host} in {first}-{last + n - 1}")

@@ -29,9 +29,29 @@ def test_a_taken_port_is_never_returned(monkeypatch):
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
         monkeypatch.setattr(net, "_pool", lambda n: (taken - 3, taken))  # bases taken-1 and taken would need it
+        monkeypatch.setattr(net, "HOLD_S", 0.0)  # every draw may repeat the last one's port
         for _ in range(20):
             base = net.free_port_range(2)
             assert base in (taken - 3, taken - 2)
+
+
+def test_a_port_handed_out_is_not_handed_out_again_while_it_may_still_be_unbound(monkeypatch):
+    """Two draws before either port is bound (a launcher's critic ports, then a job's rendezvous port) both find the
+    same port free: the second must not get it, until HOLD_S has passed."""
+    monkeypatch.setattr(net, "_all_free", lambda host, base, n: True)  # nothing is bound: only the record counts
+    monkeypatch.setattr(net, "_HANDED", {})
+    monkeypatch.setattr(net, "_pool", lambda n: (40000, 40001))  # two possible bases
+    first = net.free_port_range(1)
+    other = 80001 - first
+    assert net.free_port_range(1) == other
+    with pytest.raises(RuntimeError, match="no 1 consecutive free ports"):
+        net.free_port_range(1, tries=50)
+    monkeypatch.setattr(net, "_pool", lambda n: (40000 - n + 1, 40001))  # every base of 3 ports holds a handed one
+    with pytest.raises(RuntimeError, match="no 3 consecutive free ports"):
+        net.free_port_range(3, tries=50)
+    monkeypatch.setattr(net, "HOLD_S", 0.0)  # the hold is over: both are drawn again
+    monkeypatch.setattr(net, "_pool", lambda n: (40000, 40001))
+    assert {net.free_port_range(1), net.free_port_range(1)} <= {40000, 40001}
 
 
 def test_the_pool_avoids_the_slurm_launchers_ports(monkeypatch):
