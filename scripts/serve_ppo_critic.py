@@ -32,13 +32,14 @@ def main(argv) -> int:
         print(exc, file=sys.stderr)
         return 2
 
+    from aligner.critic.auth import AuthError, is_loopback, load_token
     from aligner.critic.server import PortInUseError, check_ports_free, serve
     from aligner.parallel.launch import discover, initialize_job, shutdown
+    from aligner.utils.net import PortSliceError
 
-    info = discover(master_addr=cfg.parallel.master_addr, master_port=cfg.parallel.master_port)
     try:
+        info = discover(master_addr=cfg.parallel.master_addr, master_port=cfg.parallel.master_port)
         cfg.validate_world(info.world_size)
-        from aligner.critic.auth import AuthError, is_loopback, load_token
 
         if load_token(cfg.server.token_file) is None and not is_loopback(cfg.server.host):
             raise ConfigError(
@@ -46,7 +47,7 @@ def main(argv) -> int:
                 f"{cfg.server.host!r} is reachable from other machines, and the critic's endpoints change its state: "
                 "give the run's secret in ALIGNER_CRITIC_TOKEN (the launchers do) or server.token_file",
             )
-    except (ConfigError, AuthError) as exc:
+    except (ConfigError, AuthError, PortSliceError) as exc:
         print(exc, file=sys.stderr)
         return 2
     if info.rank == 0:

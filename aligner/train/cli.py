@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 from aligner.config.errors import ConfigError
 from aligner.data.rows import DataError
+from aligner.utils.net import PortSliceError
 
 
 def run_job(
@@ -39,7 +40,7 @@ def run_job(
 
         p = cfg.parallel
         cfg.validate_world(discover(master_addr=p.master_addr, master_port=p.master_port).world_size)
-    except ConfigError as exc:
+    except (ConfigError, PortSliceError) as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
     from aligner.checkpoint.dist_ckpt import CheckpointError

@@ -51,6 +51,10 @@ def _ports(n: int) -> tuple[int, int]:
     return 1024, 65535  # an unusual range that leaves no room outside: anywhere, checked below
 
 
+class PortSliceError(ValueError):
+    """ALIGNER_PORT_SLICE is not k/n (a user's setting: the jobs and the launcher report it in one line)."""
+
+
 def port_slice(env=None) -> tuple[int, int]:
     """(k, n) from ALIGNER_PORT_SLICE=k/n; (0, 1), the whole pool, where it is unset."""
     value = (os.environ if env is None else env).get(SLICE_ENV, "").strip()
@@ -61,7 +65,9 @@ def port_slice(env=None) -> tuple[int, int]:
     except ValueError:
         k, n = -1, 0
     if not 0 <= k < n:
-        raise ValueError(f"{SLICE_ENV}={value!r}: write k/n with 0 <= k < n (this process's part of n), or unset it")
+        raise PortSliceError(
+            f"{SLICE_ENV}={value!r}: write k/n with 0 <= k < n (this process's part of n), or unset it"
+        )
     return k, n
 
 
@@ -71,7 +77,7 @@ def _pool(n: int) -> tuple[int, int]:
     k, parts = port_slice()
     width = (last - first + 1) // parts
     if width < n:
-        raise ValueError(f"{SLICE_ENV}: {parts} parts of the {first}-{last} pool leave no room for {n} ports")
+        raise PortSliceError(f"{SLICE_ENV}: {parts} parts of the {first}-{last} pool leave no room for {n} ports")
     first += k * width
     return first, first + width - n
 

@@ -47,7 +47,7 @@ sys.path.insert(0, ROOT)
 
 from aligner.critic.auth import TOKEN_ENV, new_token  # noqa: E402  (no torch)
 from aligner.utils.lock import LockError, hold  # noqa: E402  (no torch)
-from aligner.utils.net import free_port_range  # noqa: E402  (no torch)
+from aligner.utils.net import free_port_range, port_slice  # noqa: E402  (no torch)
 
 READY_LINE = "critic server ready at"
 PORT_TRIES = 3
@@ -302,6 +302,7 @@ def main(argv=None) -> int:
     try:
         actor_gpus = gpu_env(args.actor_gpus, args.actor_procs, "--actor-gpus")
         critic_gpus = gpu_env(args.critic_gpus, args.critic_procs, "--critic-gpus")
+        port_slice()  # ALIGNER_PORT_SLICE, read by every port drawn below
     except ValueError as exc:
         p.error(str(exc))
     visible = visible_gpus()
