@@ -25,7 +25,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -67,17 +66,12 @@ def ensure_installed() -> None:
 
 
 def _free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports (held open together while chosen, so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free TCP ports for the daemons, from aligner's pool outside the kernel's ephemeral range, where no
+    outgoing connection can take one before the daemon binds it (aligner/utils/net.py); a process never draws a port
+    twice within two minutes, so they differ."""
+    from aligner.utils.net import free_port_range
+
+    return [free_port_range(1) for _ in range(n)]
 
 
 def _sbin(name: str) -> str:
