@@ -55,9 +55,9 @@ class PortSliceError(ValueError):
     """ALIGNER_PORT_SLICE is not k/n (a user's setting: the jobs and the launcher report it in one line)."""
 
 
-def port_slice(env=None) -> tuple[int, int]:
+def port_slice() -> tuple[int, int]:
     """(k, n) from ALIGNER_PORT_SLICE=k/n; (0, 1), the whole pool, where it is unset."""
-    value = (os.environ if env is None else env).get(SLICE_ENV, "").strip()
+    value = os.environ.get(SLICE_ENV, "").strip()
     if not value:
         return 0, 1
     try:
