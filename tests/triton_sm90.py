@@ -1,4 +1,5 @@
-"""Compile the engine's Triton kernels for the H200 (sm_90) and for an A100 (sm_80) on a machine without a GPU.
+"""Compile aligner's Triton kernels (the engine's, the training models' RoPE) for the H200 (sm_90) and for an A100
+(sm_80) on a machine without a GPU.
 
 The CPU tests run our kernels under Triton's interpreter, which executes them with numpy and checks no types: a
 kernel that computes the right values there can still fail Triton's compiler on a GPU (a variable whose type changes
@@ -10,10 +11,10 @@ compiles for a GPU target without one (its ptxas ships in the wheel), so:
     python tests/triton_sm90.py compile OUT.json   (a fresh process: the interpreter patches triton.language)
 
 `record` runs Llama, Qwen3-style (q/k norms) and GPT-2 (learned positions) models with the engine's own dtype, FP8
-decode weights and an FP8 KV cache, greedy and sampled; `compile` builds each distinct specialization (argument
-types, constexprs, warps and stages) to a cubin for sm_90, with the constexprs that depend on the device set as the
-GPU's launchers set them (GPU_CONSTEXPRS), and those without FP8 for sm_80 too (TARGETS). Prints one line per
-kernel specialization; exit 1 if any fails.
+decode weights and an FP8 KV cache, greedy and sampled, and the RoPE kernel forward and backward; `compile` builds
+each distinct specialization (argument types, constexprs, warps and stages) to a cubin for sm_90, with the constexprs
+that depend on the device set as the GPU's launchers set them (GPU_CONSTEXPRS), and those without FP8 for sm_80 too
+(TARGETS). Prints one line per kernel specialization; exit 1 if any fails.
 Steps above 128 rows are recorded at 3 rows with the row limits lowered (splitk.MAX_BATCH, GATED_MAX_BATCH,
 triton_decode.WIDE_MIN_BATCH).
 """
@@ -145,6 +146,13 @@ def record(path: str) -> int:
     engine = build_engine(gen, models["llama"], build_gpt(models["llama"]).eval())
     engine.generate(prompts, lengths, SamplingParams(greedy=True))
     print(f"recorded llama fp8 as above 128 rows: {len(specs)} specializations", flush=True)
+    # the training models' RoPE (model.rope_fusion), forward and backward in bf16: rotating the whole head, then half
+    from aligner.models import rope_fusion
+
+    for rot in (64, 32):
+        t = torch.randn(5, 2, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+        rope_fusion.rope_kernel(t, torch.randn(5, 1, 1, rot)).float().sum().backward()
+    print(f"recorded the RoPE kernel: {len(specs)} specializations", flush=True)
     with open(path + ".tmp", "w") as f:
         json.dump(list(specs.values()), f, indent=1)
     os.replace(path + ".tmp", path)

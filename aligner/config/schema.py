@@ -57,7 +57,7 @@ class ModelConfig:
     sequence_parallel: bool = False  # TP > 1: norms/residuals split along the sequence (less activation memory)
     recompute_method: Literal["uniform", "block"] = "uniform"  # full: every layer in chunks | the first N per stage
     recompute_num_layers: int = 1  # full: uniform: layers per recomputed chunk | block: layers recomputed per stage
-    rope_fusion: Literal["auto", "on", "off"] = "auto"  # RoPE in one compiled kernel (auto: on GPU with Triton)
+    rope_fusion: Literal["auto", "on", "off"] = "auto"  # RoPE in one fused kernel (auto: on GPU with Triton)
     logprob_fusion: Literal["auto", "on", "off"] = "auto"  # log-probs in compiled kernels (auto: on GPU with Triton)
 
     @property

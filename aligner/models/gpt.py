@@ -79,7 +79,7 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         pipeline_dtype=pipeline_dtype or dtype,
         # megatron's jit-fused SwiGLU and bias-dropout-add need neither apex nor TE: on for the GPU. GELU stays
         # unfused so GPT-2's tanh approximation is the same function on every device. Fused RoPE: TE's kernel or
-        # aligner's compiled one (aligner.models.rope_fusion, model.rope_fusion). Fusions that need apex or TE
+        # aligner's Triton one (aligner.models.rope_fusion, model.rope_fusion). Fusions that need apex or TE
         # (persistent layer norm, masked softmax) stay off: the SDPA path needs neither.
         bias_activation_fusion=traits.gated_mlp and traits.activation == "silu" and not on_cpu,
         bias_dropout_fusion=not on_cpu,

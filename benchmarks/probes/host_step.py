@@ -6,6 +6,7 @@ micro-batch (forward, the SFT loss, backward; no optimizer step) back to back fo
 between steps, so that a sampling profiler sees the host's steady state:
 
     py-spy record --format raw --rate 250 -o stacks.txt -- python3 benchmarks/probes/host_step.py [--attention varlen]
+        [--rope kernel|compiled]
     python3 benchmarks/probes/host_step.py --summarise stacks.txt      (top functions, self and inclusive)
 
 `--summarise` keeps the samples under `step_body` and drops those inside torch.compile's compiler, Triton's or the
@@ -86,8 +87,8 @@ def run(args) -> dict:
     if gpu:
         torch.cuda.synchronize()
     ms = (time.perf_counter() - start) / steps * 1e3
-    print(f"{args.attention}: {ms:.1f} ms a step over {steps} steps (no sync between steps)")
-    return {"attention": args.attention, "ms_per_step": ms, "steps": steps}
+    print(f"{args.attention}, RoPE {args.rope}: {ms:.1f} ms a step over {steps} steps (no sync between steps)")
+    return {"attention": args.attention, "rope": args.rope, "ms_per_step": ms, "steps": steps}
 
 
 def summarise(path: str, top: int = 25) -> dict:
@@ -124,9 +125,20 @@ def main(argv=None) -> dict:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--sample", type=int, default=1024, help="tokens a sample")
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rope", choices=["kernel", "compiled"], default="kernel", help="model.rope_fusion's form on a GPU")
     p.add_argument("--summarise", metavar="STACKS", default=None, help="py-spy's raw output to summarise")
     args = p.parse_args(argv)
-    return summarise(args.summarise) if args.summarise else run(args)
+    if args.summarise:
+        return summarise(args.summarise)
+    from aligner.models import rope_fusion
+
+    kernel_takes = rope_fusion._kernel_takes
+    if args.rope == "compiled":  # the torch.compile form the Triton kernel replaced (forty-first session)
+        rope_fusion._kernel_takes = lambda t, freqs: False
+    try:
+        return run(args)
+    finally:
+        rope_fusion._kernel_takes = kernel_takes
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """GPU check (run by hand on a GPU machine, not collected by pytest): the training forward and backward of each model
-family with the GPU's defaults (compiled RoPE, compiled log-prob chunks, megatron's fused bias-dropout-add and
+family with the GPU's defaults (the Triton RoPE kernel, compiled log-prob chunks, megatron's fused bias-dropout-add and
 SwiGLU) against the same bf16 model with aligner's fusions off and against a float32 copy, on the same GPU.
 
 Families: those of tests/gpu/engine_families.py (Llama with a qkv bias, Llama 3.2-style, Qwen3-style, GPT-2). Per

@@ -1,5 +1,6 @@
-"""The engine's Triton kernels compiled for the H200 (sm_90) and an A100 (sm_80) here, without a GPU
-(tests/triton_sm90.py): the interpreter the other tests run them under checks no types, Triton's compiler does."""
+"""aligner's Triton kernels (the engine's, the training models' RoPE) compiled for the H200 (sm_90) and an A100
+(sm_80) here, without a GPU (tests/triton_sm90.py): the interpreter the other tests run them under checks no types,
+Triton's compiler does."""
 
 import os
 import subprocess
@@ -12,7 +13,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 KERNELS = [
     "decode_attention_fwd", "decode_attention_merge", "splitk_gemm", "gated_gemm", "splitk_fp8_gemm",
     "gated_fp8_gemm", "quantize_rows_k",
-    "add_norm_rows", "choice_parts", "choice_merge", "prefill_fp8_write",
+    "add_norm_rows", "choice_parts", "choice_merge", "prefill_fp8_write", "rope_rows",
 ]  # fmt: skip
 
 
@@ -43,3 +44,6 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     assert "'GROUPS': True" in compiled.stdout and "'SPLITS': 2" in compiled.stdout
     # and what steps above 128 rows take: FP8 fc1 and qkv in row blocks, 64 attention slots a step
     assert compiled.stdout.count("'BLOCK_M': 128") == 2 and "'BLOCK': 64," in compiled.stdout
+    # the RoPE kernel's forward and backward, with and without channels past the rotary part, on both GPUs
+    rope = [line for line in compiled.stdout.splitlines() if line.startswith("OK ") and " rope_rows " in line]
+    assert len(rope) == 8 and sum("'BACKWARD': True" in line and "'REST': 32" in line for line in rope) == 2
