@@ -13,9 +13,11 @@ seam with `fused_rope`, the same maths as megatron's unfused non-interleaved for
   two calls a layer took ~16 % of the host's time in a host-bound SFT step (docs/PERF.md, thirty-ninth session);
 - elsewhere (`rope_fusion: on` on the CPU) `rope_bshd` compiled by torch.compile (inductor's C++ kernels).
 
-Both compute in float32 with cos and sin rounded to the tensor's dtype first (as megatron does) and round once at
-the end: bf16 results may differ from megatron's unfused form in the last bit. Where TE is installed, its kernel
-stays.
+The kernel rounds cos and sin to the tensor's dtype, as megatron's unfused form, HF's Llama and the generation
+engine do, then computes in float32 and rounds once: bf16 results may differ from megatron's unfused form (which
+rounds after each operation) in the last bit. The compiled form keeps cos and sin in float32 (inductor drops the
+intermediate rounding): about a quarter of its bf16 results differ from the kernel's in the last bit (docs/PERF.md,
+forty-first session). Where TE is installed, its kernel stays.
 """
 
 from __future__ import annotations

@@ -71,6 +71,30 @@ def test_the_kernel_takes_any_strides_and_bf16():
     torch.testing.assert_close(dt.float(), dref.float(), rtol=2**-6, atol=2**-6)
 
 
+def test_the_kernel_rounds_cos_and_sin_to_the_tensors_dtype_as_megatron_does():
+    """bf16: the kernel's result is the float32 rotation by cos and sin rounded to bf16 (megatron's, HF's and the
+    engine's rounding), rounded once; with cos and sin unrounded many results differ. Under the interpreter, whose
+    casts to bf16 truncate, the same with truncation."""
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(64, 1, 2, 16, generator=g).bfloat16()
+    freqs = torch.rand(64, 1, 1, 16, generator=g) * 64
+
+    def bf16(v):  # the interpreter's cast: truncation of the float32 bits
+        return (v.float().view(torch.int32) & -65536).view(torch.float32)
+
+    def rotated(round_cos_sin: bool):
+        cos, sin = torch.cos(freqs), torch.sin(freqs)
+        if round_cos_sin:
+            cos, sin = bf16(cos), bf16(sin)
+        x = t.float()
+        x1, x2 = x.chunk(2, dim=-1)
+        return bf16(x * cos + torch.cat((-x2, x1), dim=-1) * sin)
+
+    out = rope.rope_kernel(t, freqs).float()
+    assert (out == rotated(True)).float().mean() > 0.97  # the rest: float32 rounding of the sums (fma or not)
+    assert (out == rotated(False)).float().mean() < 0.9
+
+
 def test_a_kernel_failure_leaves_the_compiled_form(monkeypatch, caplog):
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("torch.compile on CPU needs a C++ compiler")
