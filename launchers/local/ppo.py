@@ -101,6 +101,18 @@ def command(script: str, procs: int, config: str, overrides: list[str], launcher
     return head + [os.path.join(ROOT, "scripts", script), "--config-name", config] + overrides
 
 
+# What every job this launcher and launchers/local/train.py start gets unless the caller's environment sets it (the
+# defaults of launchers/slurm/env.sh). The allocator's expandable segments: fewer fragmentation OOMs where rollout and
+# training shapes alternate, and where both PPO jobs share a GPU (one H100: the critic at 4 / 8 rows a micro-batch ran
+# out of memory without them and fit with them; at 16 / 32 the peak went 84.7 -> 81.0 GB; docs/PERF.md).
+JOB_ENV_DEFAULTS = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+def job_env(environ=os.environ) -> dict:
+    """The environment jobs start with: the caller's, over JOB_ENV_DEFAULTS, with unbuffered Python output."""
+    return {**JOB_ENV_DEFAULTS, **environ, "PYTHONUNBUFFERED": "1"}
+
+
 def gpu_env(gpus: str | None, procs: int, flag: str) -> dict:
     """CUDA_VISIBLE_DEVICES for one job ({} when `gpus` is None); ValueError naming `flag` for a bad list."""
     if gpus is None:
@@ -339,7 +351,7 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: os.environ.get(TOKEN_ENV) or new_token()}
+    env = {**job_env(), TOKEN_ENV: os.environ.get(TOKEN_ENV) or new_token()}
 
     def start_actor(overrides: list[str], what: str) -> subprocess.Popen:
         actor_cmd = command(

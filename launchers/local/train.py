@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from ppo import command, gpu_env  # noqa: E402  (launchers/local/ppo.py: the same process commands)
+from ppo import command, gpu_env, job_env  # noqa: E402  (launchers/local/ppo.py: the same process commands)
 
 TRAINERS = {  # trainer -> (script, config loader module)
     "sft": ("train_sft.py", "aligner.config.sft:load_sft_config"),
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     overrides = (["--config-path", args.config_path] if args.config_path else []) + args.overrides
     cmd = command(script, args.procs, config, overrides, args.launcher)
     print(f"[train] {' '.join(cmd)}", flush=True)
-    env = {**os.environ, **gpus, "PYTHONUNBUFFERED": "1", "ALIGNER_NO_METRICS_LINE": "1"}
+    env = {**job_env(), **gpus, "ALIGNER_NO_METRICS_LINE": "1"}
     # The caller's working directory: relative paths in the overrides (and exp_dir) mean what they meant here.
     job = subprocess.Popen(cmd, env=env, start_new_session=True)
 

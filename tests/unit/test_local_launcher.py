@@ -1,5 +1,5 @@
 """launchers/local/ppo.py: per-job GPU lists (--actor-gpus / --critic-gpus) and their errors; the critic start's
-port-race verdict."""
+port-race verdict; the jobs' environment."""
 
 import importlib.util
 import os
@@ -24,6 +24,17 @@ def test_gpu_lists_become_each_jobs_visible_devices():
     assert gpu_env(None, 4, "--actor-gpus") == {}
     assert gpu_env("0,1", 2, "--actor-gpus") == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert gpu_env(" 4, 5,6 ", 1, "--critic-gpus") == {"CUDA_VISIBLE_DEVICES": "4,5,6"}
+
+
+def test_jobs_get_expandable_segments_unless_the_caller_chose():
+    job_env = _launcher().job_env
+    env = job_env({"PATH": "/bin", "PYTHONUNBUFFERED": "0"})
+    assert env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert job_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})["PYTORCH_CUDA_ALLOC_CONF"] == (
+        "max_split_size_mb:512"
+    )
+    slurm = open(os.path.join(ROOT, "launchers", "slurm", "env.sh")).read()  # the same default as the Slurm jobs'
+    assert 'PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"' in slurm
 
 
 def test_a_critic_on_some_of_the_actors_gpus_is_pointed_out():
