@@ -61,7 +61,7 @@ def _kernel():
     ):  # fmt: skip
         """One program: BLOCK_H heads of one (position, sample) row. Forward o1 = x1 c1 - x2 s1, o2 = x2 c2 + x1 s2
         (x1, x2 the rotated channels' halves); backward, the transpose: the same with s1, s2 -> -s2, -s1."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements: micro-batches of 256k tokens at 64 heads
         s, b = row // B, row % B
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         j = tl.arange(0, BLOCK_R)
