@@ -37,7 +37,12 @@ def main(argv) -> int:
     # besides the shared ones (aligner.train.cli): a critic that cannot resume the committed step, a reward
     # function that fails (raised alike on every rank: all stop alike, at one call)
     user_errors = (CriticCheckpointError, RewardFunctionError)
-    return run_job("train_ppo_actor", argv, load_actor_config, fit, "the actor job", user_errors)
+    memory_hint = (
+        "lower ppo.micro_batch_size (training) or ppo.forward_micro_batch_size (log-probs), generation.max_batch_size "
+        "(rollouts at once), or set generation.release_kv_cache=true, generation.kv_dtype=fp8, "
+        "model.recompute=selective|full; with the critic on the same GPUs, give it GPUs of its own (docs/PPO.md)"
+    )
+    return run_job("train_ppo_actor", argv, load_actor_config, fit, "the actor job", user_errors, memory_hint)
 
 
 if __name__ == "__main__":

@@ -285,7 +285,10 @@ _REPLY_TYPES: dict[type, type] = {}
 def _reply(exc: BaseException) -> BaseException:
     """`exc` as the client should see it: same class name and message, no traceback, no chained causes."""
     if not isinstance(exc, (CriticRequestError, RewardFunctionError, _ShuttingDown)):
-        exc = RuntimeError(f"the critic job failed on this request ({type(exc).__name__}); see its log")
+        what = type(exc).__name__
+        if what == "OutOfMemoryError":  # torch's: name the critic's settings that take less
+            what += ": lower its train.micro_batch_size or infer.micro_batch_size, or give it GPUs of its own"
+        exc = RuntimeError(f"the critic job failed on this request ({what}); see its log")
     cls = type(exc)
     if cls not in _REPLY_TYPES:
         _REPLY_TYPES[cls] = type(cls.__name__, (_NoTraceback, cls), {"__module__": "critic"})

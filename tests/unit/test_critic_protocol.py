@@ -280,3 +280,21 @@ def test_client_unreachable_error_names_url_and_what_to_check():
     with pytest.raises(CriticRequestError, match="empty batch"):  # checked locally, before any network
         client.infer_async(TOK[:0], LEN[:0])
     client.close()
+
+
+def test_what_the_actor_sees_of_a_failed_request():
+    """The critic's own errors reach the actor by class name and message; any other error by its class name only (the
+    traceback stays in the critic's log), out of GPU memory with the critic's settings that take less."""
+    import torch
+
+    from aligner.critic.server import _reply
+
+    bad = _reply(CriticRequestError("tokens: 3 rows, lengths: 2"))
+    assert type(bad).__name__ == "CriticRequestError" and str(bad) == "tokens: 3 rows, lengths: 2"
+    other = _reply(KeyError("values"))
+    assert str(other) == "the critic job failed on this request (KeyError); see its log"
+    oom = _reply(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."))
+    assert str(oom) == (
+        "the critic job failed on this request (OutOfMemoryError: lower its train.micro_batch_size or "
+        "infer.micro_batch_size, or give it GPUs of its own); see its log"
+    )
