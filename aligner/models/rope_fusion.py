@@ -8,7 +8,7 @@ that was about 6 % of a 1B model's training step (docs/PERF.md). With `config.ap
 seam with `fused_rope`, the same maths as megatron's unfused non-interleaved form (`rope_bshd`) in one pass:
 
 - on a GPU (and on the CPU under Triton's interpreter, as the tests run it), our Triton kernel `rope_rows` behind
-  one autograd function (`rope_kernel`): one launch forward, one backward (the rotation by the opposite angle). It
+  one autograd function (`rope_kernel`): one launch forward, one backward (the rotation transposed). It
   replaced torch.compile's kernel for its call path: dynamo's guards and AOT autograd's wrappers around each of the
   two calls a layer took ~16 % of the host's time in a host-bound SFT step (docs/PERF.md, thirty-ninth session);
 - elsewhere (`rope_fusion: on` on the CPU) `rope_bshd` compiled by torch.compile (inductor's C++ kernels).
