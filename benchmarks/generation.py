@@ -25,18 +25,8 @@ import torch
 from aligner.config.schema import ModelConfig
 from aligner.generation import GenerationConfig, SamplingParams, build_engine
 from benchmarks.profiling import format_profile, profile_call
+from benchmarks.shapes import PRESETS
 
-BENCH_MODEL = ModelConfig(
-    arch="llama",
-    num_layers=16,
-    hidden_size=2048,
-    num_attention_heads=16,
-    num_query_groups=8,
-    ffn_hidden_size=8192,
-    vocab_size=32000,
-    max_position_embeddings=4096,
-    params_dtype="bfloat16",
-)
 TINY_MODEL = ModelConfig(
     arch="llama",
     num_layers=2,
@@ -49,12 +39,24 @@ TINY_MODEL = ModelConfig(
 )
 
 
+def bench_model(preset: str = "1b") -> ModelConfig:
+    """The generation benchmarks' model: "tiny" (the CPU smoke shape above) or a Llama-style shape of
+    benchmarks.shapes.PRESETS in bf16 with random weights ("1b": issue 17's goals are set on it; "8b": issue 12's)."""
+    if preset == "tiny":
+        return TINY_MODEL
+    return ModelConfig(arch="llama", **PRESETS[preset], params_dtype="bfloat16")
+
+
+BENCH_MODEL = bench_model("1b")
+
+
 @dataclass
 class BenchArgs:
     batch_sizes: tuple[int, ...] = (64, 256)
     prompt_len: int = 128
     new_tokens: int = 256
     tiny: bool = False
+    preset: str = "1b"  # bench_model's shape (not with tiny)
     skip_hf: bool = False
     hf_compile: bool = True
     seed: int = 0
@@ -172,7 +174,7 @@ def run(args: BenchArgs) -> dict:
 
     initialize(1, 1)
     torch.manual_seed(args.seed)
-    cfg = TINY_MODEL if args.tiny else BENCH_MODEL
+    cfg = bench_model("tiny" if args.tiny else args.preset)
     policy = build_gpt(cfg).eval()
     device = next(policy.parameters()).device
     gen = GenerationConfig(
@@ -197,6 +199,7 @@ def run(args: BenchArgs) -> dict:
         refit_ms.append(_timed(lambda: engine.refit(policy), device)[1] * 1e3)
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "preset": "tiny" if args.tiny else args.preset,
         "model": {
             k: getattr(cfg, k)
             for k in (

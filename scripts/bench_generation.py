@@ -4,6 +4,7 @@ GPU (the issue's setting): python scripts/bench_generation.py --out bench_genera
 CPU smoke run:             python scripts/bench_generation.py --tiny --out /tmp/bench_tiny.json
 Prompts of mixed lengths:  python scripts/bench_generation.py --skip-hf --ragged
 GRPO-like groups:          python scripts/bench_generation.py --skip-hf --samples-per-prompt 8 --batch-sizes 512
+An 8B-class model:         python scripts/bench_generation.py --skip-hf --preset 8b --decode-weights fp8 --kv-dtype fp8
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 16)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny: 16)")
     parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model: a CPU smoke run")
+    parser.add_argument(
+        "--preset",
+        choices=("1b", "8b"),
+        default=None,
+        help="the model's shape (benchmarks/shapes.py, random weights): 1b (default; issue 17's goals), 8b",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="native engine only")
     parser.add_argument("--hf-no-compile", action="store_true", help="HF static cache without torch.compile")
     parser.add_argument("--profile", action="store_true", help="also a top-kernels table of one call (torch profiler)")
@@ -71,6 +78,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)
+    if a.tiny and a.preset:
+        parser.exit(2, "bench_generation: --tiny is a model of its own: leave out --preset\n")
     if a.ragged and not a.skip_hf:
         parser.exit(2, "bench_generation: --ragged compares the native engine only: add --skip-hf\n")
     bad_groups = [B for B in a.batch_sizes or () if a.samples_per_prompt < 1 or B % a.samples_per_prompt]
@@ -81,6 +90,7 @@ def main(argv=None) -> int:
         prompt_len=a.prompt_len or (16 if a.tiny else 128),
         new_tokens=a.new_tokens or (16 if a.tiny else 256),
         tiny=a.tiny,
+        preset=a.preset or "1b",
         skip_hf=a.skip_hf,
         hf_compile=not (a.hf_no_compile or a.tiny),
         profile=a.profile,

@@ -42,12 +42,15 @@ def us_a_layer(every_layer, layers: int, gpu: bool) -> float:
 
 
 def engine_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
-    """The engine probes' command line: --decode-weights, --kv-dtype, --repeats, --batch-sizes (64 128), --set,
-    --out; the caller may add its own options before parsing."""
+    """The engine probes' command line: --decode-weights, --kv-dtype, --repeats, --preset, --batch-sizes (64 128),
+    --set, --out; the caller may add its own options before parsing."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--decode-weights", default="same", help="generation.decode_weights (same | fp8)")
     parser.add_argument("--kv-dtype", default="auto", help="generation.kv_dtype (auto | fp8)")
     parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument(
+        "--preset", choices=("1b", "8b"), default="1b", help="the model (benchmarks.generation.bench_model)"
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument(
         "--set", nargs="+", default=[], metavar="MODULE.NAME=VALUE",

@@ -98,9 +98,9 @@ def main(argv=None) -> dict:
         parser.error(f"unknown targets {unknown}: choose from none, {', '.join(TARGETS)}")
 
     from aligner.generation import SamplingParams
-    from benchmarks.generation import BENCH_MODEL, TINY_MODEL, _prompts, _timed
+    from benchmarks.generation import _prompts, _timed, bench_model
 
-    cfg = TINY_MODEL if args.tiny else BENCH_MODEL
+    cfg = bench_model("tiny" if args.tiny else args.preset)
     prompt_len, new_tokens = (16, 16) if args.tiny else (128, 256)
     extra = {} if args.decode_attention is None else {"decode_attention": args.decode_attention}
     prompt_args = argparse.Namespace(prompt_len=prompt_len, ragged=False)

@@ -42,9 +42,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     from aligner.generation import SamplingParams
-    from benchmarks.generation import BENCH_MODEL, TINY_MODEL, _prompts, _timed
+    from benchmarks.generation import _prompts, _timed, bench_model
 
-    cfg = TINY_MODEL if args.tiny else BENCH_MODEL
+    cfg = bench_model("tiny" if args.tiny else args.preset)
     prompt_len, new_tokens = (16, 16) if args.tiny else (128, 256)
     extra = {} if args.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}
     if args.prefill_each_row:

@@ -68,6 +68,30 @@ def test_bench_generation_ragged_prompts_triton(tmp_path):
     ]
 
 
+def test_bench_model_presets():
+    """--preset picks benchmarks/shapes.py's shapes (1b the default, the goals' model; 8b issue 12's); --tiny is a model
+    of its own, so both together are one line, exit 2."""
+    from benchmarks.generation import BENCH_MODEL, TINY_MODEL, bench_model
+    from benchmarks.shapes import PRESETS
+
+    assert bench_model() == BENCH_MODEL and bench_model("tiny") is TINY_MODEL
+    for name in ("1b", "8b"):
+        cfg = bench_model(name)
+        assert cfg.arch == "llama" and cfg.params_dtype == "bfloat16"
+        assert {k: getattr(cfg, k) for k in PRESETS[name]} == PRESETS[name]
+    assert (BENCH_MODEL.num_layers, BENCH_MODEL.hidden_size, BENCH_MODEL.ffn_hidden_size) == (16, 2048, 8192)
+    assert (bench_model("8b").num_layers, bench_model("8b").hidden_size) == (32, 4096)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), "--tiny", "--preset", "8b"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["bench_generation: --tiny is a model of its own: leave out --preset"]
+
+
 def test_profile_kinds_from_kernel_names():
     """Names as the H200 profiles printed them (docs/PERF.md) land in the kind a reader expects."""
     from benchmarks.profiling import kind_of
