@@ -82,17 +82,23 @@ def apply_settings(settings: list[str]) -> dict:
     return applied
 
 
-def bench_engine(args: argparse.Namespace, cfg, prompt_len: int, new_tokens: int, **gen_options):
-    """(engine, device): bench_generation's model for `cfg` (seed 0) in a native engine for args.batch_sizes, prompts
-    of up to `prompt_len` tokens and `new_tokens` new ones, args.decode_weights, args.kv_dtype and `gen_options`."""
-    from aligner.generation import GenerationConfig, build_engine
+def bench_policy(args: argparse.Namespace, cfg):
+    """bench_generation's model for `cfg` (seed 0, eval mode), after args.set's settings; initialises one process."""
     from aligner.models.gpt import build_gpt
     from aligner.parallel import initialize
 
     initialize(1, 1)
     apply_settings(getattr(args, "set", []))
     torch.manual_seed(0)
-    policy = build_gpt(cfg).eval()
+    return build_gpt(cfg).eval()
+
+
+def bench_engine(args: argparse.Namespace, cfg, prompt_len: int, new_tokens: int, policy=None, **gen_options):
+    """(engine, device): a native engine of `policy` (default: bench_policy's) for args.batch_sizes, prompts of up to
+    `prompt_len` tokens and `new_tokens` new ones, args.decode_weights, args.kv_dtype and `gen_options`."""
+    from aligner.generation import GenerationConfig, build_engine
+
+    policy = bench_policy(args, cfg) if policy is None else policy
     gen = GenerationConfig(
         max_batch_size=max(args.batch_sizes), max_prompt_length=prompt_len, max_response_length=new_tokens,
         decode_weights=args.decode_weights, kv_dtype=args.kv_dtype, **gen_options,
