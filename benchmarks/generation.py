@@ -15,6 +15,7 @@ Every response is forced to `new_tokens` tokens (ignore_eos; HF: no EOS id).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -134,22 +135,34 @@ def _hf_generate(model, prompts, new_tokens, static: bool, compile_static: bool)
     return out
 
 
-def _logprob_gap(module, cfg, prompts, lengths, out, rows: int) -> dict[str, float]:
-    """Engine log-probs vs megatron's forward (training path) on the same tokens, first `rows` samples (each its own
-    prompt length and its response)."""
+def reference_logprobs(module, cfg, prompts, lengths, out, rows: int, rounding=None) -> list[torch.Tensor]:
+    """Megatron's forward (the training path) log-probs of the first `rows` samples' generated tokens, each sample
+    with its own prompt length; `rounding(prompt_length, sequence_length)`, where given, is a context manager around
+    each sample's forward (aligner.generation.native.replay's)."""
     from aligner.models.gpt import forward
     from aligner.models.logprobs import shift_for_next_token, vocab_parallel_logprobs
 
-    gaps = []
+    refs = []
     for b in range(min(rows, prompts.shape[0])):
         n = int(lengths[b])
         seq = torch.cat([prompts[b, :n], out.response_tokens_BR[b]]).unsqueeze(0)
-        with torch.no_grad():
+        context = contextlib.nullcontext() if rounding is None else rounding(n, seq.shape[1])
+        with torch.no_grad(), context:
             logits, targets = shift_for_next_token(forward(module, seq), seq)
-            ref = vocab_parallel_logprobs(logits, targets, vocab_size=cfg.vocab_size)[0, n - 1 :]
-        gaps.append((ref - out.logprobs_BR[b]).abs())
-    gap = torch.stack(gaps)
+            refs.append(vocab_parallel_logprobs(logits, targets, vocab_size=cfg.vocab_size)[0, n - 1 :])
+    return refs
+
+
+def logprob_gap(refs: list[torch.Tensor], logprobs_BR: torch.Tensor) -> dict[str, float]:
+    """Mean and max |ref - logprobs| over reference_logprobs' samples (the first rows of logprobs_BR)."""
+    gap = torch.stack([(ref - logprobs_BR[b]).abs() for b, ref in enumerate(refs)])
     return {"logp_abs_diff_mean": float(gap.mean()), "logp_abs_diff_max": float(gap.max())}
+
+
+def _logprob_gap(module, cfg, prompts, lengths, out, rows: int) -> dict[str, float]:
+    """Engine log-probs vs megatron's forward (training path) on the same tokens, first `rows` samples (each its own
+    prompt length and its response)."""
+    return logprob_gap(reference_logprobs(module, cfg, prompts, lengths, out, rows), out.logprobs_BR)
 
 
 def _prompts(args, B: int, vocab: int, rng: torch.Generator, device):

@@ -71,8 +71,9 @@ def _responses(out):
 
 
 def _tp2_body(rank, world_size):
-    from generation_reference import fake_fp8, fp8_kv_cache, reference_greedy, training_logprobs
+    from generation_reference import reference_greedy, training_logprobs
 
+    from aligner.generation.native.replay import fake_fp8, fp8_kv_cache
     from aligner.models.gpt import build_gpt
     from aligner.models.training import TrainableModel
     from aligner.parallel import initialize

@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from generation_reference import fp8_kv_cache, reference_greedy, training_logprobs
+from generation_reference import reference_greedy, training_logprobs
 
 from aligner.config.schema import ModelConfig, OptimConfig
 from aligner.families import family
 from aligner.generation import GenerationConfig, ReleasableMemory, SamplingParams, build_engine
+from aligner.generation.native.replay import fp8_kv_cache
 from aligner.models.gpt import build_gpt
 
 V = 250

@@ -10,12 +10,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from generation_reference import fake_fp8, training_logprobs
+from generation_reference import training_logprobs
 from test_generation_engine import GEN, GPT2, LENGTHS, LLAMA, PROMPTS, QWEN3, V, _model, megatron_tp1  # noqa: F401
 
 from aligner.config.rules import ConfigError
 from aligner.generation import GenerationConfig, SamplingParams, build_engine
 from aligner.generation.native.fp8 import E4M3, quantize_rows
+from aligner.generation.native.replay import fake_fp8
 
 
 def test_quantize_rows_by_hand():
