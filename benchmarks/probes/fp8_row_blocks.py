@@ -2,8 +2,8 @@
 blocks of rows.
 
 Above 128 rows (the split-K kernels' one-block limit) the engine ran every FP8 decode GEMM by cuBLAS. Here, at
---rows rows (default 256: the benchmark's larger batch), 16 layers' distinct weights of the 1B model in one CUDA
-graph (L2-cold, as in a step), us a layer:
+--rows rows (default 256: the benchmark's larger batch), every layer's distinct weights of the 1B model (--preset 8b:
+the 8B shape's) in one CUDA graph (L2-cold, as in a step), us a layer:
 
 - cuBLAS, as the engine calls it there: fc1 (fp8.matmul, unit scales, bf16 out: the compiled activation kernel after
   it applies the scales), fc2 (float32 out), qkv and the output layer (fp8.matmul_rowwise, scales in the epilogue),
@@ -15,7 +15,7 @@ graph (L2-cold, as in a step), us a layer:
 Every Triton row's largest error against float32 maths of the same e4m3 values (relative to the product's largest
 value) is reported with it.
 
-    python3 benchmarks/probes/fp8_row_blocks.py --rows 256 --out result.json     (CUDA, sm_89+)
+    python3 benchmarks/probes/fp8_row_blocks.py --rows 256 [--preset 8b] --out result.json     (CUDA, sm_89+)
     TRITON_INTERPRET=1 python3 benchmarks/probes/fp8_row_blocks.py --tiny          (CPU: errors only)
 """
 
@@ -30,8 +30,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks.probes.common import us_a_layer, write_report  # noqa: E402
 
-LAYERS, HIDDEN, FFN, QKV, VOCAB = 16, 2048, 8192, 4096, 32000  # the 1B model of docs/PERF.md
 TINY = (2, 64, 128, 128, 256)
+
+
+def shapes(preset: str) -> tuple[int, int, int, int, int]:
+    """(layers, hidden, ffn, qkv rows, vocabulary) of a benchmarks/shapes.py model (1b: the one of docs/PERF.md)."""
+    from benchmarks.shapes import PRESETS
+
+    p = PRESETS[preset]
+    head_dim = p["hidden_size"] // p["num_attention_heads"]
+    qkv = p["hidden_size"] + 2 * p["num_query_groups"] * head_dim
+    return p["num_layers"], p["hidden_size"], p["ffn_hidden_size"], qkv, p["vocab_size"]
+
 
 # (block_m, block_n, block_k, splits, warps, stages): the engine's tiling comes first, then what the session tried
 # next to it (docs/PERF.md, twenty-sixth session)
@@ -59,6 +69,9 @@ def _triton_call(name: str, tiling, W: list, a8, a_s, x, act: torch.dtype):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument(
+        "--preset", choices=("1b", "8b"), default="1b", help="the model's shapes (benchmarks/shapes.py)"
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU: 2 layers, small sizes, errors only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -67,7 +80,7 @@ def main(argv=None) -> dict:
 
     gpu = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if gpu else "cpu")
-    L, H, FF, NQ, V = (LAYERS, HIDDEN, FFN, QKV, VOCAB) if not args.tiny else TINY
+    L, H, FF, NQ, V = shapes(args.preset) if not args.tiny else TINY
     M = args.rows if not args.tiny else 40
     act = torch.bfloat16 if gpu else torch.float32  # the interpreter: float32 only
     g = torch.Generator(device=device).manual_seed(0)

@@ -23,3 +23,9 @@ def test_every_tiling_computes_the_product(tmp_path):
     assert any("(engine)" in name for name in errors)
     assert all(e < 1e-5 for e in errors.values()), errors
     assert (tmp_path / "r.json").exists()
+
+
+def test_shapes_of_each_preset():
+    """qkv's rows are the queries' and both KV groups' columns (the 1B's 4096 as the twenty-sixth session timed it)."""
+    assert fp8_row_blocks.shapes("1b") == (16, 2048, 8192, 4096, 32000)
+    assert fp8_row_blocks.shapes("8b") == (32, 4096, 14336, 4096 + 2 * 8 * 128, 32000)
