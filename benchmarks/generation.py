@@ -16,7 +16,9 @@ Every response is forced to `new_tokens` tokens (ignore_eos; HF: no EOS id).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -51,6 +53,28 @@ def bench_model(preset: str = "1b") -> ModelConfig:
 BENCH_MODEL = bench_model("1b")
 
 
+def model_from_hf_config(path: str) -> ModelConfig:
+    """The shape of a Hugging Face causal LM from its config.json (the file, or the directory holding it) in bf16:
+    the engine timed on random weights of a team's own model without its weights. ValueError names what is wrong
+    (no such file, not JSON, an architecture or setting aligner does not convert, a sequence classifier)."""
+    from aligner.checkpoint.hf import model_config_from_hf, normalized_hf_config
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except OSError as exc:
+        raise ValueError(
+            f"--hf-config {path}: {exc.strerror or exc} (give config.json or the directory holding it)"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--hf-config {file} is not JSON: {exc}") from None
+    cfg, _, model_type = model_config_from_hf(normalized_hf_config(raw), params_dtype="bfloat16")
+    if model_type != "policy":
+        raise ValueError(f"--hf-config {file} describes a {model_type} model: the engine generates with causal LMs")
+    return cfg
+
+
 @dataclass
 class BenchArgs:
     batch_sizes: tuple[int, ...] = (64, 256)
@@ -58,6 +82,7 @@ class BenchArgs:
     new_tokens: int = 256
     tiny: bool = False
     preset: str = "1b"  # bench_model's shape (not with tiny)
+    hf_config: str | None = None  # a Hugging Face config.json's shape instead (model_from_hf_config)
     skip_hf: bool = False
     hf_compile: bool = True
     seed: int = 0
@@ -187,7 +212,7 @@ def run(args: BenchArgs) -> dict:
 
     initialize(1, 1)
     torch.manual_seed(args.seed)
-    cfg = bench_model("tiny" if args.tiny else args.preset)
+    cfg = model_from_hf_config(args.hf_config) if args.hf_config else bench_model("tiny" if args.tiny else args.preset)
     policy = build_gpt(cfg).eval()
     device = next(policy.parameters()).device
     gen = GenerationConfig(
@@ -212,7 +237,8 @@ def run(args: BenchArgs) -> dict:
         refit_ms.append(_timed(lambda: engine.refit(policy), device)[1] * 1e3)
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "preset": "tiny" if args.tiny else args.preset,
+        "preset": "tiny" if args.tiny else None if args.hf_config else args.preset,
+        "hf_config": args.hf_config,
         "model": {
             k: getattr(cfg, k)
             for k in (

@@ -5,6 +5,7 @@ CPU smoke run:             python scripts/bench_generation.py --tiny --out /tmp/
 Prompts of mixed lengths:  python scripts/bench_generation.py --skip-hf --ragged
 GRPO-like groups:          python scripts/bench_generation.py --skip-hf --samples-per-prompt 8 --batch-sizes 512
 An 8B-class model:         python scripts/bench_generation.py --skip-hf --preset 8b --decode-weights fp8 --kv-dtype fp8
+Your model's shape:        python scripts/bench_generation.py --skip-hf --hf-config path/to/hf_model/config.json
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.generation import BenchArgs, format_generate_profile, format_table, run
+from benchmarks.generation import BenchArgs, format_generate_profile, format_table, model_from_hf_config, run
 
 
 def main(argv=None) -> int:
@@ -30,6 +31,13 @@ def main(argv=None) -> int:
         choices=("1b", "8b"),
         default=None,
         help="the model's shape (benchmarks/shapes.py, random weights): 1b (default; issue 17's goals), 8b",
+    )
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="time your own model's shape: its Hugging Face config.json (or the directory holding it), random weights;"
+        " with --skip-hf",
     )
     parser.add_argument("--skip-hf", action="store_true", help="native engine only")
     parser.add_argument("--hf-no-compile", action="store_true", help="HF static cache without torch.compile")
@@ -78,8 +86,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     a = parser.parse_args(argv)
-    if a.tiny and a.preset:
-        parser.exit(2, "bench_generation: --tiny is a model of its own: leave out --preset\n")
+    if sum(map(bool, (a.tiny, a.preset, a.hf_config))) > 1:
+        parser.exit(2, "bench_generation: --tiny, --preset and --hf-config each name the model: give one\n")
+    if a.hf_config:
+        if not a.skip_hf:
+            parser.exit(2, "bench_generation: --hf-config times the native engine only: add --skip-hf\n")
+        try:
+            model_from_hf_config(a.hf_config)  # a mistake is one line here, before anything is built
+        except ValueError as exc:
+            parser.exit(2, f"bench_generation: {exc}\n")
     if a.ragged and not a.skip_hf:
         parser.exit(2, "bench_generation: --ragged compares the native engine only: add --skip-hf\n")
     bad_groups = [B for B in a.batch_sizes or () if a.samples_per_prompt < 1 or B % a.samples_per_prompt]
@@ -91,6 +106,7 @@ def main(argv=None) -> int:
         new_tokens=a.new_tokens or (16 if a.tiny else 256),
         tiny=a.tiny,
         preset=a.preset or "1b",
+        hf_config=a.hf_config,
         skip_hf=a.skip_hf,
         hf_compile=not (a.hf_no_compile or a.tiny),
         profile=a.profile,

@@ -10,20 +10,25 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _run_script(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """scripts/bench_generation.py as a process, its output captured."""
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _bench_generation(*args: str, **env_extra: str) -> subprocess.CompletedProcess:
     """scripts/bench_generation.py on the CPU (a free port, no GPU); asserts it exited 0."""
     from dist import free_port
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(free_port()), **env_extra}
     env.pop("RANK", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = _run_script(*args, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
@@ -55,14 +60,7 @@ def test_bench_generation_ragged_prompts_triton(tmp_path):
     (row,) = report["rows"]
     assert report["ragged"] and report["decode_attention"] == "triton" and report["samples_per_prompt"] == 2
     assert row["prompt_tokens_mean"] < report["prompt_len"] and row["logp_abs_diff_max"] < 1e-4
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), "--tiny", "--batch-sizes", "4", "6"]
-        + ["--samples-per-prompt", "4"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_script("--tiny", "--batch-sizes", "4", "6", "--samples-per-prompt", "4")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "bench_generation: --samples-per-prompt 4 must divide every batch size"
     ]
@@ -81,15 +79,53 @@ def test_bench_model_presets():
         assert {k: getattr(cfg, k) for k in PRESETS[name]} == PRESETS[name]
     assert (BENCH_MODEL.num_layers, BENCH_MODEL.hidden_size, BENCH_MODEL.ffn_hidden_size) == (16, 2048, 8192)
     assert (bench_model("8b").num_layers, bench_model("8b").hidden_size) == (32, 4096)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench_generation.py"), "--tiny", "--preset", "8b"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_script("--tiny", "--preset", "8b")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["bench_generation: --tiny is a model of its own: leave out --preset"]
+    assert proc.stderr.strip().splitlines() == [
+        "bench_generation: --tiny, --preset and --hf-config each name the model: give one"
+    ]
+
+
+def test_bench_generation_on_a_hf_configs_shape(tmp_path):
+    """--hf-config times the engine on a team's own model's shape from its config.json alone (random weights): a
+    Qwen3-style model (q/k norms, its own head width) runs end to end with the engine's log-probs = megatron's; a
+    sequence classifier, a missing file and the HF comparison asked for are each one line, exit 2."""
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf.architectures = ["Qwen3ForCausalLM"]
+    hf.save_pretrained(tmp_path / "qwen3")
+    out = tmp_path / "bench.json"
+    args = ["--skip-hf", "--batch-sizes", "2", "--prompt-len", "8", "--new-tokens", "4", "--out", str(out)]
+    _bench_generation("--hf-config", str(tmp_path / "qwen3"), *args)
+    report = json.loads(out.read_text())
+    assert report["hf_config"] == str(tmp_path / "qwen3") and report["preset"] is None
+    model = report["model"]
+    assert (model["num_layers"], model["hidden_size"], model["ffn_hidden_size"], model["vocab_size"]) == (
+        2,
+        64,
+        96,
+        128,
+    )
+    assert (model["num_attention_heads"], model["num_query_groups"], model["params_dtype"]) == (4, 2, "bfloat16")
+    (row,) = report["rows"]
+    assert row["native_greedy_tok_s"] > 0 and row["logp_abs_diff_max"] < 0.1
+
+    hf.architectures = ["Qwen3ForSequenceClassification"]
+    hf.num_labels = 1
+    hf.save_pretrained(tmp_path / "rm")
+    cases = [
+        (["--hf-config", str(tmp_path / "rm" / "config.json"), "--skip-hf"], "describes a reward model"),
+        (["--hf-config", str(tmp_path / "none"), "--skip-hf"], "give config.json or the directory holding it"),
+        (["--hf-config", str(tmp_path / "qwen3")], "--hf-config times the native engine only: add --skip-hf"),
+    ]
+    for argv, words in cases:
+        proc = _run_script(*argv)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
 
 
 def test_profile_kinds_from_kernel_names():
