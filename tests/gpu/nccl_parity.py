@@ -49,17 +49,9 @@ def model_cfg():
             vocab_size=256,
             make_vocab_size_divisible_by=16,
         )
-    return ModelConfig(
-        arch="llama",
-        num_layers=16,
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_query_groups=8,
-        ffn_hidden_size=8192,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        params_dtype="bfloat16",
-    )
+    from benchmarks.shapes import PRESETS
+
+    return ModelConfig(arch="llama", **PRESETS["1b"], params_dtype="bfloat16")  # the benchmarks' 1B model
 
 
 def gen_cfg(max_batch=GEN_B, prompt=GEN_PROMPT, new=GEN_NEW):
