@@ -38,7 +38,7 @@ def fake_fp8(model, lengths_B, width: int, qkv: bool = False):
             fake = fake + module.bias  # a bias the layer added to its own output (linear_qkv)
         if getattr(module, "input_is_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(fake, group=ps.get_tensor_model_parallel_group())
-        out = fake if everywhere else torch.where(decoded_SB1, fake, out)
+        out = fake if everywhere else torch.where(decoded_SB1.to(out.device), fake, out)
         return (out, bias) if isinstance(output, tuple) else out
 
     everywhere = [m for layer in model.decoder.layers for m in (layer.mlp.linear_fc1, layer.mlp.linear_fc2)]
