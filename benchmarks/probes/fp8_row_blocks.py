@@ -49,7 +49,7 @@ CANDIDATES = {
     "fc1": [None, (128, 64, 128, 1, 4, 3), (128, 128, 128, 1, 8, 3), (256, 64, 128, 1, 8, 3), (128, 64, 128, 1, 8, 4)],
     # wider column blocks (forty-second session): at the 8B shape (K = 4096) each program's rows of x are 512 KiB, read
     # again by every column block; the 8B step's qkv ran at 2.8x its weight's bytes (docs/PERF.md)
-    "qkv": [None, (128, 64, 128, 1, 8, 4), (128, 64, 256, 1, 8, 3), (128, 32, 128, 1, 4, 4), (256, 64, 128, 1, 8, 3)]
+    "qkv": [None, (128, 64, 128, 1, 8, 5), (128, 64, 128, 1, 8, 4), (128, 64, 256, 1, 8, 3), (128, 32, 128, 1, 4, 4), (256, 64, 128, 1, 8, 3)]
     + [(128, 128, 128, 1, 8, 3), (256, 128, 128, 1, 8, 3), (128, 256, 64, 1, 8, 3)],
     "fc2": [(128, 64, 128, 4, 4, 4), (128, 64, 128, 4, 8, 4), (128, 64, 128, 2, 8, 4), (256, 64, 128, 4, 8, 3)],
     "out": [(128, 64, 128, 1, 8, 4), (128, 128, 128, 1, 8, 3), (256, 128, 128, 1, 8, 3)],
@@ -135,9 +135,10 @@ def main(argv=None) -> dict:
     def exact(a8, a_s, w8, w_s):
         return (a8.float() * a_s.view(-1, 1)) @ (w8.float() * w_s.view(-1, 1)).t()
 
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if gpu else None
     engine = {
         "fc1": splitk.fp8_gated_tiling_for(M, 2 * FF, H),
-        "qkv": splitk.fp8_product_tiling_for(M, NQ, H, row_blocks=True),
+        "qkv": splitk.fp8_product_tiling_for(M, NQ, H, row_blocks=True, sms=sms),
     }
     for name, candidates in CANDIDATES.items():
         a8, a_s = inputs.get(name, (None, None))

@@ -187,6 +187,13 @@ def test_fp8_product_tilings_the_engine_picks():
     # ... but qkv (row_blocks) runs in blocks of 128 rows up to ROW_BLOCKS_MAX_BATCH (measured at 256 rows)
     rows = splitk.Tiling(64, 128, 1, num_warps=8, num_stages=5, block_m=128)
     assert splitk.fp8_product_tiling_for(256, 4096, 2048, row_blocks=True) == rows
+    # five stages while the programs fit one a multiprocessor (1B: 64 x 2 = 128 on 132), four beyond: 8B's qkv [6144,
+    # 4096] at 256 rows is 96 x 2 = 192 programs; the 1B's at 512 rows 64 x 4 = 256
+    assert splitk.fp8_product_tiling_for(256, 4096, 2048, row_blocks=True, sms=132) == rows
+    four = splitk.Tiling(64, 128, 1, num_warps=8, num_stages=4, block_m=128)
+    assert splitk.fp8_product_tiling_for(256, 6144, 4096, row_blocks=True, sms=132) == four
+    assert splitk.fp8_product_tiling_for(512, 4096, 2048, row_blocks=True, sms=132) == four
+    assert splitk.fp8_product_tiling_for(256, 6144, 4096, row_blocks=True).num_stages == 5  # the CPU
     one_block = splitk.fp8_product_tiling_for(64, 4096, 2048)
     assert splitk.fp8_product_tiling_for(64, 4096, 2048, row_blocks=True) == one_block
     assert splitk.fp8_product_tiling_for(513, 4096, 2048, row_blocks=True) is None

@@ -343,7 +343,8 @@ class Decoder:
         decode weights include qkv and split-K GEMMs run (None: qkv in the engine's dtype)."""
         if q8 is None or not q8.has_qkv or not split_k or x.dim() != 2:
             return None
-        return splitk.fp8_product_tiling_for(x.shape[0], *q8.layer(0, "qkv")[0].shape, row_blocks=True)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
+        return splitk.fp8_product_tiling_for(x.shape[0], *q8.layer(0, "qkv")[0].shape, row_blocks=True, sms=sms)
 
     def _qkv(self, h, i, lw, q8, tiling):
         """Layer i's qkv projection from its normed input h, or with `q8` from h quantized, (h8, scales), on its

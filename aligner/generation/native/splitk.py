@@ -392,7 +392,9 @@ def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     return _gated_tiling(batch, two_f, k, block_ks=(128, 64, 32))
 
 
-def fp8_product_tiling_for(batch: int, n: int, k: int, row_blocks: bool = False) -> Tiling | None:
+def fp8_product_tiling_for(
+    batch: int, n: int, k: int, row_blocks: bool = False, sms: int | None = None
+) -> Tiling | None:
     """The tiling of matmul_fp8 in one K range (the product written in the engine's dtype: qkv and the output layer
     with FP8 decode weights) for a decode step of `batch` rows and an e4m3 W [n, k] (None: keep cuBLAS). Measured on
     the H200 at the 1B model's qkv [4096, 2048] and output layer [32000, 2048], 64 and 128 rows
@@ -400,13 +402,20 @@ def fp8_product_tiling_for(batch: int, n: int, k: int, row_blocks: bool = False)
     still makes >= 128 programs, 256-wide K steps in 5 stages for 32 columns (4 above 64 rows), 128-wide in 3 stages
     for wider blocks. Smaller models (tests): the narrowest block dividing n, as many programs as it can.
     With `row_blocks` (qkv), steps of MAX_BATCH to ROW_BLOCKS_MAX_BATCH rows too: 64 columns and ROW_BLOCK rows per
-    program, 128-wide K steps in five stages, eight warps (measured at 256 rows; the output layer keeps cuBLAS)."""
+    program, 128-wide K steps, eight warps (measured at 256 rows; the output layer keeps cuBLAS), in five stages
+    while the programs fit one to each of the GPU's `sms` multiprocessors, else four: five stages' 120 KiB of shared
+    memory leave room for one program a multiprocessor, four's 96 KiB for two, so more programs than multiprocessors
+    would run in two waves. Measured (fp8_row_blocks.py, docs/PERF.md): the 1B model's qkv, 128 programs, 7.47 us in
+    five stages against 8.81 in four (H200); the 8B shape's, 192 programs on 132 multiprocessors, 17.40 in four
+    against 22.08 in five (H100). `sms` None (the CPU): five."""
     if row_blocks and MAX_BATCH < batch <= ROW_BLOCKS_MAX_BATCH:
         block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
         block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
         if block_n is None or block_k is None:
             return None
-        return Tiling(block_n, block_k, 1, num_warps=8, num_stages=5, block_m=ROW_BLOCK)
+        programs = n // block_n * -(-batch // ROW_BLOCK)
+        stages = 5 if sms is None or programs <= sms else 4
+        return Tiling(block_n, block_k, 1, num_warps=8, num_stages=stages, block_m=ROW_BLOCK)
     if batch > MAX_BATCH:
         return None
     dividing = [b for b in (128, 64, 32, 16) if n % b == 0]
