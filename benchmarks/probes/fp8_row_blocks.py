@@ -143,9 +143,9 @@ def main(argv=None) -> dict:
         return (a8.float() * a_s.view(-1, 1)) @ (w8.float() * w_s.view(-1, 1)).t()
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count if gpu else None
-    engine = {
-        "fc1": splitk.fp8_gated_tiling_for(M, 2 * FF, H),
-        "qkv": splitk.fp8_product_tiling_for(M, NQ, H, row_blocks=True, sms=sms),
+    engine = {  # as the decoder asks for them (splitk.one_wave: the stages fitted to this GPU)
+        "fc1": splitk.one_wave(splitk.fp8_gated_tiling_for(M, 2 * FF, H), M, 2 * FF, 1, sms, gated=True),
+        "qkv": splitk.one_wave(splitk.fp8_product_tiling_for(M, NQ, H, row_blocks=True), M, NQ, 1, sms),
     }
     for name, candidates in CANDIDATES.items():
         a8, a_s = inputs.get(name, (None, None))

@@ -187,13 +187,6 @@ def test_fp8_product_tilings_the_engine_picks():
     # ... but qkv (row_blocks) runs in blocks of 128 rows up to ROW_BLOCKS_MAX_BATCH (measured at 256 rows)
     rows = splitk.Tiling(64, 128, 1, num_warps=8, num_stages=5, block_m=128)
     assert splitk.fp8_product_tiling_for(256, 4096, 2048, row_blocks=True) == rows
-    # five stages while the programs fit one a multiprocessor (1B: 64 x 2 = 128 on 132), four beyond: 8B's qkv [6144,
-    # 4096] at 256 rows is 96 x 2 = 192 programs; the 1B's at 512 rows 64 x 4 = 256
-    assert splitk.fp8_product_tiling_for(256, 4096, 2048, row_blocks=True, sms=132) == rows
-    four = splitk.Tiling(64, 128, 1, num_warps=8, num_stages=4, block_m=128)
-    assert splitk.fp8_product_tiling_for(256, 6144, 4096, row_blocks=True, sms=132) == four
-    assert splitk.fp8_product_tiling_for(512, 4096, 2048, row_blocks=True, sms=132) == four
-    assert splitk.fp8_product_tiling_for(256, 6144, 4096, row_blocks=True).num_stages == 5  # the CPU
     one_block = splitk.fp8_product_tiling_for(64, 4096, 2048)
     assert splitk.fp8_product_tiling_for(64, 4096, 2048, row_blocks=True) == one_block
     assert splitk.fp8_product_tiling_for(513, 4096, 2048, row_blocks=True) is None
@@ -224,3 +217,115 @@ def test_compiled_decode_kernels_take_every_batch_size():
     x, parts = torch.randn(3, 64), torch.randn(4, 3, 64)
     got = k.add_parts_norm(x, parts, None, w, None)
     torch.testing.assert_close(got, eager.add_norm(x, parts.sum(0), None, w, None), rtol=1e-5, atol=1e-5)
+
+
+SHAPES = {"1b": (2048, 8192, 4096, 32000), "8b": (4096, 14336, 6144, 32000)}  # hidden, ffn, qkv rows, vocabulary
+
+
+def _engine_tilings(shape: str, B: int) -> dict:
+    """(tiling, weight rows, operand bytes, gated) of each split-K decode GEMM the engine asks for at B rows."""
+    H, F, NQ, V = SHAPES[shape]
+    return {
+        "proj bf16": (splitk.tiling_for(B, H, H), H, 2, False),
+        "fc2 bf16": (splitk.tiling_for(B, H, F), H, 2, False),
+        "fc1 bf16": (splitk.gated_tiling_for(B, 2 * F, H), 2 * F, 2, True),
+        "fc1 fp8": (splitk.fp8_gated_tiling_for(B, 2 * F, H), 2 * F, 1, True),
+        "fc2 fp8": (splitk.tiling_for(B, H, F), H, 1, False),
+        "qkv fp8": (splitk.fp8_product_tiling_for(B, NQ, H, row_blocks=True), NQ, 1, False),
+        "out fp8": (splitk.fp8_product_tiling_for(B, V, H), V, 1, False),
+    }
+
+
+def _stages_changed(shape: str, B: int, sms=132) -> dict:
+    out = {}
+    for name, (tiling, w_rows, nbytes, gated) in _engine_tilings(shape, B).items():
+        fitted = splitk.one_wave(tiling, B, w_rows, nbytes, sms, gated)
+        if fitted != tiling:
+            assert fitted == splitk.Tiling(**{**tiling.__dict__, "num_stages": fitted.num_stages})  # stages only
+            out[name] = (tiling.num_stages, fitted.num_stages)
+    return out
+
+
+def test_one_wave_takes_fewer_stages_only_where_the_programs_would_not_all_be_resident():
+    # the 1B model's tilings were measured where they are: at every size up to 256 rows nothing changes (<= 132
+    # programs, or small enough stages); at 512 rows qkv's 64 x 4 programs of 120 KiB take four stages (measured)
+    for B in (1, 4, 16, 32, 64, 96, 128, 256):
+        assert _stages_changed("1b", B) == {}, B
+    assert _stages_changed("1b", 512) == {"qkv fp8": (5, 4)}
+    # the 8B shape: qkv's 96 x 2 programs at 256 rows (measured: 22.1 -> 17.4 us), and at 64 rows the GEMMs whose
+    # programs outnumber the multiprocessors at one a multiprocessor (proj / fc2 in bf16: 4 ranges x 64 = 256 programs
+    # of 160 KiB; four stages' 128 KiB still hold one, three's 96 two)
+    assert _stages_changed("8b", 256) == {"qkv fp8": (5, 4)}
+    assert _stages_changed("8b", 64) == {
+        "proj bf16": (5, 3), "fc2 bf16": (5, 3), "fc1 bf16": (5, 4), "fc1 fp8": (5, 4), "qkv fp8": (5, 4),
+    }  # fmt: skip
+    assert _stages_changed("8b", 16) == {}
+    # the CPU (no multiprocessor count) and the switch off: the tilings as chosen
+    assert _stages_changed("8b", 64, sms=None) == {}
+    tiling, w_rows, nbytes, gated = _engine_tilings("8b", 256)["qkv fp8"]
+    try:
+        splitk.ONE_WAVE = False
+        assert splitk.one_wave(tiling, 256, w_rows, nbytes, 132, gated) == tiling
+    finally:
+        splitk.ONE_WAVE = True
+    # a tiling whose programs fit at no fewer stages keeps its own (8B fc1 in row blocks at 256 rows: 448 programs)
+    assert _stages_changed("8b", 256).get("fc1 fp8") is None
+    assert splitk.one_wave(None, 64, 4096, 1, 132) is None
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aligner.generation.native import splitk
+out = []
+for factory, types, constexprs, warps, stages in json.loads(sys.argv[1]):
+    kernel = getattr(splitk, factory)()
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        signature[name] = "constexpr" if kernel.params[i].is_constexpr else types.get(name, "i32")
+        if signature[name] != "constexpr" and name != "M":  # as the JIT sees the engine's aligned tensors
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = dict(num_warps=warps, num_stages=stages)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    out.append(compiled.metadata.shared)
+print(json.dumps(out))
+"""
+
+
+def test_stage_bytes_are_the_compiled_kernels_shared_memory():
+    """stage_bytes x num_stages is what Triton allocates for the sm_90 kernels (their loads pipelined in shared
+    memory), so one_wave counts the programs a multiprocessor holds as the GPU does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    fp8 = {"x8_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w8_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16"}
+    bf16 = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32"}
+    flags = dict(WIDEN=False, PDL=True)
+    cases = [  # (factory, types, tiling, batch, operand bytes, gated)
+        ("_fp8_kernel", fp8, splitk.Tiling(64, 128, 1, 8, 5, block_m=128), 256, 1, False),
+        ("_fp8_kernel", fp8, splitk.Tiling(32, 256, 1, 4, 4), 64, 1, False),
+        ("_gated_fp8_kernel", fp8, splitk.Tiling(64, 128, 1, 4, 5), 64, 1, True),
+        ("_gated_kernel", {**bf16, "out_ptr": "*bf16"}, splitk.Tiling(64, 64, 1, 4, 5), 64, 2, True),
+        ("_kernel", bf16, splitk.Tiling(64, 128, 4, 4, 3), 64, 2, False),
+    ]
+    jobs = []
+    for factory, types, t, batch, _, _ in cases:
+        constexprs = dict(BLOCK_M=splitk._block_m(t, batch), BLOCK_N=t.block_n, BLOCK_K=t.block_k, **flags)
+        if factory in ("_kernel", "_gated_kernel"):
+            constexprs.update(SWAP=False, PRECISION="tf32")
+        jobs.append((factory, types, constexprs, t.num_warps, t.num_stages))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(jobs)], capture_output=True, text=True, env=env, cwd=root,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    expected = [t.num_stages * splitk.stage_bytes(t, batch, nbytes, gated) for _, _, t, batch, nbytes, gated in cases]
+    assert shared == expected

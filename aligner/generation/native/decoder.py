@@ -121,6 +121,8 @@ class Decoder:
         self.fp8, self.decode_gemm = decode_fp8, decode_gemm
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
+        # the split-K kernels' tilings keep their programs in one wave on this GPU (splitk.one_wave; None: the CPU)
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         # An FP8 cache (kv_dtype float8_e4m3fn): e4m3 keys and values with a float32 scale per (slot, group), read and
         # written by the Triton decode kernel only; prefill quantizes what it writes and its own attention reads them
         # as the cache holds them. Its values lie in chunks of triton_decode.V_CHUNK slots (the kernel's faster
@@ -273,7 +275,7 @@ class Decoder:
     def _row_parallel(self, x, weight, split_k: bool):
         """A row-parallel projection without its bias: (x @ W^T reduced over TP, False), or with `split_k` where the
         kernel has a tiling for W, (its float32 partial sums, True) for an add_parts_norm kernel."""
-        tiling = splitk.tiling_for(x.shape[0], *weight.shape) if split_k else None
+        tiling = self._one_wave(splitk.tiling_for(x.shape[0], *weight.shape), x, weight) if split_k else None
         if tiling is None:
             return self._all_reduce(self._linear(x, weight)), False
         return splitk.matmul(x, weight, tiling), True
@@ -343,8 +345,12 @@ class Decoder:
         decode weights include qkv and split-K GEMMs run (None: qkv in the engine's dtype)."""
         if q8 is None or not q8.has_qkv or not split_k or x.dim() != 2:
             return None
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
-        return splitk.fp8_product_tiling_for(x.shape[0], *q8.layer(0, "qkv")[0].shape, row_blocks=True, sms=sms)
+        w8 = q8.layer(0, "qkv")[0]
+        return self._one_wave(splitk.fp8_product_tiling_for(x.shape[0], *w8.shape, row_blocks=True), x, w8)
+
+    def _one_wave(self, tiling: splitk.Tiling | None, x, weight, gated: bool = False) -> splitk.Tiling | None:
+        """`tiling` for x [B, K] and `weight` with its stages fitted to this GPU (splitk.one_wave)."""
+        return splitk.one_wave(tiling, x.shape[0], weight.shape[0], weight.element_size(), self.sms, gated)
 
     def _qkv(self, h, i, lw, q8, tiling):
         """Layer i's qkv projection from its normed input h, or with `q8` from h quantized, (h8, scales), on its
@@ -366,7 +372,9 @@ class Decoder:
         w, b = lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]
         fam = self.lo.family
         swiglu = fam.gated_mlp and fam.activation == "silu" and b is None
-        tiling = splitk.gated_tiling_for(h.shape[0], *w.shape) if split_k and swiglu and h.dim() == 2 else None
+        tiling = None
+        if split_k and swiglu and h.dim() == 2:
+            tiling = self._one_wave(splitk.gated_tiling_for(h.shape[0], *w.shape), h, w, gated=True)
         if tiling is None:
             return k.act(self._linear(h, w, b))
         return splitk.gated_matmul(h, w, tiling)
@@ -381,7 +389,9 @@ class Decoder:
         w1, s1 = q8.layer(i, 1)
         fam = self.lo.family
         swiglu = fam.gated_mlp and fam.activation == "silu" and lw["mlp.linear_fc1.bias"] is None
-        tiling = splitk.fp8_gated_tiling_for(h8.shape[0], *w1.shape) if split_k and swiglu and h8.dim() == 2 else None
+        tiling = None
+        if split_k and swiglu and h8.dim() == 2:
+            tiling = self._one_wave(splitk.fp8_gated_tiling_for(h8.shape[0], *w1.shape), h8, w1, gated=True)
         if tiling is not None:
             m8, ms = k.q(splitk.gated_matmul_fp8(h8, hs, w1, s1, tiling, x.dtype))
         else:
@@ -390,7 +400,7 @@ class Decoder:
             y1 = fp8.matmul(h8, w1, q8.one, x.dtype)
             m8, ms = k.act_q(y1, hs, s1, lw["mlp.linear_fc1.bias"], x.dtype)
         w2, s2 = q8.layer(i, 2)
-        t2 = splitk.tiling_for(m8.shape[0], *w2.shape) if split_k and m8.dim() == 2 else None
+        t2 = self._one_wave(splitk.tiling_for(m8.shape[0], *w2.shape), m8, w2) if split_k and m8.dim() == 2 else None
         if t2 is not None:  # fc2 on FP8 tensor cores by K ranges: float32 partial sums, added by the norm kernel
             parts = splitk.matmul_fp8(m8, ms, w2, s2, t2)
             if not quantize_h:
@@ -566,7 +576,7 @@ class Decoder:
             return self._linear(self._stack(x, attend, kernels, split_k=split_k), self.w.output_weight)
         h8, hs = self._stack(x, attend, kernels, self.fp8, split_k)
         w_out, s_out = self.fp8.output
-        tiling = splitk.fp8_product_tiling_for(B, *w_out.shape) if split_k else None
+        tiling = self._one_wave(splitk.fp8_product_tiling_for(B, *w_out.shape), h8, w_out) if split_k else None
         if tiling is not None:  # the logits in the engine's dtype, scales applied, by the FP8 kernel in one K range
             return splitk.matmul_fp8(h8, hs, w_out, s_out, tiling, x.dtype)
         if fp8.rowwise_writes(x.dtype, x.device):  # both scales in the GEMM's epilogue

@@ -158,10 +158,15 @@ def gated_matmul(x_MK: torch.Tensor, w_2FK: torch.Tensor, tiling: Tiling, out: t
     return out
 
 
+def _block_m(tiling: Tiling, batch: int) -> int:
+    """Rows of x per program: the tiling's, else all of them (16 to 128)."""
+    return tiling.block_m or max(16, min(128, 1 << (batch - 1).bit_length()))
+
+
 def _launch_options(x_MK: torch.Tensor, tiling: Tiling) -> tuple[int, dict]:
     """Rows of x per program (all of them, 16 to 128, unless the tiling says) and the launch's keyword arguments,
     the same for both kernels."""
-    block_m = tiling.block_m or max(16, min(128, 1 << (x_MK.shape[0] - 1).bit_length()))
+    block_m = _block_m(tiling, x_MK.shape[0])
     use_pdl = pdl.wanted(x_MK.device, x_MK.shape[0])
     options = dict(
         BLOCK_M=block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, SWAP=tiling.swap,
@@ -392,9 +397,7 @@ def fp8_gated_tiling_for(batch: int, two_f: int, k: int) -> Tiling | None:
     return _gated_tiling(batch, two_f, k, block_ks=(128, 64, 32))
 
 
-def fp8_product_tiling_for(
-    batch: int, n: int, k: int, row_blocks: bool = False, sms: int | None = None
-) -> Tiling | None:
+def fp8_product_tiling_for(batch: int, n: int, k: int, row_blocks: bool = False) -> Tiling | None:
     """The tiling of matmul_fp8 in one K range (the product written in the engine's dtype: qkv and the output layer
     with FP8 decode weights) for a decode step of `batch` rows and an e4m3 W [n, k] (None: keep cuBLAS). Measured on
     the H200 at the 1B model's qkv [4096, 2048] and output layer [32000, 2048], 64 and 128 rows
@@ -402,21 +405,14 @@ def fp8_product_tiling_for(
     still makes >= 128 programs, 256-wide K steps in 5 stages for 32 columns (4 above 64 rows), 128-wide in 3 stages
     for wider blocks. Smaller models (tests): the narrowest block dividing n, as many programs as it can.
     With `row_blocks` (qkv), steps of MAX_BATCH to ROW_BLOCKS_MAX_BATCH rows too: 64 columns and ROW_BLOCK rows per
-    program, 128-wide K steps, eight warps (measured at 256 rows; the output layer keeps cuBLAS), in five stages
-    while the programs fit one to each of the GPU's `sms` multiprocessors, else four: five stages' 120 KiB of shared
-    memory leave room for one program a multiprocessor, four's 96 KiB for two, so more programs than multiprocessors
-    would run in two waves. Measured (fp8_row_blocks.py, docs/PERF.md): the 1B model's qkv, 128 programs, 7.47 us in
-    five stages against 8.81 in four (H200); the 8B shape's, 192 programs on 132 multiprocessors, 17.40 in four
-    against 22.08 in five, and the 1B's at 512 rows, 256 programs, 10.47 against 13.72 (H100). `sms` None (the
-    CPU): five."""
+    program, 128-wide K steps in five stages (four where they would not all be resident at once: one_wave), eight
+    warps (measured at 256 rows; the output layer keeps cuBLAS)."""
     if row_blocks and MAX_BATCH < batch <= ROW_BLOCKS_MAX_BATCH:
         block_n = next((b for b in (64, 32, 16) if n % b == 0), None)
         block_k = next((b for b in (128, 64, 32, 16) if k % b == 0), None)
         if block_n is None or block_k is None:
             return None
-        programs = n // block_n * -(-batch // ROW_BLOCK)
-        stages = 5 if sms is None or programs <= sms else 4
-        return Tiling(block_n, block_k, 1, num_warps=8, num_stages=stages, block_m=ROW_BLOCK)
+        return Tiling(block_n, block_k, 1, num_warps=8, num_stages=5, block_m=ROW_BLOCK)
     if batch > MAX_BATCH:
         return None
     dividing = [b for b in (128, 64, 32, 16) if n % b == 0]
@@ -430,6 +426,49 @@ def fp8_product_tiling_for(
         return None
     stages = 3 if block_n >= 64 else (5 if batch <= 64 else 4)
     return Tiling(block_n, block_k, 1, num_warps=4, num_stages=stages)
+
+
+def stage_bytes(tiling: Tiling, batch: int, operand_bytes: int, gated: bool = False) -> int:
+    """Shared memory one pipeline stage of the split-K kernels holds for a step of `batch` rows: a block of x and the
+    program's weight rows (both halves' with `gated`) over one K step; a compiled kernel holds num_stages of them
+    (tests/unit/test_splitk.py compiles them for sm_90 and compares)."""
+    block_m = _block_m(tiling, batch)
+    return (block_m + tiling.block_n * (2 if gated else 1)) * tiling.block_k * operand_bytes
+
+
+# Shared memory an sm_90 multiprocessor (H100, H200) gives its programs, and what CUDA reserves of it for each program
+SM_SHARED, SHARED_RESERVED = 233_472, 1024
+ONE_WAVE = True  # one_wave's switch (the probes time both forms)
+
+
+def one_wave(
+    tiling: Tiling | None, batch: int, w_rows: int, operand_bytes: int, sms: int | None, gated: bool = False
+) -> Tiling | None:
+    """`tiling` for a decode step of `batch` rows and a weight of `w_rows` rows ([2F, K] with `gated`: the gated
+    kernels' programs take `block_n` rows of each half), with fewer pipeline stages (down to 3) where that lets all
+    its programs be resident on the GPU's `sms` multiprocessors at once; unchanged where they already are, where no
+    fewer stages make them, and on the CPU (`sms` None).
+
+    Each stage holds a block of x and the program's weight rows over one K step in shared memory (`operand_bytes`
+    an element): the tilings measured on the 1B model (<= 128 programs) hold 96-160 KiB, one or two programs a
+    multiprocessor, so a weight with more columns (the 8B shape's qkv: 192 programs of 120 KiB) or more row blocks
+    ran its last programs in a second wave. Measured (fp8_row_blocks.py, docs/PERF.md, forty-third session, an H100):
+    the FP8 qkv in row blocks at 256 rows of the 8B shape 22.08 us a layer in five stages, 17.40 in four; the 1B's at
+    512 rows 13.72 and 10.47 (at 256 rows, 128 programs, five stages stay: 8.14 against 9.09)."""
+    if tiling is None or sms is None or not ONE_WAVE:
+        return tiling
+    block_m = _block_m(tiling, batch)
+    rows_a_program = tiling.block_n * (2 if gated else 1)
+    programs = w_rows // rows_a_program * -(-batch // block_m) * tiling.splits
+    per_stage = stage_bytes(tiling, batch, operand_bytes, gated)
+
+    def resident(stages: int) -> int:
+        return sms * (SM_SHARED // (stages * per_stage + SHARED_RESERVED))
+
+    if programs <= resident(tiling.num_stages):
+        return tiling
+    fewer = next((s for s in range(tiling.num_stages - 1, 2, -1) if programs <= resident(s)), None)
+    return tiling if fewer is None else replace(tiling, num_stages=fewer)
 
 
 def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = False) -> str | None:
