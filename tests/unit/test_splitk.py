@@ -254,7 +254,7 @@ def test_one_wave_takes_fewer_stages_only_where_the_programs_would_not_all_be_re
     assert _stages_changed("1b", 512) == {"qkv fp8": (5, 4)}
     # the 8B shape: qkv's 96 x 2 programs at 256 rows (measured: 22.1 -> 17.4 us), and at 64 rows the GEMMs whose
     # programs outnumber the multiprocessors at one a multiprocessor (proj / fc2 in bf16: 4 ranges x 64 = 256 programs
-    # of 160 KiB; four stages' 128 KiB still hold one, three's 96 two)
+    # of 160 KiB; four stages' 128 KiB still hold one, three's 96 two; the decoder asks for the FP8 kernels only)
     assert _stages_changed("8b", 256) == {"qkv fp8": (5, 4)}
     assert _stages_changed("8b", 64) == {
         "proj bf16": (5, 3), "fc2 bf16": (5, 3), "fc1 bf16": (5, 4), "fc1 fp8": (5, 4), "qkv fp8": (5, 4),

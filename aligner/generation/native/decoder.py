@@ -121,7 +121,7 @@ class Decoder:
         self.fp8, self.decode_gemm = decode_fp8, decode_gemm
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
-        # the split-K kernels' tilings keep their programs in one wave on this GPU (splitk.one_wave; None: the CPU)
+        # the FP8 split-K kernels' tilings keep their programs in one wave on this GPU (splitk.one_wave; None: CPU)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         # An FP8 cache (kv_dtype float8_e4m3fn): e4m3 keys and values with a float32 scale per (slot, group), read and
         # written by the Triton decode kernel only; prefill quantizes what it writes and its own attention reads them
@@ -275,7 +275,7 @@ class Decoder:
     def _row_parallel(self, x, weight, split_k: bool):
         """A row-parallel projection without its bias: (x @ W^T reduced over TP, False), or with `split_k` where the
         kernel has a tiling for W, (its float32 partial sums, True) for an add_parts_norm kernel."""
-        tiling = self._one_wave(splitk.tiling_for(x.shape[0], *weight.shape), x, weight) if split_k else None
+        tiling = splitk.tiling_for(x.shape[0], *weight.shape) if split_k else None
         if tiling is None:
             return self._all_reduce(self._linear(x, weight)), False
         return splitk.matmul(x, weight, tiling), True
@@ -349,7 +349,8 @@ class Decoder:
         return self._one_wave(splitk.fp8_product_tiling_for(x.shape[0], *w8.shape, row_blocks=True), x, w8)
 
     def _one_wave(self, tiling: splitk.Tiling | None, x, weight, gated: bool = False) -> splitk.Tiling | None:
-        """`tiling` for x [B, K] and `weight` with its stages fitted to this GPU (splitk.one_wave)."""
+        """`tiling` for x [B, K] and `weight` with its stages fitted to this GPU (splitk.one_wave): the FP8 kernels'
+        (measured faster at the 8B shape); the bf16 ones keep theirs (no gain measured: docs/PERF.md)."""
         return splitk.one_wave(tiling, x.shape[0], weight.shape[0], weight.element_size(), self.sms, gated)
 
     def _qkv(self, h, i, lw, q8, tiling):
@@ -372,9 +373,7 @@ class Decoder:
         w, b = lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]
         fam = self.lo.family
         swiglu = fam.gated_mlp and fam.activation == "silu" and b is None
-        tiling = None
-        if split_k and swiglu and h.dim() == 2:
-            tiling = self._one_wave(splitk.gated_tiling_for(h.shape[0], *w.shape), h, w, gated=True)
+        tiling = splitk.gated_tiling_for(h.shape[0], *w.shape) if split_k and swiglu and h.dim() == 2 else None
         if tiling is None:
             return k.act(self._linear(h, w, b))
         return splitk.gated_matmul(h, w, tiling)
