@@ -271,6 +271,13 @@ def test_one_wave_takes_fewer_stages_only_where_the_programs_would_not_all_be_re
     # a tiling whose programs fit at no fewer stages keeps its own (8B fc1 in row blocks at 256 rows: 448 programs)
     assert _stages_changed("8b", 256).get("fc1 fp8") is None
     assert splitk.one_wave(None, 64, 4096, 1, 132) is None
+    # a GPU with less shared memory a multiprocessor (an L40S's 100 KiB, 142 multiprocessors): five stages' 120 KiB
+    # would not launch; four's 96 KiB fit one a multiprocessor (the 8B's: no count gives one wave, the most that fit)
+    for shape, B in (("8b", 64), ("1b", 64)):
+        tiling, w_rows, nbytes, gated = _engine_tilings(shape, B)["qkv fp8"]
+        assert tiling.num_stages == 5
+        fitted = splitk.one_wave(tiling, B, w_rows, nbytes, 142, gated, sm_shared=100 * 1024)
+        assert fitted.num_stages == 4
 
 
 _COMPILE = """

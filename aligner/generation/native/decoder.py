@@ -122,7 +122,11 @@ class Decoder:
         self.max_batch, self.max_seq, self.kv_dtype, self.device = max_batch, max_seq, kv_dtype, device
         self.decode_attention = decode_attention
         # the FP8 split-K kernels' tilings keep their programs in one wave on this GPU (splitk.one_wave; None: CPU)
-        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        self.sms, self.sm_shared = None, splitk.SM_SHARED
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            self.sms = props.multi_processor_count
+            self.sm_shared = getattr(props, "shared_memory_per_multiprocessor", None) or splitk.SM_SHARED
         # An FP8 cache (kv_dtype float8_e4m3fn): e4m3 keys and values with a float32 scale per (slot, group), read and
         # written by the Triton decode kernel only; prefill quantizes what it writes and its own attention reads them
         # as the cache holds them. Its values lie in chunks of triton_decode.V_CHUNK slots (the kernel's faster
@@ -351,7 +355,8 @@ class Decoder:
     def _one_wave(self, tiling: splitk.Tiling | None, x, weight, gated: bool = False) -> splitk.Tiling | None:
         """`tiling` for x [B, K] and `weight` with its stages fitted to this GPU (splitk.one_wave): the FP8 kernels'
         (measured faster at the 8B shape); the bf16 ones keep theirs (no gain measured: docs/PERF.md)."""
-        return splitk.one_wave(tiling, x.shape[0], weight.shape[0], weight.element_size(), self.sms, gated)
+        rows, nbytes = weight.shape[0], weight.element_size()
+        return splitk.one_wave(tiling, x.shape[0], rows, nbytes, self.sms, gated, self.sm_shared)
 
     def _qkv(self, h, i, lw, q8, tiling):
         """Layer i's qkv projection from its normed input h, or with `q8` from h quantized, (h8, scales), on its

@@ -436,18 +436,27 @@ def stage_bytes(tiling: Tiling, batch: int, operand_bytes: int, gated: bool = Fa
     return (block_m + tiling.block_n * (2 if gated else 1)) * tiling.block_k * operand_bytes
 
 
-# Shared memory an sm_90 multiprocessor (H100, H200) gives its programs, and what CUDA reserves of it for each program
+# Shared memory an sm_90 multiprocessor (H100, H200) gives its programs (where PyTorch does not say the GPU's own),
+# and what CUDA reserves of it for each program
 SM_SHARED, SHARED_RESERVED = 233_472, 1024
 ONE_WAVE = True  # one_wave's switch (the probes time both forms)
 
 
 def one_wave(
-    tiling: Tiling | None, batch: int, w_rows: int, operand_bytes: int, sms: int | None, gated: bool = False
+    tiling: Tiling | None,
+    batch: int,
+    w_rows: int,
+    operand_bytes: int,
+    sms: int | None,
+    gated: bool = False,
+    sm_shared: int = SM_SHARED,
 ) -> Tiling | None:
     """`tiling` for a decode step of `batch` rows and a weight of `w_rows` rows ([2F, K] with `gated`: the gated
     kernels' programs take `block_n` rows of each half), with fewer pipeline stages (down to 3) where that lets all
-    its programs be resident on the GPU's `sms` multiprocessors at once; unchanged where they already are, where no
-    fewer stages make them, and on the CPU (`sms` None).
+    its programs be resident on the GPU's `sms` multiprocessors (`sm_shared` bytes of shared memory each) at once;
+    unchanged where they already are, where no fewer stages make them, and on the CPU (`sms` None). Where one program
+    of its stages would not fit a multiprocessor at all (a GPU with less shared memory than the H100 it was measured
+    on), the most stages that do.
 
     Each stage holds a block of x and the program's weight rows over one K step in shared memory (`operand_bytes`
     an element): the tilings measured on the 1B model (<= 128 programs) hold 96-160 KiB, one or two programs a
@@ -465,12 +474,15 @@ def one_wave(
     per_stage = stage_bytes(tiling, batch, operand_bytes, gated)
 
     def resident(stages: int) -> int:
-        return sms * (SM_SHARED // (stages * per_stage + SHARED_RESERVED))
+        return sms * (sm_shared // (stages * per_stage + SHARED_RESERVED))
 
     if programs <= resident(tiling.num_stages):
         return tiling
-    fewer = next((s for s in range(tiling.num_stages - 1, 2, -1) if programs <= resident(s)), None)
-    return tiling if fewer is None else replace(tiling, num_stages=fewer)
+    fewer = range(tiling.num_stages - 1, 1, -1)
+    stages = next((s for s in fewer if s >= 3 and programs <= resident(s)), None)
+    if stages is None and resident(tiling.num_stages) == 0:  # it would not launch: the most stages that fit
+        stages = next((s for s in fewer if resident(s) > 0), None)
+    return tiling if stages is None else replace(tiling, num_stages=stages)
 
 
 def unavailable(device: torch.device, dtype: torch.dtype, fp8_weights: bool = False) -> str | None:
