@@ -278,6 +278,15 @@ def test_one_wave_takes_fewer_stages_only_where_the_programs_would_not_all_be_re
         assert tiling.num_stages == 5
         fitted = splitk.one_wave(tiling, B, w_rows, nbytes, 142, gated, sm_shared=100 * 1024)
         assert fitted.num_stages == 4
+    # the bf16 kernels (waves=False): on the H100 as chosen, on that GPU only what launches (proj at 64 rows: five
+    # stages of 32 KiB, 160; three's 96 fit)
+    for shape, B in (("8b", 64), ("8b", 128), ("1b", 64)):
+        for name in ("proj bf16", "fc2 bf16", "fc1 bf16"):
+            tiling, w_rows, nbytes, gated = _engine_tilings(shape, B)[name]
+            assert splitk.one_wave(tiling, B, w_rows, nbytes, 132, gated, waves=False) == tiling
+    tiling, w_rows, nbytes, gated = _engine_tilings("1b", 64)["proj bf16"]
+    fitted = splitk.one_wave(tiling, 64, w_rows, nbytes, 142, gated, sm_shared=100 * 1024, waves=False)
+    assert (tiling.num_stages, fitted.num_stages) == (5, 3)
 
 
 _COMPILE = """

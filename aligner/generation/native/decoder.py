@@ -279,7 +279,7 @@ class Decoder:
     def _row_parallel(self, x, weight, split_k: bool):
         """A row-parallel projection without its bias: (x @ W^T reduced over TP, False), or with `split_k` where the
         kernel has a tiling for W, (its float32 partial sums, True) for an add_parts_norm kernel."""
-        tiling = splitk.tiling_for(x.shape[0], *weight.shape) if split_k else None
+        tiling = self._one_wave(splitk.tiling_for(x.shape[0], *weight.shape), x, weight) if split_k else None
         if tiling is None:
             return self._all_reduce(self._linear(x, weight)), False
         return splitk.matmul(x, weight, tiling), True
@@ -354,9 +354,11 @@ class Decoder:
 
     def _one_wave(self, tiling: splitk.Tiling | None, x, weight, gated: bool = False) -> splitk.Tiling | None:
         """`tiling` for x [B, K] and `weight` with its stages fitted to this GPU (splitk.one_wave): the FP8 kernels'
-        (measured faster at the 8B shape); the bf16 ones keep theirs (no gain measured: docs/PERF.md)."""
+        to one wave of programs (measured faster at the 8B shape); the 16-bit ones only where a program would not
+        fit a multiprocessor at all (fewer stages gained them nothing: docs/PERF.md)."""
         rows, nbytes = weight.shape[0], weight.element_size()
-        return splitk.one_wave(tiling, x.shape[0], rows, nbytes, self.sms, gated, self.sm_shared)
+        waves = nbytes == 1
+        return splitk.one_wave(tiling, x.shape[0], rows, nbytes, self.sms, gated, self.sm_shared, waves)
 
     def _qkv(self, h, i, lw, q8, tiling):
         """Layer i's qkv projection from its normed input h, or with `q8` from h quantized, (h8, scales), on its
@@ -378,7 +380,9 @@ class Decoder:
         w, b = lw["mlp.linear_fc1.weight"], lw["mlp.linear_fc1.bias"]
         fam = self.lo.family
         swiglu = fam.gated_mlp and fam.activation == "silu" and b is None
-        tiling = splitk.gated_tiling_for(h.shape[0], *w.shape) if split_k and swiglu and h.dim() == 2 else None
+        tiling = None
+        if split_k and swiglu and h.dim() == 2:
+            tiling = self._one_wave(splitk.gated_tiling_for(h.shape[0], *w.shape), h, w, gated=True)
         if tiling is None:
             return k.act(self._linear(h, w, b))
         return splitk.gated_matmul(h, w, tiling)

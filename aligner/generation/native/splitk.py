@@ -450,13 +450,14 @@ def one_wave(
     sms: int | None,
     gated: bool = False,
     sm_shared: int = SM_SHARED,
+    waves: bool = True,
 ) -> Tiling | None:
     """`tiling` for a decode step of `batch` rows and a weight of `w_rows` rows ([2F, K] with `gated`: the gated
     kernels' programs take `block_n` rows of each half), with fewer pipeline stages (down to 3) where that lets all
     its programs be resident on the GPU's `sms` multiprocessors (`sm_shared` bytes of shared memory each) at once;
     unchanged where they already are, where no fewer stages make them, and on the CPU (`sms` None). Where one program
     of its stages would not fit a multiprocessor at all (a GPU with less shared memory than the H100 it was measured
-    on), the most stages that do.
+    on: Ada's and the A10's 100 KiB against 120-160 KiB), the most stages that do; with `waves` False only that.
 
     Each stage holds a block of x and the program's weight rows over one K step in shared memory (`operand_bytes`
     an element): the tilings measured on the 1B model (<= 128 programs) hold 96-160 KiB, one or two programs a
@@ -476,10 +477,10 @@ def one_wave(
     def resident(stages: int) -> int:
         return sms * (sm_shared // (stages * per_stage + SHARED_RESERVED))
 
-    if programs <= resident(tiling.num_stages):
+    if programs <= resident(tiling.num_stages) or (not waves and resident(tiling.num_stages) > 0):
         return tiling
     fewer = range(tiling.num_stages - 1, 1, -1)
-    stages = next((s for s in fewer if s >= 3 and programs <= resident(s)), None)
+    stages = next((s for s in fewer if waves and s >= 3 and programs <= resident(s)), None)
     if stages is None and resident(tiling.num_stages) == 0:  # it would not launch: the most stages that fit
         stages = next((s for s in fewer if resident(s) > 0), None)
     return tiling if stages is None else replace(tiling, num_stages=stages)
