@@ -184,12 +184,6 @@ def logprob_gap(refs: list[torch.Tensor], logprobs_BR: torch.Tensor) -> dict[str
     return {"logp_abs_diff_mean": float(gap.mean()), "logp_abs_diff_max": float(gap.max())}
 
 
-def _logprob_gap(module, cfg, prompts, lengths, out, rows: int) -> dict[str, float]:
-    """Engine log-probs vs megatron's forward (training path) on the same tokens, first `rows` samples (each its own
-    prompt length and its response)."""
-    return logprob_gap(reference_logprobs(module, cfg, prompts, lengths, out, rows), out.logprobs_BR)
-
-
 def _prompts(args, B: int, vocab: int, rng: torch.Generator, device):
     """B prompts of args.prompt_len tokens, or with `ragged` lengths drawn uniformly from [prompt_len / 4,
     prompt_len] (right-padded): what real prompt data looks like to the engine. With `samples_per_prompt` n > 1, B / n
@@ -289,7 +283,7 @@ def run(args: BenchArgs) -> dict:
             row[f"{name}_prefill_ms"] = t["prefill_ms"]
             row[f"{name}_decode_ms_per_step"] = t["decode_ms"] / max(1, t["decode_steps"])
             if name == "native_greedy":
-                row.update(_logprob_gap(policy, cfg, prompts, lengths, out, rows=8))
+                row.update(logprob_gap(reference_logprobs(policy, cfg, prompts, lengths, out, 8), out.logprobs_BR))
                 greedy_tokens = out.response_tokens_BR
         steps = range(1, args.new_tokens)
         row["decode_floor_ms_per_step"] = (

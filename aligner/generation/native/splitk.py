@@ -439,7 +439,7 @@ def stage_bytes(tiling: Tiling, batch: int, operand_bytes: int, gated: bool = Fa
 # Shared memory an sm_90 multiprocessor (H100, H200) gives its programs (where PyTorch does not say the GPU's own),
 # and what CUDA reserves of it for each program
 SM_SHARED, SHARED_RESERVED = 233_472, 1024
-ONE_WAVE = True  # one_wave's switch (the probes time both forms)
+ONE_WAVE = True  # off: the tilings as chosen (the engine probes' --set splitk.ONE_WAVE=False times both in one tree)
 
 
 def one_wave(
