@@ -92,6 +92,14 @@ def describe(record: dict) -> str:
     )
 
 
+def overrides(record: dict) -> list[str]:
+    """A line naming the KEY=VALUE overrides the jobs of `record` ran with (micro-batch sizes, generation settings:
+    what `describe`'s workload line does not show), or none."""
+    settings = record.get("settings", {})
+    named = [f"{job} {' '.join(given)}" for job in ("actor", "critic") if (given := settings.get(f"{job}_overrides"))]
+    return [f"{record['mode']} ran with overrides: " + "; ".join(named)] if named else []
+
+
 def verdict(hf: dict, al: dict, problems: list[str]) -> str:
     if problems:
         return "speed-up: not comparable (" + "; ".join(problems) + ")"
@@ -121,6 +129,7 @@ def render(hf: dict, al: dict) -> tuple[str, bool]:
     )
     out = [
         describe(hf),
+        *overrides(al),
         "",
         text_table(rows),
         "",
@@ -150,7 +159,7 @@ def render_single(record: dict) -> str:
         ["peak GPU memory, all processes (GB)", _gb(record, "gpu_mem_peak_gb")],
     ]
     checks = record.get("checks", {})
-    lines = [describe(record), "", text_table(rows), ""]
+    lines = [describe(record), *overrides(record), "", text_table(rows), ""]
     lines += [f"check {k}: {v}" for k, v in checks.items()]
     lines += ["", "markdown for docs/PERF.md:", "", markdown_table(rows)]
     return "\n".join(lines)

@@ -108,6 +108,7 @@ def test_report_compares(results):
     assert f"{hf['step_s'] / al['step_s']:.2f}x" in out
     for label in ("generate", "policy update", "critic update", "critic wait", "step"):
         assert f"| {label}" in out
+    assert al["settings"]["actor_overrides"] == [] and "ran with overrides" not in out
 
 
 def test_report_refuses_different_workloads(results, tmp_path):
@@ -198,6 +199,12 @@ def test_grpo_mode_tiny(tmp_path):
     assert os.path.exists(run / "actor" / "profile" / "step2-rank0.json.gz") and "profiled step 2" in proc.stdout
     _check_record(r, "grpo", ("generate", "logprobs", "reward_wait", "advantages", "train", "refit"))
     assert r["workload"]["samples_per_prompt"] == 2
+    # the header names the jobs' overrides (a micro-batch size the workload line would otherwise misstate)
+    from benchmarks.ppo_step.report import render_single
+
+    assert "ran with overrides" not in render_single(r)
+    given = {**r, "settings": {**r["settings"], "actor_overrides": ["ppo.micro_batch_size=32"]}}
+    assert render_single(given).splitlines()[1] == "grpo ran with overrides: actor ppo.micro_batch_size=32"
     c = r["checks"]
     assert c["kl_step0"] == 0.0 and c["logprob_mismatch_max"] < 1e-4 and c["kl_loss_last"] is not None
     assert c["response_length_mean"] == 8 and c["samples_per_step"] == 8
