@@ -14,7 +14,11 @@ compiles for a GPU target without one (its ptxas ships in the wheel), so:
 decode weights and an FP8 KV cache, greedy and sampled, and the RoPE kernel forward and backward; `compile` builds
 each distinct specialization (argument types, constexprs, warps and stages) to a cubin for sm_90, with the constexprs
 that depend on the device set as the GPU's launchers set them (GPU_CONSTEXPRS), and those without FP8 for sm_80 too
-(TARGETS). Prints one line per kernel specialization; exit 1 if any fails.
+(TARGETS). Each argument is specialized as Triton's JIT specializes it on the GPU (its own function: pointers and
+ints divisible by 16 compiled with that alignment, which is what lets Triton pipeline the loads through shared
+memory; an int equal to 1 compiled in), so the cubins are the pipelined forms the GPU runs. Prints one line per
+kernel specialization with the shared memory a program holds; exit 1 if any fails to compile or needs more shared
+memory than the target gives a program (SHARED_LIMIT); those over the 99 KiB of Ada / A10-class cards are counted.
 Steps above 128 rows are recorded at 3 rows with the row limits lowered (splitk.MAX_BATCH, GATED_MAX_BATCH,
 triton_decode.WIDE_MIN_BATCH).
 """
@@ -41,30 +45,22 @@ GPU_CONSTEXPRS = {
 # the GPUs compiled for: the H200's sm_90, and an A100's sm_80 (no PDL there: pdl.wanted; no FP8 kernels; compiled,
 # never run on an A100)
 TARGETS = {"sm_90": (90, {}), "sm_80": (80, {"PDL": False})}
-TYPES = {
-    "torch.float32": "fp32",
-    "torch.bfloat16": "bf16",
-    "torch.float16": "fp16",
-    "torch.float8_e4m3fn": "fp8e4nv",
-    "torch.int64": "i64",
-    "torch.int32": "i32",
-    "torch.uint8": "u8",
-    "torch.bool": "i1",
-}
+# the most shared memory a program may hold (bytes): Triton refuses to launch a kernel needing more. Ada and the A10
+# / A40 class (sm_86, sm_89) allow 99 KiB: counted and printed, not compiled for
+SHARED_LIMIT = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
+SMALL_SHARED = 99 * 1024
 
 
-def _arg_type(value) -> str:
-    import torch
+def _specialization(kernel, name: str, index: int, value) -> tuple[str, object]:
+    """How Triton's JIT sees one runtime argument (its own function): (type, key) with key "D" for a pointer or int
+    divisible by 16 (compiled with that alignment: the pipelined loads), "" otherwise, or ("constexpr", 1) for an
+    int equal to 1; the kernel's do_not_specialize names keep their plain type."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
 
-    if isinstance(value, torch.Tensor):
-        return "*" + TYPES[str(value.dtype)]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"an argument of type {type(value).__name__}")
+    plain = kernel.kwargs.get("do_not_specialize") or ()
+    specialize = name not in plain and index not in plain
+    return native_specialize_impl(BaseBackend, value, False, specialize, True)
 
 
 def record(path: str) -> int:
@@ -85,19 +81,24 @@ def record(path: str) -> int:
 
         params = inspect.signature(self.fn).parameters
         bound = dict(zip(params, args), **{k: v for k, v in kwargs.items() if k in params})
-        signature, constexprs = {}, {}
-        for name, p in params.items():
+        signature, constexprs, aligned = {}, {}, []
+        for index, (name, p) in enumerate(params.items()):
             value = bound.get(name, p.default)
             if "constexpr" in str(p.annotation) or value is None:
                 signature[name], constexprs[name] = "constexpr", value
-            else:
-                signature[name] = _arg_type(value)
+                continue
+            signature[name], key = _specialization(self, name, index, value)
+            if signature[name] == "constexpr":  # an int equal to 1: the JIT compiles it in
+                constexprs[name] = key
+            elif key == "D":
+                aligned.append(name)
         options = {k: v for k, v in kwargs.items() if k not in params}
         spec = {
             "module": self.fn.__module__,
             "qualname": self.fn.__qualname__,
             "signature": signature,
             "constexprs": constexprs,
+            "aligned": aligned,
             "options": options,
         }
         specs[json.dumps(spec, sort_keys=True)] = spec
@@ -184,7 +185,7 @@ def compile_all(path: str) -> int:
     from triton.compiler import ASTSource
 
     specs = json.load(open(path))
-    seen_overrides, failures, done = set(), 0, set()
+    seen_overrides, failures, done, large = set(), 0, set(), 0
     for target, (capability, overrides) in TARGETS.items():
         for spec in specs:
             if capability < 89 and _uses_fp8(spec):  # FP8 tensor cores: sm_89+ (fp8.unavailable refuses below)
@@ -195,16 +196,25 @@ def compile_all(path: str) -> int:
                     constexprs[name] = value
                     seen_overrides.add(name)
             options = {k: v for k, v in spec["options"].items() if k in ("num_warps", "num_stages", "maxnreg")}
-            key = json.dumps([target, spec["qualname"], spec["signature"], constexprs, options], sort_keys=True)
+            aligned = spec["aligned"]
+            key = [target, spec["qualname"], spec["signature"], constexprs, aligned, options]
+            key = json.dumps(key, sort_keys=True)
             if key in done:
                 continue
             done.add(key)
             kernel = _kernel(spec["module"], spec["qualname"])
             label = f"{target} {spec['qualname'].split('.')[-1]} {constexprs} {options}"
+            attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
             try:
-                source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=constexprs)
-                triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
-                print(f"OK   {label}", flush=True)
+                source = ASTSource(fn=kernel, signature=spec["signature"], constexprs=constexprs, attrs=attrs)
+                compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+                shared = compiled.metadata.shared
+                limit = SHARED_LIMIT[target]
+                if shared > limit:
+                    raise RuntimeError(f"{shared} bytes of shared memory a program; the GPU allows {limit}")
+                big = shared > SMALL_SHARED
+                large += big
+                print(f"OK   {label} shared {shared}{' (over 99 KiB)' if big else ''}", flush=True)
             except Exception as exc:  # noqa: BLE001 - every failure is reported, then the exit code says it
                 failures += 1
                 print(f"FAIL {label}\n{exc}", flush=True)
@@ -213,6 +223,7 @@ def compile_all(path: str) -> int:
         print(f"FAIL GPU_CONSTEXPRS names no recorded kernel's constexpr: {sorted(stale)}")
         failures += 1
     print(f"{len(done)} specializations compiled for {', '.join(TARGETS)}, {failures} failed")
+    print(f"{large} of them hold more than 99 KiB of shared memory a program (Ada / A10-class GPUs allow no more)")
     return 1 if failures else 0
 
 

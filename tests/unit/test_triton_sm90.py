@@ -2,9 +2,12 @@
 (sm_80) here, without a GPU (tests/triton_sm90.py): the interpreter the other tests run them under checks no types,
 Triton's compiler does."""
 
+import ast
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -47,3 +50,16 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     # the RoPE kernel's forward and backward, with and without channels past the rotary part, on both GPUs
     rope = [line for line in compiled.stdout.splitlines() if line.startswith("OK ") and " rope_rows " in line]
     assert len(rope) == 8 and sum("'BACKWARD': True" in line and "'REST': 32" in line for line in rope) == 2
+    # compiled with the alignment the JIT sees on the GPU (pointers and sizes divisible by 16): the pipelined forms,
+    # whose shared memory is num_stages x splitk.stage_bytes (without the hints Triton builds unpipelined loops)
+    from aligner.generation.native import splitk
+
+    lines = compiled.stdout.splitlines()
+    blocks = [line for line in lines if line.startswith("OK   sm_90") and "'BLOCK_M': 128" in line]
+    assert len(blocks) == 2
+    for line in blocks:
+        constexprs, options = (ast.literal_eval(part) for part in re.findall(r"\{[^}]*\}", line))
+        tiling = splitk.Tiling(constexprs["BLOCK_N"], constexprs["BLOCK_K"], 1, 8, options["num_stages"])
+        one_stage = splitk.stage_bytes(replace(tiling, block_m=128), 256, 1, gated=" gated_fp8_gemm " in line)
+        assert int(line.rsplit("shared ", 1)[1].split()[0]) == options["num_stages"] * one_stage, line
+    assert "1 of them hold more than 99 KiB" in compiled.stdout  # the five-stage row blocks (one_wave fits them)
