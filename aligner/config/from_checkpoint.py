@@ -63,6 +63,7 @@ NOT_INHERITED = (
     "recompute_num_layers",
     "rope_fusion",
     "logprob_fusion",
+    "sdpa_kernel",
 )
 
 
