@@ -10,7 +10,6 @@ MFU = those FLOPs per second over `peak_tflops` (bf16 matmul peak measured on th
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
@@ -83,7 +82,6 @@ def run(
     profile: bool = False,
     rope_fusion: tuple[str, ...] = ("auto",),
     logprob_fusion: tuple[str, ...] = ("auto",),
-    sdpa_kernel: tuple[str, ...] = ("auto",),
 ) -> list[dict]:
     """One `bench` row per attention backend and activation recomputation (`model.recompute`), with its MFU (NaN on
     CPU). Recomputed work is not counted in the FLOPs: the row's MFU is what the model's own work gets. With `profile`,
@@ -91,7 +89,7 @@ def run(
     gpu = on_gpu()
     rows = []
     for backend in backends:
-        for mode, fusion, lp_fusion, kernel in itertools.product(recompute, rope_fusion, logprob_fusion, sdpa_kernel):
+        for mode, fusion, lp_fusion in ((m, f, g) for m in recompute for f in rope_fusion for g in logprob_fusion):
             cfg = ModelConfig(
                 **PRESETS[preset],
                 params_dtype=dtype,
@@ -99,10 +97,9 @@ def run(
                 recompute=mode,
                 rope_fusion=fusion,
                 logprob_fusion=lp_fusion,
-                sdpa_kernel=kernel,
             )
             row = bench(cfg, batch, seq, warmup, iters, profile)
-            row["rope_fusion"], row["logprob_fusion"], row["sdpa_kernel"] = fusion, lp_fusion, kernel
+            row["rope_fusion"], row["logprob_fusion"] = fusion, lp_fusion
             row["mfu"] = row["tflops_total"] / peak_tflops if gpu else float("nan")
             rows.append(row)
             if gpu:
@@ -112,14 +109,13 @@ def run(
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        f"{'attention':<10}{'recompute':<10}{'rope fusion':<12}{'logp fusion':<12}{'sdpa kernel':<12}{'s/step':>10}"
-        f"{'tokens/s':>12}"
+        f"{'attention':<10}{'recompute':<10}{'rope fusion':<12}{'logp fusion':<12}{'s/step':>10}{'tokens/s':>12}"
         f"{'TFLOP/s 6ND':>13}{'TFLOP/s all':>13}{'MFU':>7}{'GB':>8}"
     ]
     for r in rows:
         lines.append(
             f"{r['attention']:<10}{r.get('recompute', 'none'):<10}{r.get('rope_fusion', 'off'):<12}"
-            f"{r.get('logprob_fusion', 'off'):<12}{r.get('sdpa_kernel', 'auto'):<12}"
+            f"{r.get('logprob_fusion', 'off'):<12}"
             f"{r['seconds']:>10.4f}{r['tokens_per_s']:>12.0f}{r['tflops_6nd']:>13.1f}"
             f"{r['tflops_total']:>13.1f}{r['mfu']:>7.1%}{r['peak_mem_gb']:>8.1f}"
         )

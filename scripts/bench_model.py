@@ -37,7 +37,6 @@ def main(argv=None):
     p.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 matmul peak (H200 here: ~790)")
     p.add_argument("--rope-fusion", default="auto", help="model.rope_fusion values, e.g. off,on")
     p.add_argument("--logprob-fusion", default="auto", help="model.logprob_fusion values, e.g. off,on")
-    p.add_argument("--sdpa-kernel", default="auto", help="model.sdpa_kernel values, e.g. default,cudnn")
     p.add_argument("--profile", action="store_true", help="also a top-kernels table of one step per row")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -60,7 +59,6 @@ def main(argv=None):
             profile=args.profile,
             rope_fusion=tuple(args.rope_fusion.split(",")),
             logprob_fusion=tuple(args.logprob_fusion.split(",")),
-            sdpa_kernel=tuple(args.sdpa_kernel.split(",")),
         )
     finally:
         shutdown()
@@ -70,7 +68,7 @@ def main(argv=None):
     for r in rows:
         if "profile" in r:
             what = f"attention {r['attention']}, recompute {r['recompute']}, rope fusion {r['rope_fusion']}, "
-            what += f"log-prob fusion {r['logprob_fusion']}, sdpa kernel {r['sdpa_kernel']}"
+            what += f"log-prob fusion {r['logprob_fusion']}"
             print(format_profile(r["profile"], f"one step, {what}"))
     if args.out:
         with open(args.out, "w") as f:

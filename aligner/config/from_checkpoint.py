@@ -63,7 +63,6 @@ NOT_INHERITED = (
     "recompute_num_layers",
     "rope_fusion",
     "logprob_fusion",
-    "sdpa_kernel",
 )
 
 

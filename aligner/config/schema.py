@@ -59,8 +59,6 @@ class ModelConfig:
     recompute_num_layers: int = 1  # full: uniform: layers per recomputed chunk | block: layers recomputed per stage
     rope_fusion: Literal["auto", "on", "off"] = "auto"  # RoPE in one fused kernel (auto: on GPU with Triton)
     logprob_fusion: Literal["auto", "on", "off"] = "auto"  # log-probs in compiled kernels (auto: on GPU with Triton)
-    # The sdpa core's kernel for unmasked causal attention on GPUs (PyTorch tries flash first, cuDNN's last):
-    sdpa_kernel: Literal["auto", "cudnn", "default"] = "auto"  # cudnn: cuDNN's first | default, auto: PyTorch's order
 
     @property
     def kv_channels(self) -> int:

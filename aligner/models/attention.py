@@ -16,7 +16,6 @@ by SDPA over one sample at a time (the same maths; a reference, slow for many sa
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -25,7 +24,6 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aligner.data import packing
 
@@ -72,12 +70,8 @@ class SDPAttention(MegatronModule):
         softmax_scale=None,
         cp_comm_type=None,
         pg_collection=None,
-        backends=None,
     ):
-        """`backends`: torch.nn.attention.SDPBackend members in the order SDPA tries them for unmasked attention on
-        a GPU (a preference: where the first cannot serve a call, the next does); None: PyTorch's own order."""
         super().__init__(config=config)
-        self.backends = backends
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism")
         from megatron.core import parallel_state
@@ -114,18 +108,16 @@ class SDPAttention(MegatronModule):
                 k_bhsd = k_bhsd.repeat_interleave(repeat, dim=1)
                 v_bhsd = v_bhsd.repeat_interleave(repeat, dim=1)
                 gqa = False
-        preferred = self.backends is not None and mask is None and query.is_cuda
-        with sdpa_kernel(self.backends, set_priority=True) if preferred else contextlib.nullcontext():
-            out_bhsd = F.scaled_dot_product_attention(
-                q_bhsd,
-                k_bhsd,
-                v_bhsd,
-                attn_mask=mask,
-                is_causal=mask is None and query.shape[0] > 1,  # one query over a cache needs no mask
-                dropout_p=self.dropout_p if self.training else 0.0,
-                scale=self.softmax_scale,
-                enable_gqa=gqa,
-            )
+        out_bhsd = F.scaled_dot_product_attention(
+            q_bhsd,
+            k_bhsd,
+            v_bhsd,
+            attn_mask=mask,
+            is_causal=mask is None and query.shape[0] > 1,  # one query over a cache needs no mask
+            dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale,
+            enable_gqa=gqa,
+        )
         sq, b = query.shape[0], query.shape[1]
         return out_bhsd.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * self.head_dim)
 
@@ -140,17 +132,6 @@ class SDPAttention(MegatronModule):
             q_ND, k_ND, v_ND, segments.cu_seqlens_q, segments.longest, self.softmax_scale, dropout
         )
         return out_ND.reshape(b, sq, -1).transpose(0, 1).contiguous()
-
-
-def sdpa_backends(choice: str) -> list | None:
-    """model.sdpa_kernel as the SDPBackend order SDPAttention prefers on GPUs: cudnn = cuDNN's attention, then
-    PyTorch's usual order; default and auto = None (PyTorch's order: flash, memory-efficient, math, cuDNN)."""
-    if choice == "cudnn":
-        order = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
-        return [*order, SDPBackend.MATH]
-    if choice in ("auto", "default"):
-        return None
-    raise ValueError(f"model.sdpa_kernel must be auto, cudnn or default, got {choice!r}")
 
 
 def flash_takes(cuda: bool, dtype: torch.dtype, head_dim: int) -> bool:

@@ -19,12 +19,11 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from aligner.config.schema import ModelConfig
 from aligner.families import family
 from aligner.models import logprobs
-from aligner.models.attention import SDPAttention, sdpa_backends
+from aligner.models.attention import SDPAttention
 from aligner.models.dtypes import torch_dtype
 from aligner.models.norm import TorchNorm
 from aligner.models.rope import rope_inv_freq
@@ -137,9 +136,7 @@ def layer_spec(cfg: ModelConfig, config: TransformerConfig):
     if cfg.qk_layernorm:
         layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = TorchNorm
     if backend == "sdpa":
-        backends = sdpa_backends(cfg.sdpa_kernel)
-        core = SDPAttention if backends is None else ModuleSpec(module=SDPAttention, params={"backends": backends})
-        layer.self_attention.submodules.core_attention = core
+        layer.self_attention.submodules.core_attention = SDPAttention
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 

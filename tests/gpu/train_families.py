@@ -13,7 +13,6 @@ runs where those are ~0), in log-probs, entropies and the largest gradient error
 table; exit 1 on any FAIL.
 
     python3 tests/gpu/train_families.py [--out report.json]
-    python3 tests/gpu/train_families.py --sdpa-kernel cudnn  (the fused model's attention by cuDNN where it serves)
     python3 tests/gpu/train_families.py --tiny        (CPU: the script itself; --fusion on compiles there too)
 """
 
@@ -65,9 +64,8 @@ def distance(run, reference) -> dict:
 
 
 def run_family(name, cfg, args, device) -> dict:
-    fusions = dict(rope_fusion=args.fusion, logprob_fusion=args.fusion, sdpa_kernel=args.sdpa_kernel)
-    fused = random_model(replace(cfg, **fusions))
-    unfused = rebuilt(fused, cfg, rope_fusion="off", logprob_fusion="off", sdpa_kernel="default")
+    fused = random_model(replace(cfg, rope_fusion=args.fusion, logprob_fusion=args.fusion))
+    unfused = rebuilt(fused, cfg, rope_fusion="off", logprob_fusion="off")
     reference = rebuilt(fused, cfg, params_dtype="float32", rope_fusion="off", logprob_fusion="off")
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=g).to(device)
@@ -89,8 +87,7 @@ def run_family(name, cfg, args, device) -> dict:
     print(
         f"{'PASS' if row['pass'] else 'FAIL'} {name}: log-probs vs float32 {f['logp_mean']:.4f} fused / "
         f"{u['logp_mean']:.4f} unfused, gradients' largest relative error {f['grad_max']:.4f} / {u['grad_max']:.4f} "
-        f"(median {f['grad_median']:.4f} / {u['grad_median']:.4f}), RoPE fused: {row['rope_fused']}, sdpa kernel "
-        f"{args.sdpa_kernel}",
+        f"(median {f['grad_median']:.4f} / {u['grad_median']:.4f}), RoPE fused: {row['rope_fused']}",
         flush=True,
     )
     del fused, unfused, reference
@@ -102,9 +99,6 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="2-layer models, fp32 on the CPU: the script itself")
     parser.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=sorted(FAMILIES))
     parser.add_argument("--fusion", choices=("auto", "on"), default="auto", help="model.rope_fusion / logprob_fusion")
-    parser.add_argument(
-        "--sdpa-kernel", choices=("auto", "cudnn", "default"), default="auto", help="model.sdpa_kernel (fused model)"
-    )
     parser.add_argument("--batch", type=int, default=None, help="sequences (default 8; tiny: 2)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default 256; tiny: 12)")
     parser.add_argument("--out", help="also write the rows as JSON here")
