@@ -12,6 +12,9 @@ family and a table; exit 1 on any FAIL.
 
     python3 tests/gpu/hf_families.py [--out report.json]
     python3 tests/gpu/hf_families.py --tiny        (CPU: the tiny float32 models of the conversion tests)
+
+On a GPU image whose transformers imports scipy built for numpy 2: install megatron-core and omegaconf from
+gpu-wheels.sh's wheels without their numpy 1.26 (PyTriton's pin), or transformers fails to import.
 """
 
 from __future__ import annotations
