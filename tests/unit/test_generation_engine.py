@@ -162,6 +162,8 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
     engine = build_engine(gen, cfg, model)
     assert engine.decode_gemm == gemm
     assert engine.decoder.kv.dtype == (torch.float8_e4m3fn if kv_dtype == "fp8" else torch.float32)
+    # Qwen3's q/k norms by the Triton kernel itself, before its RoPE (triton_decode.QK_NORM)
+    assert engine.decoder._qk_norm_in_kernel() == (cfg.qk_layernorm and attention == "triton")
     if gemm == "splitk":  # count the kernel's calls (the real kernel runs): proj, and fc2 where its sizes fit
         from aligner.generation.native import splitk
 

@@ -142,6 +142,50 @@ def test_rope_applied_by_the_kernel(dtype, atol, B, G, r, D, T, splits):
         decode_attention(qkv[:, :, :r], cache[0], cache[1], pos, 1.0, rope=(cos, sin_signed))
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2.5e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,G,r,D,T,splits", [(3, 2, 2, 64, 50, 1), (3, 3, 1, 24, 33, 3)])
+def test_qk_norms_applied_before_rope_by_the_kernel(dtype, atol, B, G, r, D, T, splits):
+    """qk_norm: each query head and the new key RMS-normed with their own weights (Qwen3's q_layernorm /
+    k_layernorm), then rotated, as torch's rms_norm and megatron's RoPE compute them; the normed, rotated key
+    written. The kernel's own norm replaces the engine's norm-and-RoPE kernel between qkv and the attention."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(B * 5 + D)
+    qkv = (3.0 * torch.randn(B, G, r + 2, D, generator=g)).to(dtype)
+    q_w, k_w = (1.0 + 0.3 * torch.randn(2, D, generator=g)).to(dtype)
+    eps = 1e-6
+    angles = torch.rand(B, D // 2, generator=g) * 6.0
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin_signed = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+
+    def norm_rotate(t, w):  # [B, G, n, D]: torch's rms_norm in t's dtype, then megatron's RoPE in float32
+        t = F.rms_norm(t, (D,), w, eps).float()
+        t1, t2 = t.chunk(2, -1)
+        sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype).float()
+        return (t * cos.float()[:, None, None] + torch.cat((-t2, t1), -1) * sin[:, None, None]).to(dtype)
+
+    q_ref, k_ref = norm_rotate(qkv[:, :, :r], q_w), norm_rotate(qkv[:, :, r : r + 1], k_w)[:, :, 0]
+    cache = torch.randn(2, B, G, T, D, generator=g).to(dtype)
+    pos = torch.tensor([0, T - 1, T // 2][:B])
+    rows = torch.arange(B)
+    out = decode_attention(
+        qkv[:, :, :r], cache[0], cache[1], pos, D**-0.5, splits=splits,
+        new_kv=(qkv[:, :, r], qkv[:, :, r + 1]), rope=(cos, sin_signed), qk_norm=(q_w, k_w, eps),
+    )  # fmt: skip
+    # bf16: two roundings (the norm's, the rotation's) that Triton's interpreter does not take to nearest every time
+    # (rows.py's EMULATE): up to two steps of the largest values (~4) apart
+    two_steps = 2 * 2**-7 * 4 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(cache[0, rows, :, pos], k_ref, rtol=0, atol=two_steps)
+    assert torch.equal(cache[1, rows, :, pos], qkv[:, :, r + 1])  # the value as it came: not normed
+    torch.testing.assert_close(out.float(), _reference(q_ref, cache[0], cache[1], pos, D**-0.5), rtol=0, atol=atol)
+    with pytest.raises(ValueError, match="qk_norm needs rope"):
+        decode_attention(qkv[:, :, :r], cache[0], cache[1], pos, 1.0, new_kv=(qkv[:, :, r], qkv[:, :, r + 1]),
+                         qk_norm=(q_w, k_w, eps))  # fmt: skip
+    with pytest.raises(ValueError, match="qk_norm's weights need shape"):
+        decode_attention(qkv[:, :, :r], cache[0], cache[1], pos, 1.0, new_kv=(qkv[:, :, r], qkv[:, :, r + 1]),
+                         rope=(cos, sin_signed), qk_norm=(q_w.double(), k_w, eps))  # fmt: skip
+
+
 def test_quantize_fp8_by_hand():
     """Each row over its own scale amax / 448: the largest entry becomes 448, the others round to e4m3's grid (3
     mantissa bits); a row of zeros keeps scale 1."""

@@ -33,7 +33,8 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     assert recorded.returncode == 0, recorded.stdout[-2000:] + recorded.stderr[-4000:]
     compiled = _run("compile", specs)
     assert compiled.returncode == 0, compiled.stdout[-6000:] + compiled.stderr[-2000:]
-    ok = [line.split()[1:3] for line in compiled.stdout.splitlines() if line.startswith("OK ")]
+    lines = compiled.stdout.splitlines()
+    ok = [line.split()[1:3] for line in lines if line.startswith("OK ")]
     # each of the engine's kernels, in every specialization the CPU run took; for an A100 those without FP8
     assert {name for target, name in ok if target == "sm_90"} == set(KERNELS), ok
     fp8_only = {"splitk_fp8_gemm", "gated_fp8_gemm", "prefill_fp8_write"}
@@ -44,6 +45,8 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     assert "'V_CHUNK': 64" in compiled.stdout
     # a group's prompt by group programs (GROUP_PREFIX: the start-up check's call) and the merge after them
     assert "'GROUPS': True" in compiled.stdout and "'SPLITS': 2" in compiled.stdout
+    # Qwen3's q/k norms applied by the kernel before its RoPE, with the bf16 and the FP8 cache
+    assert sum("OK   sm_90 decode_attention_fwd" in line and "'QK_NORM': True" in line for line in lines) == 2
     # and what steps above 128 rows take: FP8 fc1 and qkv in row blocks, 64 attention slots a step
     assert compiled.stdout.count("'BLOCK_M': 128") == 2 and "'BLOCK': 64," in compiled.stdout
     # the RoPE kernel's forward and backward, with and without channels past the rotary part, on both GPUs
@@ -53,7 +56,6 @@ def test_every_recorded_kernel_compiles_for_sm90(tmp_path):
     # whose shared memory is num_stages x splitk.stage_bytes (without the hints Triton builds unpipelined loops)
     from aligner.generation.native import splitk
 
-    lines = compiled.stdout.splitlines()
     blocks = [line for line in lines if line.startswith("OK   sm_90") and "'BLOCK_M': 128" in line]
     assert len(blocks) == 2
     for line in blocks:

@@ -344,6 +344,22 @@ class Decoder:
             x, h = (k.add_parts_norm if parts else k.add_norm)(x, m, *post_mlp)
         return h
 
+    def _qk_norm_in_kernel(self) -> bool:
+        """Whether the Triton decode kernel norms q and the new key itself (triton_decode.QK_NORM): per-head RMSNorms
+        without bias, before RoPE, with weights in the engine's dtype."""
+        lw = self.w.layer(0)
+        weights = (lw["self_attention.q_layernorm.weight"], lw["self_attention.k_layernorm.weight"])
+        return (
+            triton_decode.QK_NORM
+            and self.decode_attention == "triton"
+            and self.lo.qk_norm
+            and self.lo.family.normalization == "RMSNorm"
+            and self.cos is not None
+            and all(w is not None and w.dtype == self.w.dtype for w in weights)
+            and lw["self_attention.q_layernorm.bias"] is None
+            and lw["self_attention.k_layernorm.bias"] is None
+        )
+
     def _fp8_qkv_tiling(self, x, q8: fp8.DecodeFp8 | None, split_k: bool) -> splitk.Tiling | None:
         """The tiling of an FP8 qkv (splitk.matmul_fp8 in one K range) for a decode step of x [B, H], where the FP8
         decode weights include qkv and split-K GEMMs run (None: qkv in the engine's dtype)."""
@@ -488,9 +504,10 @@ class Decoder:
         # (an FP8 cache: at every batch size, quantizing them as it writes)
         kernel_writes = self.decode_attention == "triton" and (B <= triton_decode.FUSED_WRITE_MAX_BATCH or self.kv_fp8)
         # ... and then also applies RoPE to q and the new key itself, reading the qkv projection's rows in place: no
-        # RoPE kernel per layer (not with per-head q/k norms, which run before RoPE, nor with a cache of another
-        # 16/32-bit dtype)
-        kernel_ropes = kernel_writes and not lo.qk_norm and (kv.dtype == self.w.dtype or self.kv_fp8)
+        # RoPE kernel per layer (per-head q/k norms, which run before RoPE: by the kernel too where they are
+        # RMSNorms without bias, triton_decode.QK_NORM; not with a cache of another 16/32-bit dtype)
+        norms_ok = not lo.qk_norm or self._qk_norm_in_kernel()
+        kernel_ropes = kernel_writes and norms_ok and (kv.dtype == self.w.dtype or self.kv_fp8)
         scales = (lambda i: (self.kv_scale[i, 0, :B], self.kv_scale[i, 1, :B])) if self.kv_fp8 else (lambda i: None)
         cached_values = (lambda i: self.values(i, slice(0, B))) if self.kv_fp8 else (lambda i: kv[i, 1, :B])
         slot_dim = 2 if self.seq_major else 3  # of the layer's cache [2, B, ...]
@@ -520,13 +537,18 @@ class Decoder:
 
         rope_BD = None if self.cos is None else (cos.view(B, D), sin.view(B, D))
 
+        def qk_norm(lw):  # the per-head q/k norms the kernel applies before its RoPE (with kernel_ropes)
+            if not lo.qk_norm:
+                return None
+            return lw["self_attention.q_layernorm.weight"], lw["self_attention.k_layernorm.weight"], lo.norm_eps
+
         def attend(i, qkv, lw):
             if kernel_ropes:  # q, key and value: views of the projection's rows, rotated and written by the kernel
                 qkv5 = self._qkv5(qkv)
                 out = triton_decode.decode_attention(
                     qkv5[:, :, :r], kv[i, 0, :B], cached_values(i), pos_B, self.scale, splits,
                     new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i), shared=shared,
-                    groups=groups,
+                    groups=groups, qk_norm=qk_norm(lw),
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
             q, kv_new = kernels.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]

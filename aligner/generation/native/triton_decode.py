@@ -113,6 +113,10 @@ SHARED_PREFIX = True
 # took 3.116 ms a step against 3.271 with group programs (thirty-sixth session).
 GROUP_PREFIX = False
 GROUP_PREFIX_MIN_BATCH = 512
+# Per-head q/k RMSNorms (Qwen3's q_layernorm / k_layernorm) applied by the decode kernel before its RoPE, where the
+# engine passes RoPE to it (decode_attention's `qk_norm`): one kernel a layer fewer in such models' decode steps
+# (the compiled norm-and-RoPE kernel between qkv and the attention). Not yet timed on a GPU. False: that kernel runs.
+QK_NORM = True
 LOG2E = 1.4426950408889634
 FUSED_WRITE_MAX_BATCH = 512  # the engine passes new_kv (and RoPE) up to this batch size (measured: docs/PERF.md)
 NATIVE_QK = True  # scores from the 16-bit cache's own operands on the GPU (module docstring); False: widened, TF32
@@ -301,6 +305,20 @@ def _kernels():
     global _step_rows
     _step_rows = step_rows
 
+    @triton.jit
+    def head_rms(x, eps, D: tl.constexpr, axis: tl.constexpr):
+        """1 / sqrt(mean(x^2) + eps) of float32 x over its D head dimensions along `axis` (padding lanes hold 0)."""
+        return 1.0 / tl.sqrt(tl.sum(x * x, axis) / D + eps)
+
+    @triton.jit
+    def normed(x, inv, w):
+        """x * inv times the norm weight w in float32, rounded once to w's dtype (the activations') as torch's
+        rms_norm rounds its result, returned as float32 for RoPE."""
+        return (x * inv * w.to(tl.float32)).to(w.dtype).to(tl.float32)
+
+    global _head_rms, _normed
+    _head_rms, _normed = head_rms, normed
+
     global _E4M3_BITS_ASM  # (a jit function reads a module global only as a constexpr)
     _E4M3_BITS_ASM = tl.constexpr(E4M3_BITS_ASM)
 
@@ -318,14 +336,14 @@ def _kernels():
     @triton.jit(do_not_specialize=["n_rows"])  # (the batch size: no compilation of its own for B = 1 or 16 | B)
     def decode_attention_fwd(  # the name says "attention" to profiles (aligner.utils.profiling.kind_of)
         q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-        lead_ptr, shared_ptr, row_from_ptr, chunk_ptr, n_rows, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t,
-        so_b, so_g, so_r, skn_b, skn_g,
-        svn_b, svn_g, srope_b, ss_b, ss_g, scale,
+        lead_ptr, shared_ptr, row_from_ptr, chunk_ptr, qnw_ptr, knw_ptr, n_rows, sq_b, sq_g, sq_r, sk_b, sk_g, sk_t,
+        sv_b, sv_g, sv_t, so_b, so_g, so_r, skn_b, skn_g,
+        svn_b, svn_g, srope_b, ss_b, ss_g, scale, eps,
         R: tl.constexpr, D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
         KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr, WARP_SLOTS: tl.constexpr,
-        SHARED: tl.constexpr, GROUPS: tl.constexpr, BITS_CVT: tl.constexpr,
+        SHARED: tl.constexpr, GROUPS: tl.constexpr, BITS_CVT: tl.constexpr, QK_NORM: tl.constexpr,
     ):  # fmt: skip
         # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
         # 2: the same softmax, fewer products than exp's own x * log2(e))
@@ -377,6 +395,10 @@ def _kernels():
             cos = tl.load(cos_ptr + row * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + row * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
             q_sw = tl.load(q_rows + swapped[None, :], mask=qmask, other=0.0).to(tl.float32)
+            if QK_NORM:  # each head's RMSNorm first (megatron's q_layernorm), as rope_split rounds it
+                q_rms = _head_rms(q.to(tl.float32), eps, D, 1)
+                q = _normed(q.to(tl.float32), q_rms[:, None], tl.load(qnw_ptr + dims, mask=dims < D, other=0.0))
+                q_sw = _normed(q_sw, q_rms[:, None], tl.load(qnw_ptr + swapped, mask=dims < D, other=0.0))
             if GROUPS:  # each query row's own row's angles
                 cos_q = tl.load(cos_ptr + q_row[:, None] * srope_b + dims[None, :], mask=qmask, other=0.0)
                 sin_q = tl.load(sin_ptr + q_row[:, None] * srope_b + dims[None, :], mask=qmask, other=0.0)
@@ -510,7 +532,13 @@ def _kernels():
         if WRITE_NEW:
             if writes:
                 if ROPE:
-                    k_new = (k_new.to(tl.float32) * cos + k_sw * sin).to(act_t if KV_FP8 else op_t)
+                    k_f = k_new.to(tl.float32)
+                    k_swf = k_sw
+                    if QK_NORM:  # megatron's k_layernorm before RoPE
+                        k_rms = _head_rms(k_f, eps, D, 0)
+                        k_f = _normed(k_f, k_rms, tl.load(knw_ptr + dims, mask=dims < D, other=0.0))
+                        k_swf = _normed(k_swf, k_rms, tl.load(knw_ptr + swapped, mask=dims < D, other=0.0))
+                    k_new = (k_f * cos + k_swf * sin).to(act_t if KV_FP8 else op_t)
                 if KV_FP8:  # quantized by quantize_fp8's rule (IEEE divisions); attended as later steps read them
                     k8, k_s = _quantize_row(k_new.to(tl.float32), 0)
                     v8, v_s = _quantize_row(v_new.to(tl.float32), 0)
@@ -658,6 +686,7 @@ def decode_attention(
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     groups: tuple[torch.Tensor, torch.Tensor] | None = None,
     r_pad: int | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -669,7 +698,10 @@ def decode_attention(
     [B, D] (the step's rows of the engine's tables, last dimension contiguous; sin_signed = [-sin, sin]), q and the
     new key are the un-rotated rows of the qkv projection and the kernel applies megatron's RoPE to both (float32,
     rounded once to the cache's dtype, as the compiled RoPE kernel): the decode step then needs no RoPE kernel
-    either. `rope` needs `new_kv` (the rotated key is only ever written by the kernel).
+    either. `rope` needs `new_kv` (the rotated key is only ever written by the kernel). With `qk_norm` = (q weight,
+    k weight, eps), each weight [D] in q's dtype (megatron's q_layernorm / k_layernorm as RMSNorm, Qwen3's), the
+    kernel normalises each query head and the new key before rotating them (with `rope` only), as the engine's
+    rope_split does: the decode step then needs no kernel between the qkv projection and the attention.
 
     An FP8 cache (keys and values float8_e4m3fn, `kv_scales` = (key scales, value scales), each [B, G, T] float32,
     last dimension contiguous, equal strides: slot t's key is about keys[b, g, t] * key_scales[b, g, t]) is read in
@@ -790,6 +822,16 @@ def decode_attention(
         if cos.shape != (B, D) or sin.shape != (B, D) or cos.stride(-1) != 1 or cos.stride() != sin.stride():
             raise ValueError(f"decode_attention: rope needs cos and sin of shape ({B}, {D}), equal strides")
         rope_stride = cos.stride(0)
+    if qk_norm is None:
+        q_norm_w = k_norm_w = q_BGrD  # not read
+        eps = 0.0
+    else:
+        q_norm_w, k_norm_w, eps = qk_norm
+        if rope is None:
+            raise ValueError("decode_attention: qk_norm needs rope (the kernel norms the heads before rotating them)")
+        for w in (q_norm_w, k_norm_w):
+            if w.shape != (D,) or w.dtype != act_dtype or w.stride(0) != 1:
+                raise ValueError(f"decode_attention: qk_norm's weights need shape ({D},), q's dtype, contiguous")
     native = keys_BGTD.device.type == "cuda" and act_dtype != torch.float32  # the interpreter: float32 only
     use_pdl = pdl.wanted(keys_BGTD.device, B)
     exp2 = bool(EXP2) if exp2 is None else exp2
@@ -798,7 +840,7 @@ def decode_attention(
         R=r, D=D, R_PAD=R_PAD, D_PAD=D_PAD, WRITE_NEW=new_kv is not None, ROPE=rope is not None,
         NATIVE_QK=native and NATIVE_QK, NATIVE_PV=native and NATIVE_PV, KV_FP8=kv_fp8, V_CHUNK=chunk, EXP2=exp2,
         WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None, GROUPS=groups is not None,
-        BITS_CVT=bool(FP8_BITS_CVT) and fp8_gpu and native and NATIVE_QK and NATIVE_PV,
+        BITS_CVT=bool(FP8_BITS_CVT) and fp8_gpu and native and NATIVE_QK and NATIVE_PV, QK_NORM=qk_norm is not None,
     )  # fmt: skip
     if num_stages is not None:
         common["num_stages"] = num_stages
@@ -810,8 +852,8 @@ def decode_attention(
     if splits == 1 and groups is None:
         attend[(B, G, 1)](
             q_BGrD, keys_BGTD, values_BGTD, pos_B, out, out, out, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end,
-            row_from, chunks, B, *args,
-            *out.stride()[:3], *new_strides, rope_stride, *scale_strides, scale,
+            row_from, chunks, q_norm_w, k_norm_w, B, *args,
+            *out.stride()[:3], *new_strides, rope_stride, *scale_strides, scale, eps,
             BLOCK=block, SPLIT_LEN=split_len, SPLITS=1, PRECISION=precision, num_warps=num_warps, **common, **launch,
         )  # fmt: skip
         return out
@@ -821,8 +863,8 @@ def decode_attention(
     l_ = torch.empty_like(m)
     attend[(B + n_chunks, G, splits)](
         q_BGrD, keys_BGTD, values_BGTD, pos_B, acc, m, l_, k_new, v_new, cos, sin, k_s, v_s, lead, shared_end,
-        row_from, chunks, B, *args, 0, 0, 0,
-        *new_strides, rope_stride, *scale_strides, scale,
+        row_from, chunks, q_norm_w, k_norm_w, B, *args, 0, 0, 0,
+        *new_strides, rope_stride, *scale_strides, scale, eps,
         BLOCK=block, SPLIT_LEN=split_len, SPLITS=splits, PRECISION=precision, num_warps=num_warps, **common,
         **launch,
     )  # fmt: skip
