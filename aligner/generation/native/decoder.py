@@ -347,17 +347,16 @@ class Decoder:
     def _qk_norm_in_kernel(self) -> bool:
         """Whether the Triton decode kernel norms q and the new key itself (triton_decode.QK_NORM): per-head RMSNorms
         without bias, before RoPE, with weights in the engine's dtype."""
-        lw = self.w.layer(0)
-        weights = (lw["self_attention.q_layernorm.weight"], lw["self_attention.k_layernorm.weight"])
+        q_w, q_b, k_w, k_b = _qk_norms(self.w.layer(0))
         return (
             triton_decode.QK_NORM
             and self.decode_attention == "triton"
             and self.lo.qk_norm
             and self.lo.family.normalization == "RMSNorm"
             and self.cos is not None
-            and all(w is not None and w.dtype == self.w.dtype for w in weights)
-            and lw["self_attention.q_layernorm.bias"] is None
-            and lw["self_attention.k_layernorm.bias"] is None
+            and all(w is not None and w.dtype == self.w.dtype for w in (q_w, k_w))
+            and q_b is None
+            and k_b is None
         )
 
     def _fp8_qkv_tiling(self, x, q8: fp8.DecodeFp8 | None, split_k: bool) -> splitk.Tiling | None:
@@ -540,7 +539,8 @@ class Decoder:
         def qk_norm(lw):  # the per-head q/k norms the kernel applies before its RoPE (with kernel_ropes)
             if not lo.qk_norm:
                 return None
-            return lw["self_attention.q_layernorm.weight"], lw["self_attention.k_layernorm.weight"], lo.norm_eps
+            q_w, _, k_w, _ = _qk_norms(lw)
+            return q_w, k_w, lo.norm_eps
 
         def attend(i, qkv, lw):
             if kernel_ropes:  # q, key and value: views of the projection's rows, rotated and written by the kernel

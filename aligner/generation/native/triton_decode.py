@@ -398,8 +398,9 @@ def _kernels():
             sin = tl.load(sin_ptr + row * srope_b + dims, mask=dims < D, other=0.0).to(tl.float32)
             q_sw = tl.load(q_rows + swapped[None, :], mask=qmask, other=0.0).to(tl.float32)
             if QK_NORM:  # each head's RMSNorm first (megatron's q_layernorm), as rope_split rounds it
-                q_rms = _head_rms(q.to(tl.float32), eps, D, 1)
-                q = _normed(q.to(tl.float32), q_rms[:, None], tl.load(qnw_ptr + dims, mask=dims < D, other=0.0))
+                q = q.to(tl.float32)
+                q_rms = _head_rms(q, eps, D, 1)
+                q = _normed(q, q_rms[:, None], tl.load(qnw_ptr + dims, mask=dims < D, other=0.0))
                 q_sw = _normed(q_sw, q_rms[:, None], tl.load(qnw_ptr + swapped, mask=dims < D, other=0.0))
             if GROUPS:  # each query row's own row's angles
                 cos_q = tl.load(cos_ptr + q_row[:, None] * srope_b + dims[None, :], mask=qmask, other=0.0)
