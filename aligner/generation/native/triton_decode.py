@@ -116,7 +116,8 @@ GROUP_PREFIX_MIN_BATCH = 512
 # Per-head q/k RMSNorms (Qwen3's q_layernorm / k_layernorm) applied by the decode kernel before its RoPE, where the
 # engine passes RoPE to it (decode_attention's `qk_norm`): one kernel a layer fewer in such models' decode steps
 # (the compiled norm-and-RoPE kernel between qkv and the attention). Timed on an H100, Qwen3-0.6B's shape with FP8
-# weights and cache: decode steps -8.9 % at 64 rows, -5.4 % at 256 (docs/PERF.md, forty-fourth session). False: that
+# weights and cache: decode steps -8.9 % at 64 rows, -5.4 % at 256 (docs/PERF.md, forty-fourth session); in bf16
+# -5.8 / -3.2 %; Qwen3-8B's shape -3.6 / -3.7 % (FP8), -2.2 / -2.0 % (bf16) (forty-fifth session). False: that
 # kernel runs.
 QK_NORM = True
 LOG2E = 1.4426950408889634
