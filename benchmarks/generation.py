@@ -16,9 +16,7 @@ Every response is forced to `new_tokens` tokens (ignore_eos; HF: no EOS id).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +26,7 @@ import torch
 from aligner.config.schema import ModelConfig
 from aligner.generation import GenerationConfig, SamplingParams, build_engine
 from benchmarks.profiling import format_profile, profile_call
-from benchmarks.shapes import PRESETS
+from benchmarks.shapes import PRESETS, model_from_hf_config
 
 TINY_MODEL = ModelConfig(
     arch="llama",
@@ -51,28 +49,6 @@ def bench_model(preset: str = "1b") -> ModelConfig:
 
 
 BENCH_MODEL = bench_model("1b")
-
-
-def model_from_hf_config(path: str) -> ModelConfig:
-    """The shape of a Hugging Face causal LM from its config.json (the file, or the directory holding it) in bf16:
-    the engine timed on random weights of a team's own model without its weights. ValueError names what is wrong
-    (no such file, not JSON, an architecture or setting aligner does not convert, a sequence classifier)."""
-    from aligner.checkpoint.hf import model_config_from_hf, normalized_hf_config
-
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(file) as f:
-            raw = json.load(f)
-    except OSError as exc:
-        raise ValueError(
-            f"--hf-config {path}: {exc.strerror or exc} (give config.json or the directory holding it)"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--hf-config {file} is not JSON: {exc}") from None
-    cfg, _, model_type = model_config_from_hf(normalized_hf_config(raw), params_dtype="bfloat16")
-    if model_type != "policy":
-        raise ValueError(f"--hf-config {file} describes a {model_type} model: the engine generates with causal LMs")
-    return cfg
 
 
 @dataclass

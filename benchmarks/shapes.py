@@ -1,5 +1,9 @@
 """The benchmarks' model shapes (megatron ModelConfig fields), in a module of their own so that a command line can
-name them without importing torch or megatron-core."""
+name them without importing torch or megatron-core; and a team's own model's shape from its Hugging Face config.json
+(`model_from_hf_config`), with the job-config overrides that give a job that shape (`shape_overrides`)."""
+
+import json
+import os
 
 PRESETS = {
     "1b": dict(
@@ -31,3 +35,37 @@ PRESETS = {
         max_position_embeddings=256,
     ),
 }
+
+
+def model_from_hf_config(path: str):
+    """The ModelConfig of a Hugging Face causal LM's shape from its config.json (the file, or the directory holding
+    it) in bf16: a benchmark timed on random weights of a team's own model without its weights. ValueError names
+    what is wrong (no such file, not JSON, an architecture or setting aligner does not convert, a sequence
+    classifier)."""
+    from aligner.checkpoint.hf import model_config_from_hf, normalized_hf_config
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except OSError as exc:
+        raise ValueError(
+            f"--hf-config {path}: {exc.strerror or exc} (give config.json or the directory holding it)"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--hf-config {file} is not JSON: {exc}") from None
+    cfg, _, model_type = model_config_from_hf(normalized_hf_config(raw), params_dtype="bfloat16")
+    if model_type != "policy":
+        raise ValueError(f"--hf-config {file} describes a {model_type} model: the benchmarks time causal LMs")
+    return cfg
+
+
+def shape_overrides(cfg, section: str = "model") -> list[str]:
+    """`SECTION.KEY=VALUE` overrides (OmegaConf's dotlist) that give a job config's model section the shape of
+    ModelConfig `cfg`: every key a checkpoint's model.yaml decides (aligner.config.from_checkpoint.SHAPE_KEYS)."""
+    from aligner.config.from_checkpoint import SHAPE_KEYS
+
+    def text(value) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value).strip("'")
+
+    return [f"{section}.{key}={text(getattr(cfg, key))}" for key in SHAPE_KEYS]

@@ -6,6 +6,7 @@
     python scripts/bench_ppo_step.py --mode grpo --out grpo.json        # a GRPO step, the actor job alone
     add --tiny for the CPU smoke size (2 layers, hidden 64, 8 rollouts of 8 + 8 tokens)
     add --profile (aligner, grpo) to run one more step under torch.profiler, outside the means: its phase table
+    add --hf-config path/to/config.json (grpo) for the same work on your own model's shape (random weights)
 
 Workload (benchmarks/ppo_step/workload.py): ~1B Llama-style policy, reference, critic and reward model, 512 rollouts
 of 128 prompt + 256 generated tokens (EOS ignored), micro-batches of 16, one PPO epoch. Each mode runs --steps steps
@@ -63,9 +64,17 @@ def parse(argv):
         help="aligner, grpo: one more step under torch.profiler (not in the means): its per-phase table, the trace "
         "under EXP_DIR/actor/profile/",
     )
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="grpo: the policy in the shape of this Hugging Face config.json (or its directory), random weights",
+    )
     a = p.parse_args(argv)
     if bool(a.mode) == bool(a.report):
         p.error("give exactly one of --mode or --report")
+    if a.hf_config and a.mode != "grpo":
+        p.error("--hf-config times the GRPO step only: add --mode grpo")
     if a.mode and not 0 <= a.warmup < a.steps:
         p.error(f"--warmup {a.warmup} must leave at least one of --steps {a.steps} timed")
     return a
@@ -96,12 +105,21 @@ def grpo(a) -> int:
     from benchmarks.ppo_step import grpo_job
     from benchmarks.ppo_step.aligner_jobs import WorkloadMismatch
     from benchmarks.ppo_step.report import render_single
+    from benchmarks.shapes import model_from_hf_config, shape_overrides
 
+    w, model_overrides = GRPO_TINY if a.tiny else GRPO_FULL, []
+    if a.hf_config:
+        try:
+            model = model_from_hf_config(a.hf_config)
+        except ValueError as exc:
+            print(f"bench_ppo_step: {exc}", file=sys.stderr)
+            return 2
+        w, model_overrides = w.shaped_as(model), shape_overrides(model)
     suffix = "_tiny" if a.tiny else ""
     exp_dir = a.exp_dir or tempfile.mkdtemp(prefix="bench_grpo_step_")
     try:
         result = grpo_job.run(
-            GRPO_TINY if a.tiny else GRPO_FULL,
+            w,
             a.steps,
             a.warmup,
             f"bench/grpo_step_actor{suffix}",
@@ -110,6 +128,8 @@ def grpo(a) -> int:
             a.timeout,
             actor_gpus=a.actor_gpus,
             profile=a.profile,
+            model_overrides=model_overrides,
+            hf_config=a.hf_config,
         )
     except (ConfigError, WorkloadMismatch, FileExistsError) as exc:
         print(f"bench_ppo_step: {exc}", file=sys.stderr)

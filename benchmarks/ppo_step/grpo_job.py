@@ -77,9 +77,13 @@ def run(
     timeout_s: float = 480.0,
     actor_gpus: str | None = None,
     profile: bool = False,
+    model_overrides=(),
+    hf_config: str | None = None,
 ) -> dict:
     """Run the actor job for `steps` GRPO steps in a fresh `exp_dir`; the result record (workload.result).
-    `profile`: one more step under the profiler, outside the means (aligner_jobs.split_profiled)."""
+    `profile`: one more step under the profiler, outside the means (aligner_jobs.split_profiled).
+    `model_overrides`: the model section's shape (benchmarks.shapes.shape_overrides of the Hugging Face config
+    `hf_config`, which the record names), before `actor_overrides`; `w` must have that shape (Workload.shaped_as)."""
     if os.path.exists(exp_dir) and os.listdir(exp_dir):
         raise FileExistsError(f"{exp_dir} is not empty: give a new --exp-dir (a run never resumes an old one)")
     os.makedirs(exp_dir, exist_ok=True)
@@ -87,7 +91,7 @@ def run(
     write_tokenizer(tokenizer, w.vocab_size)
     write_prompts(prompts, w.prompts, w.prompt_len - 1, w.vocab_size)
     actor_ovr = [*profile_overrides(steps, profile), f"data.train_file={prompts}", f"model.tokenizer={tokenizer}"]
-    actor_ovr += list(actor_overrides)
+    actor_ovr += [*model_overrides, *actor_overrides]
     w = check_config(w, ["--config-name", actor_config, *actor_ovr])
 
     cmd = [sys.executable, LAUNCHER, "--actor-only", "--actor-config", actor_config, "--exp-dir", exp_dir]
@@ -125,6 +129,11 @@ def run(
         checks=checks,
         exp_dir=exp_dir,
         versions={k: _version(k) for k in ("torch", "megatron-core")},
-        settings={"actor_config": actor_config, "actor_overrides": list(actor_overrides), "actor_gpus": actor_gpus},
+        settings={
+            "actor_config": actor_config,
+            "actor_overrides": list(actor_overrides),
+            "actor_gpus": actor_gpus,
+            "hf_config": hf_config,
+        },
         **profiled,
     )

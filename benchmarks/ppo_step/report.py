@@ -81,9 +81,11 @@ def speedup(hf: dict, al: dict) -> float:
 
 def describe(record: dict) -> str:
     w = record["workload"]
+    hf_config = record.get("settings", {}).get("hf_config")
+    shape = f"the shape of {hf_config}: " if hf_config else ""
     return (
         f"{w['rollouts']} rollouts ({w.get('samples_per_prompt', 1)} per prompt) x ({w['prompt_len']} prompt + "
-        f"{w['response_len']} generated tokens), "
+        f"{w['response_len']} generated tokens), {shape}"
         f"{w['num_layers']} layers, hidden {w['hidden_size']}, {w['num_attention_heads']} heads, "
         f"{w['num_query_groups']} KV groups, FFN {w['ffn_hidden_size']}, vocab {w['vocab_size']}, {w['dtype']}; "
         f"micro-batches of {w['micro_batch']}, {w['num_mini_batches']} mini-batch(es) x {w['epochs']} epoch(s); "

@@ -86,6 +86,12 @@ class Workload:
     def with_(self, **changes) -> "Workload":
         return replace(self, **changes)
 
+    def shaped_as(self, model) -> "Workload":
+        """This workload on the shape of ModelConfig `model` (bench_ppo_step's --hf-config), its dtype kept."""
+        shape = {k: getattr(model, k) for k in MODEL_KEYS if k != "dtype"}
+        shape["num_query_groups"] = model.num_query_groups or model.num_attention_heads
+        return replace(self, **shape)
+
 
 # The issue's setting: ~1.1B Llama-style (DESIGN.md; the benchmarks' 1B shape), 512 rollouts of 128 + 256 tokens,
 # micro-batches of 16.

@@ -214,6 +214,87 @@ def test_grpo_mode_tiny(tmp_path):
     assert not os.path.exists(tmp_path / "bad" / "launcher.log"), "nothing is launched"
 
 
+def _qwen3_config(path, **changes):
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1e6,
+        rms_norm_eps=1e-6, **changes,
+    )  # fmt: skip
+    hf.architectures = ["Qwen3ForCausalLM"]
+    hf.save_pretrained(path)
+    return path
+
+
+def test_shape_overrides_give_a_job_config_the_hf_models_shape(tmp_path):
+    """benchmarks.shapes.shape_overrides: loaded onto the GRPO benchmark's actor config, every key a checkpoint
+    decides equals the converter's reading of the HF config (floats, null, booleans and names as OmegaConf reads
+    them), for a Qwen3 (q/k norms, its own head width, tied) and a Llama 3.2 (llama3 RoPE scaling, no head_dim)."""
+    from transformers import LlamaConfig
+
+    from aligner.config.actor import load_actor_config
+    from aligner.config.from_checkpoint import SHAPE_KEYS
+    from benchmarks.ppo_step.aligner_jobs import write_prompts, write_tokenizer
+    from benchmarks.shapes import model_from_hf_config, shape_overrides
+
+    llama = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=500, rope_theta=5e5, tie_word_embeddings=True, max_position_embeddings=131072,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    )  # fmt: skip
+    llama.architectures = ["LlamaForCausalLM"]
+    llama.save_pretrained(tmp_path / "llama")
+    tokenizer, prompts = tmp_path / "tokenizer.json", tmp_path / "prompts.jsonl"
+    write_tokenizer(str(tokenizer), 300)
+    write_prompts(str(prompts), 4, 7, 300)
+    paths = [f"model.tokenizer={tokenizer}", f"data.train_file={prompts}"]
+    for path in (_qwen3_config(tmp_path / "qwen3"), tmp_path / "llama"):
+        model = model_from_hf_config(str(path))
+        cfg = load_actor_config(["--config-name", "bench/grpo_step_actor_tiny", *paths, *shape_overrides(model)])
+        assert {k: getattr(cfg.model, k) for k in SHAPE_KEYS} == {k: getattr(model, k) for k in SHAPE_KEYS}
+        assert cfg.model.params_dtype == "float32", "the shape only: the config's own dtype stays"
+    assert (model.rope_scaling, model.rope_scaling_factor, model.head_dim) == ("llama3", 32.0, None)
+
+
+def test_grpo_mode_on_a_hf_configs_shape(tmp_path):
+    """--hf-config: the GRPO step on a team's own model's shape from its config.json alone (random weights): a
+    Qwen3-style model (q/k norms, its own head width, tied embeddings) runs end to end (KL 0 at step 0, the engine's
+    log-probs = the training forward's), the record and its header name the config; a bad config and the PPO modes
+    are one line each, exit 2."""
+    qwen3 = str(_qwen3_config(tmp_path / "qwen3"))
+    out, run = tmp_path / "grpo.json", tmp_path / "run"
+    proc = bench(
+        "--mode", "grpo", "--tiny", "--steps", "2", "--hf-config", qwen3, "--exp-dir", str(run), "--out", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = _load(out)
+    w = r["workload"]
+    shape = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+    assert tuple(w[k] for k in shape) == (2, 48, 4, 2, 80, 300) and w["dtype"] == "float32"
+    assert r["settings"]["hf_config"] == qwen3 and r["settings"]["actor_overrides"] == []
+    assert f"generated tokens), the shape of {qwen3}: 2 layers, hidden 48," in proc.stdout
+    assert "ran with overrides" not in proc.stdout, "the shape is the workload line's, not a user's override"
+    command = (run / "launcher.log").read_text().splitlines()[0]
+    assert all(
+        key in command.split() for key in ("model.qk_layernorm=true", "model.head_dim=16", "model.tie_embeddings=true")
+    )
+    c = r["checks"]
+    assert c["kl_step0"] == 0.0 and c["logprob_mismatch_max"] < 1e-4 and c["response_length_mean"] == 8
+
+    (tmp_path / "bad.json").write_text("{not json")
+    cases = [
+        (["--mode", "grpo", "--tiny", "--hf-config", str(tmp_path / "none")], "give config.json or the directory"),
+        (["--mode", "grpo", "--tiny", "--hf-config", str(tmp_path / "bad.json")], "is not JSON"),
+        (["--mode", "aligner", "--tiny", "--hf-config", qwen3], "--hf-config times the GRPO step only"),
+    ]
+    for argv, words in cases:
+        proc = bench(*argv, "--exp-dir", str(tmp_path / "refused"))
+        assert proc.returncode == 2 and words in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "refused"), "nothing is written"
+
+
 def test_gpus_used_counts_the_union_of_the_jobs_devices():
     from benchmarks.ppo_step.workload import gpus_used
 
