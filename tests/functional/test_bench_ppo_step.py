@@ -214,13 +214,13 @@ def test_grpo_mode_tiny(tmp_path):
     assert not os.path.exists(tmp_path / "bad" / "launcher.log"), "nothing is launched"
 
 
-def _qwen3_config(path, **changes):
+def _qwen3_config(path):
     from transformers import Qwen3Config
 
     hf = Qwen3Config(
         hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1e6,
-        rms_norm_eps=1e-6, **changes,
+        rms_norm_eps=1e-6,
     )  # fmt: skip
     hf.architectures = ["Qwen3ForCausalLM"]
     hf.save_pretrained(path)
