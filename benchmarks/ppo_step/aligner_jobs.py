@@ -21,7 +21,7 @@ import sys
 import time
 from importlib import metadata
 
-from benchmarks.ppo_step.workload import MODEL_KEYS, DeviceMemoryPoller, Workload, gpus_used, result
+from benchmarks.ppo_step.workload import MODEL_KEYS, DeviceMemoryPoller, Workload, gpus_used, model_shape, result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 LAUNCHER = os.path.join(ROOT, "launchers", "local", "ppo.py")
@@ -62,10 +62,7 @@ def write_prompts(path: str, n: int, words_per_prompt: int, vocab_size: int, see
 
 # -- configs ------------------------------------------------------------------------------------------------
 def _model_shape(model, prefix: str) -> dict:
-    shape = {k: getattr(model, k) for k in MODEL_KEYS if k != "dtype"}
-    shape["num_query_groups"] = model.num_query_groups or model.num_attention_heads
-    shape["dtype"] = model.params_dtype
-    return {f"{prefix}.{k if k != 'dtype' else 'params_dtype'}": v for k, v in shape.items()}
+    return {f"{prefix}.{k if k != 'dtype' else 'params_dtype'}": v for k, v in model_shape(model).items()}
 
 
 def check_configs(w: Workload, actor_argv: list[str], critic_argv: list[str]) -> Workload:

@@ -88,9 +88,17 @@ class Workload:
 
     def shaped_as(self, model) -> "Workload":
         """This workload on the shape of ModelConfig `model` (bench_ppo_step's --hf-config), its dtype kept."""
-        shape = {k: getattr(model, k) for k in MODEL_KEYS if k != "dtype"}
-        shape["num_query_groups"] = model.num_query_groups or model.num_attention_heads
+        shape = model_shape(model)
+        del shape["dtype"]
         return replace(self, **shape)
+
+
+def model_shape(model) -> dict:
+    """The MODEL_KEYS of ModelConfig `model` as a Workload holds them (KV groups counted, its params_dtype)."""
+    shape = {k: getattr(model, k) for k in MODEL_KEYS if k != "dtype"}
+    shape["num_query_groups"] = model.num_query_groups or model.num_attention_heads
+    shape["dtype"] = model.params_dtype
+    return shape
 
 
 # The issue's setting: ~1.1B Llama-style (DESIGN.md; the benchmarks' 1B shape), 512 rollouts of 128 + 256 tokens,
