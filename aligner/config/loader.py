@@ -20,6 +20,7 @@ import re
 from dataclasses import is_dataclass
 from typing import Sequence, Type, TypeVar
 
+import omegaconf
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -27,6 +28,20 @@ from aligner.config.errors import ConfigError
 from aligner.config.from_checkpoint import fill_from_checkpoint
 
 T = TypeVar("T")
+
+OMEGACONF_MIN = (2, 4)  # the schemas' Literal-typed fields: omegaconf 2.3 (NeMo's containers' pin) rejects them
+
+
+def omegaconf_too_old(version: str) -> str | None:
+    """Why an installed omegaconf of `version` cannot read aligner's schemas (None if it can)."""
+    major_minor = re.match(r"(\d+)\.(\d+)", version)
+    if major_minor and tuple(map(int, major_minor.groups())) >= OMEGACONF_MIN:
+        return None
+    return (
+        f"omegaconf {version} is installed, but aligner's configs need omegaconf>=2.4 (2.3 rejects their "
+        "Literal-typed fields): pip install 'omegaconf>=2.4'"
+    )
+
 
 REPO_CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 
@@ -156,6 +171,9 @@ def merged_config(
     and the config file's path."""
     if not is_dataclass(schema):
         raise TypeError("schema must be a dataclass type")
+    too_old = omegaconf_too_old(omegaconf.__version__)
+    if too_old:
+        raise ConfigError("omegaconf", too_old)
     base = OmegaConf.structured(schema)
     path = _resolve_path(name, config_dir)
     defaults_cfg, body = _load_yaml_parts(path)

@@ -1,6 +1,8 @@
 """Config loading: YAML onto the typed schema, overrides, `defaults` recipes, and each validation error."""
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -15,6 +17,7 @@ from aligner.config import (
     validate_layout,
     validate_model,
 )
+from aligner.config.loader import omegaconf_too_old
 
 
 @dataclass
@@ -229,3 +232,33 @@ def test_critic_micro_batch_tokens_rules(overrides, words):
     with pytest.raises(ConfigError, match="micro_batch_tokens") as info:
         load_critic_config(["--config-name", "ppo_critic_demo", *overrides])
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "version, too_old",
+    [("2.3.0", True), ("2.1.0rc1", True), ("1.4.1", True), ("2.4.0", False), ("2.4.0.dev3", False), ("3.0", False)],
+)
+def test_an_omegaconf_before_2_4_is_named_with_the_fix(version, too_old):
+    why = omegaconf_too_old(version)
+    assert (why is not None) == too_old
+    if too_old:
+        assert f"omegaconf {version} is installed" in why and "pip install 'omegaconf>=2.4'" in why
+
+
+def test_a_job_under_an_old_omegaconf_says_so_in_one_line_and_exits_2():
+    # The installed omegaconf (>= 2.4, setup.py) reads the schemas; one that reports 2.3.0 (NeMo containers' pin,
+    # which rejects the schemas' Literal fields with a traceback) gets the loader's one line before any schema is
+    # built. The job script runs in a process of its own, its omegaconf's version string set to 2.3.0.
+    import omegaconf
+
+    assert omegaconf_too_old(omegaconf.__version__) is None
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import omegaconf, runpy, sys; omegaconf.__version__ = '2.3.0'; "
+        "sys.argv = ['train_sft.py', '--config-name', 'sft_demo']; "
+        f"runpy.run_path({os.path.join(repo, 'scripts', 'train_sft.py')!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "omegaconf 2.3.0 is installed" in lines[0] and "omegaconf>=2.4" in lines[0], lines
