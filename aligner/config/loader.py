@@ -29,7 +29,7 @@ from aligner.config.from_checkpoint import fill_from_checkpoint
 
 T = TypeVar("T")
 
-OMEGACONF_MIN = (2, 4)  # the schemas' Literal-typed fields: omegaconf 2.3 (NeMo's containers' pin) rejects them
+OMEGACONF_MIN = (2, 4)  # the schemas' Literal-typed fields: omegaconf 2.3 rejects them
 
 
 def omegaconf_too_old(version: str) -> str | None:

@@ -246,9 +246,9 @@ def test_an_omegaconf_before_2_4_is_named_with_the_fix(version, too_old):
 
 
 def test_a_job_under_an_old_omegaconf_says_so_in_one_line_and_exits_2():
-    # The installed omegaconf (>= 2.4, setup.py) reads the schemas; one that reports 2.3.0 (NeMo containers' pin,
-    # which rejects the schemas' Literal fields with a traceback) gets the loader's one line before any schema is
-    # built. The job script runs in a process of its own, its omegaconf's version string set to 2.3.0.
+    # The installed omegaconf (>= 2.4, setup.py) reads the schemas; one that reports 2.3.0 (a real 2.3 rejects the
+    # schemas' Literal fields with a traceback) gets the loader's one line before any schema is built. The job
+    # script runs in a process of its own, its omegaconf's version string set to 2.3.0.
     import omegaconf
 
     assert omegaconf_too_old(omegaconf.__version__) is None
