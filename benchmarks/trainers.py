@@ -59,11 +59,14 @@ def write_workload(
 
 
 def _model_params(cfg) -> int:
-    """Parameters of the ModelConfig's model (dense Llama/GPT-2 style; embeddings counted once per matrix)."""
+    """Parameters of the ModelConfig's model (dense; a gated MLP's three matrices as its family says; embeddings
+    counted once per matrix)."""
+    from aligner.families import family
+
     h, layers, ffn = cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size or 4 * cfg.hidden_size
     groups = cfg.num_query_groups or cfg.num_attention_heads
     kv = 2 * h * (h // cfg.num_attention_heads) * groups
-    mlp = (3 if cfg.arch == "llama" else 2) * h * ffn
+    mlp = (3 if family(cfg.arch).gated_mlp else 2) * h * ffn
     per_layer = h * h + kv + h * h + mlp
     embeddings = cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2)
     return layers * per_layer + embeddings

@@ -13,8 +13,11 @@ import torch
 VOCAB = 100  # embedding rows; megatron pads them to 128 (TP=1) or 256 (TP=2)
 N_TOKENS = 90  # tokenizer ids: fewer than the embedding rows, as in many HF models
 TOKENS_BT = torch.randint(1, N_TOKENS, (2, 12), generator=torch.Generator().manual_seed(3))
-KINDS = ("llama", "mistral", "qwen2", "gpt2", "llama_reward", "llama3", "llama3_reward", "qwen3", "qwen3_reward")
-REWARD_KINDS = ("llama_reward", "gpt2_reward", "llama3_reward", "qwen3_reward")
+KINDS = (
+    "llama", "mistral", "qwen2", "gpt2", "llama_reward", "llama3", "llama3_reward", "qwen3", "qwen3_reward", "phi3",
+    "phi3_reward",
+)  # fmt: skip
+REWARD_KINDS = ("llama_reward", "gpt2_reward", "llama3_reward", "qwen3_reward", "phi3_reward")
 # Llama 3.1's RoPE scaling with other numbers than megatron's hard-coded ones (1, 4, 8192), chosen so the tiny model's
 # 8 frequencies (head width 16, theta 10000: wavelengths 6.3 ... 2e4) fall in all three bands: kept (< 48/6 = 8),
 # smoothed (8 .. 32) and divided by the factor (> 48/1.5 = 32).
@@ -73,6 +76,9 @@ def hf_config(kind: str):
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             **labels,
         )
+    if kind in ("phi3", "phi3_reward"):  # q/k/v as one qkv_proj, gate and up as one gate_up_proj
+        labels = {"num_labels": 1} if kind.endswith("reward") else {}
+        return tf.Phi3Config(**llama, rope_parameters={"rope_type": "default", "rope_theta": 250000.0}, **labels)
     gpt2 = dict(
         vocab_size=VOCAB,
         n_embd=64,
@@ -103,6 +109,8 @@ def hf_class(kind: str):
         "llama3_reward": tf.LlamaForSequenceClassification,
         "qwen3": tf.Qwen3ForCausalLM,
         "qwen3_reward": tf.Qwen3ForSequenceClassification,
+        "phi3": tf.Phi3ForCausalLM,
+        "phi3_reward": tf.Phi3ForSequenceClassification,
         "gpt2": tf.GPT2LMHeadModel,
         "gpt2_reward": tf.GPT2ForSequenceClassification,
     }[kind]

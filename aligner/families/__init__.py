@@ -10,10 +10,10 @@ Contract, trait by trait (who reads what):
 - gated_mlp: also aligner.models.sharding (a gated fc1 is split over TP as [gate_r; up_r]);
 - tie_embeddings: the default when an HF config omits tie_word_embeddings (aligner.checkpoint.hf);
 - hf (HFFormat): aligner.checkpoint.hf and .convert. Its variants map HF architectures and model types onto the
-  family (Mistral, Qwen2 and Qwen3 are Llama variants, told apart by config.json 'model_type'; a variant's
-  q/k/v biases and q/k norms become ModelConfig.add_qkv_bias / qk_layernorm); config_keys map
-  ModelConfig fields to config.json keys both ways; check_config rejects what megatron cannot express; the tensor
-  names and layouts drive the weight map.
+  family (Mistral, Qwen2 and Qwen3 are Llama variants, told apart by config.json 'model_type'; a variant's q/k/v
+  biases and q/k norms become ModelConfig.add_qkv_bias / qk_layernorm; Phi-3 is a family of its own: Llama's model
+  under other tensor names); config_keys map ModelConfig fields to config.json keys both ways; check_config rejects
+  what megatron cannot express; the tensor names and layouts drive the weight map.
 Specs are pure data and import nothing above them (no torch, no aligner package), so the package sits at the
 bottom of the house: aligner.config validates `ModelConfig.arch` against `names()`; torch dtypes live in
 aligner.models.dtypes.
@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from aligner.families.gpt2 import GPT2
 from aligner.families.llama import LLAMA
+from aligner.families.phi3 import PHI3
 from aligner.families.spec import FamilySpec, HFFormat, HFVariant, UnsupportedModelError
 
-_FAMILIES = {spec.name: spec for spec in (LLAMA, GPT2)}
+_FAMILIES = {spec.name: spec for spec in (LLAMA, PHI3, GPT2)}
 
 
 def family(name: str) -> FamilySpec:

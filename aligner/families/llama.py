@@ -23,32 +23,33 @@ ROPE_TYPES = ("default", "llama3")
 
 def sliding_layers(hf_cfg, variant: HFVariant) -> int:
     """How many layers attend through a sliding window: Qwen2/Qwen3 list each layer's kind in 'layer_types'
-    (windows from 'max_window_layers' on, when 'use_sliding_window'); Mistral windows every layer when
+    (windows from 'max_window_layers' on, when 'use_sliding_window'); Mistral and Phi-3 window every layer when
     'sliding_window' is set."""
     if hf_get(hf_cfg, "sliding_window") is None:
         return 0
     layer_types = hf_get(hf_cfg, "layer_types")
     if layer_types is not None:
         return sum(kind == "sliding_attention" for kind in layer_types)
-    uses = hf_get(hf_cfg, "use_sliding_window", variant.model_type == "mistral")
+    uses = hf_get(hf_cfg, "use_sliding_window", variant.window_every_layer)
     return hf_get(hf_cfg, "num_hidden_layers") if uses else 0
 
 
 def check_hf_config(hf_cfg, variant: HFVariant) -> None:
-    """Raise UnsupportedModelError naming the first config.json field megatron's Llama cannot express."""
+    """Raise UnsupportedModelError naming the first config.json field megatron's Llama cannot express (the Phi-3
+    family's check too: the same model with other tensor names)."""
 
     def unsupported(field, value, what):
         raise UnsupportedModelError(f"config.json '{field}' = {value!r}: {what}")
 
     act = hf_get(hf_cfg, "hidden_act", "silu")
     if act != "silu":
-        unsupported("hidden_act", act, "the Llama family is supported with SwiGLU (silu) only")
+        unsupported("hidden_act", act, f"{variant.model_type} models are supported with SwiGLU (silu) only")
     if not variant.qkv_bias and hf_get(hf_cfg, "attention_bias", False):
         unsupported(
             "attention_bias", True, "biases on q/k/v/o projections are not supported (Qwen2's q/k/v-only biases are)"
         )
     if hf_get(hf_cfg, "mlp_bias", False):
-        unsupported("mlp_bias", True, "MLP biases are not supported in the Llama family")
+        unsupported("mlp_bias", True, f"MLP biases are not supported for {variant.model_type} models")
     _, rope_type, params = hf_rope(hf_cfg)
     if rope_type not in ROPE_TYPES:
         unsupported(
@@ -90,7 +91,13 @@ LLAMA = FamilySpec(
     hf=HFFormat(
         variants=(
             HFVariant("llama", "LlamaForCausalLM", "LlamaForSequenceClassification", "LlamaConfig"),
-            HFVariant("mistral", "MistralForCausalLM", "MistralForSequenceClassification", "MistralConfig"),
+            HFVariant(
+                "mistral",
+                "MistralForCausalLM",
+                "MistralForSequenceClassification",
+                "MistralConfig",
+                window_every_layer=True,
+            ),
             HFVariant("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Config", qkv_bias=True),
             HFVariant("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Config", qk_layernorm=True),
         ),

@@ -49,6 +49,9 @@ class HFVariant:
     config_class: str  # the transformers config class that writes config.json when no source config is kept
     qkv_bias: bool = False  # q/k/v projections carry biases (ModelConfig.add_qkv_bias)
     qk_layernorm: bool = False  # per-head q/k norms (ModelConfig.qk_layernorm; HFFormat.qk_norm_modules)
+    # a config.json 'sliding_window' windows every layer (Mistral, Phi-3), unless 'layer_types' / 'use_sliding_window'
+    # say which layers (Qwen2, Qwen3)
+    window_every_layer: bool = False
 
 
 @dataclass(frozen=True)

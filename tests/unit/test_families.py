@@ -29,12 +29,12 @@ LAYER_MODULES = {
 
 
 def test_an_unknown_family_is_named_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown model family 'bert': known families are gpt2, llama"):
+    with pytest.raises(ValueError, match=r"unknown model family 'bert': known families are gpt2, llama, phi3"):
         family("bert")
 
 
 def test_the_registry_holds_each_spec_under_its_own_name():
-    assert sorted(spec.name for spec in families()) == ["gpt2", "llama"]
+    assert sorted(spec.name for spec in families()) == ["gpt2", "llama", "phi3"]
     assert all(family(spec.name) is spec for spec in families())
 
 
@@ -56,6 +56,19 @@ def test_llama_traits():
     modules = dict(hf.layer_modules)
     assert modules["self_attention.linear_qkv"] == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     assert modules["mlp.linear_fc1"] == ("mlp.gate_proj", "mlp.up_proj")  # [gate; up]
+
+
+def test_phi3_is_llamas_model_under_fused_tensor_names():
+    spec, llama = family("phi3"), family("llama")
+    traits = ("normalization", "activation", "gated_mlp", "linear_bias", "position_embedding", "rotary_percent")
+    assert all(getattr(spec, t) == getattr(llama, t) for t in traits) and not spec.tie_embeddings
+    modules = dict(spec.hf.layer_modules)
+    assert modules["self_attention.linear_qkv"] == ("self_attn.qkv_proj",)  # one [q | k | v]
+    assert modules["mlp.linear_fc1"] == ("mlp.gate_up_proj",)  # one [gate; up], megatron's own layout
+    assert not spec.hf.conv1d and not spec.hf.qk_norm_modules
+    (variant,) = spec.hf.variants
+    assert (variant.model_type, variant.causal_lm, variant.window_every_layer) == ("phi3", "Phi3ForCausalLM", True)
+    assert spec.hf.export_variant(qkv_bias=False) is variant
 
 
 def test_gpt2_traits():
@@ -115,16 +128,18 @@ def test_supported_architectures_are_the_specs_variants():
         "MistralForCausalLM": ("llama", "policy"),
         "Qwen2ForCausalLM": ("llama", "policy"),
         "Qwen3ForCausalLM": ("llama", "policy"),
+        "Phi3ForCausalLM": ("phi3", "policy"),
         "GPT2LMHeadModel": ("gpt2", "policy"),
         "LlamaForSequenceClassification": ("llama", "reward"),
         "MistralForSequenceClassification": ("llama", "reward"),
         "Qwen2ForSequenceClassification": ("llama", "reward"),
         "Qwen3ForSequenceClassification": ("llama", "reward"),
+        "Phi3ForSequenceClassification": ("phi3", "reward"),
         "GPT2ForSequenceClassification": ("gpt2", "reward"),
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "phi3", "gpt2"])
 def test_each_family_names_every_layer_module_and_the_config_fields(name):
     hf = family(name).hf
     assert {m for m, _ in hf.layer_modules} == LAYER_MODULES
