@@ -70,10 +70,21 @@ def normalized_hf_config(raw: dict) -> dict:
     kwargs = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(raw.get("model_type"), **kwargs).to_dict()
-    except (ValueError, KeyError) as exc:
+    except _config_errors() as exc:  # an unknown model_type, or a field its config class validates and rejects
         raise UnsupportedModelError(
-            f"config.json 'model_type' = {raw.get('model_type')!r} is not understood by transformers: {exc}"
+            f"config.json (model_type {raw.get('model_type')!r}) is rejected by transformers: "
+            + " ".join(str(exc).split())
         ) from exc
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config.json it cannot take: ValueError / KeyError, and huggingface_hub's
+    strict-dataclass validation errors (transformers 5: e.g. a RoPE factor list of the wrong length)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # a huggingface_hub before strict dataclasses
+        return (ValueError, KeyError)
+    return (ValueError, KeyError, StrictDataclassError)
 
 
 def _variant(spec: FamilySpec, hf_cfg, arch: str) -> HFVariant:

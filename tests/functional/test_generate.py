@@ -42,8 +42,9 @@ def converted(tmp_path_factory):
     return get
 
 
-# llama3: Llama 3.2-style (llama3 RoPE scaling, tied embeddings); qwen3: per-head q/k norms, head_dim 24 != 64 / 4
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3"])
+# llama3: Llama 3.2-style (llama3 RoPE scaling, tied embeddings); qwen3: per-head q/k norms, head_dim 24 != 64 / 4;
+# phi3: fused qkv_proj and gate_up_proj
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3", "phi3"])
 def test_greedy_generate_equals_hf_generate(tmp_path, converted, kind):
     root, model, hf_tok, stop = converted(kind)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", ROWS)

@@ -248,6 +248,37 @@ def test_sliding_window_can_be_capped_and_covers_long_windows():
         assert model_config_from_hf(normalized_hf_config(unused))[0].max_position_embeddings == 32
 
 
+PHI3 = dict(LLAMA, architectures=["Phi3ForCausalLM"], model_type="phi3", pad_token_id=0)
+
+
+def test_phi3_configs_as_released():
+    # Phi-4: no window, no RoPE scaling: converted whole
+    cfg, family, model_type = model_config_from_hf(normalized_hf_config(dict(PHI3, sliding_window=None)))
+    assert (family, model_type, cfg.arch, cfg.rope_scaling, cfg.head_dim) == ("phi3", "policy", "phi3", None, None)
+    assert (cfg.num_query_groups, cfg.ffn_hidden_size, cfg.rotary_base, cfg.max_position_embeddings) == (2, 12, 5e5, 32)
+    built = hf_config_for_export(cfg, "policy", None, "float32")  # no source: from model.yaml alone
+    assert built["architectures"] == ["Phi3ForCausalLM"] and built["model_type"] == "phi3"
+    assert (built["bos_token_id"], built["eos_token_id"], built["pad_token_id"]) == (None, None, None)
+    assert model_config_from_hf(normalized_hf_config(built))[0] == cfg
+    # Phi-3 mini / medium 4k: a window on every layer, shorter than the context: refused, exact under the cap
+    windowed = dict(PHI3, sliding_window=15)
+    with pytest.raises(UnsupportedModelError, match="'sliding_window' = 15.*--max-position-embeddings 15"):
+        model_config_from_hf(normalized_hf_config(windowed))
+    assert model_config_from_hf(normalized_hf_config(windowed), max_position_embeddings=15)[0].arch == "phi3"
+    # Phi-3 128k, Phi-3.5, Phi-4-mini: LongRoPE; Phi-4-mini also rotates 3/4 of each head
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [2.0]}
+    with pytest.raises(UnsupportedModelError, match="rope_type' = 'longrope'"):
+        model_config_from_hf(normalized_hf_config(dict(PHI3, rope_parameters=longrope)))
+    # a config transformers itself rejects (one factor per rotated pair: 1 here) is one error, not its traceback
+    broken = dict(longrope, short_factor=[1.0, 1.0])
+    rejected = r"\(model_type 'phi3'\) is rejected by transformers: .*short_factor"
+    with pytest.raises(UnsupportedModelError, match=rejected):
+        normalized_hf_config(dict(PHI3, rope_parameters=broken))
+    partial = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    with pytest.raises(UnsupportedModelError, match="'partial_rotary_factor'"):
+        model_config_from_hf(normalized_hf_config(dict(PHI3, rope_parameters=partial)))
+
+
 def test_unsupported_gpt2_features():
     gpt2 = dict(
         architectures=["GPT2LMHeadModel"],
