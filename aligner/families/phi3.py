@@ -1,4 +1,4 @@
-"""The Phi-3 family: Phi-3 and Phi-3.5 (mini, medium) and Phi-4 as `Phi3ForCausalLM`.
+"""The Phi-3 family (`Phi3ForCausalLM`): Phi-4 as released, Phi-3 mini/medium 4k within their window.
 
 The model is the Llama family's (RMSNorm, SwiGLU, RoPE over the whole head, GQA, no biases); what differs is how HF
 stores it: q, k and v as one `qkv_proj` tensor ([q | k | v], each for all heads) and the MLP's gate and up as one
