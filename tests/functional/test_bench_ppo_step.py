@@ -258,6 +258,33 @@ def test_shape_overrides_give_a_job_config_the_hf_models_shape(tmp_path):
     assert (model.rope_scaling, model.rope_scaling_factor, model.head_dim) == ("llama3", 32.0, None)
 
 
+def test_a_sliding_window_caps_the_benchmarks_positions(tmp_path):
+    """A Phi-3 mini 4k-style config (a window on every layer, shorter than the context; fused qkv / gate_up names) is
+    read with its positions capped at the window, as the converter's --max-position-embeddings caps them, instead of
+    being refused; its shape loads onto the GRPO actor config."""
+    from transformers import Phi3Config
+
+    from aligner.config.actor import load_actor_config
+    from aligner.config.from_checkpoint import SHAPE_KEYS
+    from benchmarks.ppo_step.aligner_jobs import write_prompts, write_tokenizer
+    from benchmarks.shapes import model_from_hf_config, shape_overrides
+
+    hf = Phi3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=300, max_position_embeddings=64, sliding_window=47, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    hf.architectures = ["Phi3ForCausalLM"]
+    hf.save_pretrained(tmp_path / "phi3")
+    model = model_from_hf_config(str(tmp_path / "phi3"))
+    assert (model.arch, model.max_position_embeddings, model.ffn_hidden_size) == ("phi3", 47, 96)
+    tokenizer, prompts = tmp_path / "tokenizer.json", tmp_path / "prompts.jsonl"
+    write_tokenizer(str(tokenizer), 300)
+    write_prompts(str(prompts), 4, 7, 300)
+    paths = [f"model.tokenizer={tokenizer}", f"data.train_file={prompts}"]
+    cfg = load_actor_config(["--config-name", "bench/grpo_step_actor_tiny", *paths, *shape_overrides(model)])
+    assert {k: getattr(cfg.model, k) for k in SHAPE_KEYS} == {k: getattr(model, k) for k in SHAPE_KEYS}
+
+
 def test_grpo_mode_on_a_hf_configs_shape(tmp_path):
     """--hf-config: the GRPO step on a team's own model's shape from its config.json alone (random weights): a
     Qwen3-style model (q/k norms, its own head width, tied embeddings) runs end to end (KL 0 at step 0, the engine's
