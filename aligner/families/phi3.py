@@ -9,40 +9,26 @@ Phi-4-mini) and a partial rotary factor (Phi-4-mini: 0.75) are refused by that c
 
 from __future__ import annotations
 
-from aligner.families.llama import LLAMA, check_hf_config
-from aligner.families.spec import FamilySpec, HFFormat, HFVariant
+import dataclasses
 
-PHI3 = FamilySpec(
+from aligner.families.llama import LLAMA
+from aligner.families.spec import HFVariant
+
+# the megatron modules HF's Phi-3 stores as one tensor each (Llama: three and two)
+FUSED = {"self_attention.linear_qkv": ("self_attn.qkv_proj",), "mlp.linear_fc1": ("mlp.gate_up_proj",)}
+_VARIANT = HFVariant("phi3", "Phi3ForCausalLM", "Phi3ForSequenceClassification", "Phi3Config", window_every_layer=True)
+
+# Llama's spec with the family's name and HF format changed: its traits, config keys, check and other names kept.
+PHI3 = dataclasses.replace(
+    LLAMA,
     name="phi3",
-    normalization=LLAMA.normalization,
-    activation=LLAMA.activation,
-    gated_mlp=LLAMA.gated_mlp,
-    linear_bias=LLAMA.linear_bias,
-    position_embedding=LLAMA.position_embedding,
-    tie_embeddings=False,
-    hf=HFFormat(
-        variants=(
-            HFVariant(
-                "phi3", "Phi3ForCausalLM", "Phi3ForSequenceClassification", "Phi3Config", window_every_layer=True
-            ),
-        ),
-        config_keys=LLAMA.hf.config_keys,
-        check_config=check_hf_config,
-        prefix="model.",
-        layer="layers.{i}.",
-        layer_modules=(
-            ("input_layernorm", ("input_layernorm",)),
-            ("self_attention.linear_qkv", ("self_attn.qkv_proj",)),
-            ("self_attention.linear_proj", ("self_attn.o_proj",)),
-            ("pre_mlp_layernorm", ("post_attention_layernorm",)),
-            ("mlp.linear_fc1", ("mlp.gate_up_proj",)),
-            ("mlp.linear_fc2", ("mlp.down_proj",)),
-        ),
-        embedding="embed_tokens",
-        final_norm="norm",
+    hf=dataclasses.replace(
+        LLAMA.hf,
+        variants=(_VARIANT,),
+        layer_modules=tuple((module, FUSED.get(module, names)) for module, names in LLAMA.hf.layer_modules),
+        qk_norm_modules=(),
         # Phi3Config's own token ids (bos 1, eos and pad 32000) fit only Phi-3's vocabulary; a model exported
         # without its source config.json takes its ids from the tokenizer files instead.
         export_extras=(("bos_token_id", None), ("eos_token_id", None), ("pad_token_id", None)),
-        buffers=("rotary_emb.inv_freq",),
     ),
 )
