@@ -6,7 +6,8 @@
     python scripts/bench_ppo_step.py --mode grpo --out grpo.json        # a GRPO step, the actor job alone
     add --tiny for the CPU smoke size (2 layers, hidden 64, 8 rollouts of 8 + 8 tokens)
     add --profile (aligner, grpo) to run one more step under torch.profiler, outside the means: its phase table
-    add --hf-config path/to/config.json (grpo) for the same work on your own model's shape (random weights)
+    add --hf-config path/to/config.json (aligner, grpo) for the same work on your own model's shape (random weights;
+        in the aligner mode the critic and the reward model take the policy's shape too)
 
 Workload (benchmarks/ppo_step/workload.py): ~1B Llama-style policy, reference, critic and reward model, 512 rollouts
 of 128 prompt + 256 generated tokens (EOS ignored), micro-batches of 16, one PPO epoch. Each mode runs --steps steps
@@ -68,13 +69,14 @@ def parse(argv):
         "--hf-config",
         default=None,
         metavar="PATH",
-        help="grpo: the policy in the shape of this Hugging Face config.json (or its directory), random weights",
+        help="aligner, grpo: the models in the shape of this Hugging Face config.json (or its directory), random "
+        "weights",
     )
     a = p.parse_args(argv)
     if bool(a.mode) == bool(a.report):
         p.error("give exactly one of --mode or --report")
-    if a.hf_config and a.mode != "grpo":
-        p.error("--hf-config times the GRPO step only: add --mode grpo")
+    if a.hf_config and a.mode == "hf":
+        p.error("--hf-config times aligner's jobs (--mode aligner or grpo): the HF loop keeps the workload's 1B models")
     if a.mode and not 0 <= a.warmup < a.steps:
         p.error(f"--warmup {a.warmup} must leave at least one of --steps {a.steps} timed")
     return a
@@ -100,20 +102,16 @@ def print_profile(result: dict) -> None:
         print(format_summary(s, f"profiled step {s['step']} (not in the means), rank 0; trace {s['trace']}"))
 
 
-def grpo(a) -> int:
+def grpo(a, model) -> int:
+    """The GRPO mode; `model`: the ModelConfig of --hf-config, or None for the workload's own shape."""
     from aligner.config import ConfigError
     from benchmarks.ppo_step import grpo_job
     from benchmarks.ppo_step.aligner_jobs import WorkloadMismatch
     from benchmarks.ppo_step.report import render_single
-    from benchmarks.shapes import model_from_hf_config, shape_overrides
+    from benchmarks.shapes import shape_overrides
 
     w, model_overrides = GRPO_TINY if a.tiny else GRPO_FULL, []
-    if a.hf_config:
-        try:
-            model = model_from_hf_config(a.hf_config)
-        except ValueError as exc:
-            print(f"bench_ppo_step: {exc}", file=sys.stderr)
-            return 2
+    if model is not None:
         w, model_overrides = w.shaped_as(model), shape_overrides(model)
     suffix = "_tiny" if a.tiny else ""
     exp_dir = a.exp_dir or tempfile.mkdtemp(prefix="bench_grpo_step_")
@@ -149,9 +147,17 @@ def main(argv=None) -> int:
     a = parse(argv)
     if a.report:
         return report(a.report)
-    w = TINY if a.tiny else FULL
+    w, model = TINY if a.tiny else FULL, None
+    if a.hf_config:
+        from benchmarks.shapes import model_from_hf_config
+
+        try:
+            model = model_from_hf_config(a.hf_config)
+        except ValueError as exc:
+            print(f"bench_ppo_step: {exc}", file=sys.stderr)
+            return 2
     if a.mode == "grpo":
-        return grpo(a)
+        return grpo(a, model)
     if a.mode == "hf":
         from benchmarks.ppo_step import hf_loop
 
@@ -161,7 +167,13 @@ def main(argv=None) -> int:
     else:
         from aligner.config import ConfigError
         from benchmarks.ppo_step import aligner_jobs
+        from benchmarks.shapes import shape_overrides
 
+        # the critic job's value model and reward model take the policy's shape, as both start from it in practice
+        actor_shape, critic_shape = [], []
+        if model is not None:
+            w, actor_shape = w.shaped_as(model), shape_overrides(model)
+            critic_shape = actor_shape + shape_overrides(model, "reward_model")
         suffix = "_tiny" if a.tiny else ""
         exp_dir = a.exp_dir or tempfile.mkdtemp(prefix="bench_ppo_step_")
         try:
@@ -180,6 +192,9 @@ def main(argv=None) -> int:
                 actor_procs=a.actor_procs,
                 critic_procs=a.critic_procs,
                 profile=a.profile,
+                model_overrides=actor_shape,
+                critic_model_overrides=critic_shape,
+                hf_config=a.hf_config,
             )
         except (ConfigError, aligner_jobs.WorkloadMismatch, FileExistsError) as exc:
             print(f"bench_ppo_step: {exc}", file=sys.stderr)
@@ -191,6 +206,10 @@ def main(argv=None) -> int:
     per_gpu = result.get("tokens_per_s_per_gpu")
     per_gpu = f" ({per_gpu:,.0f} per GPU, {result['gpus']} GPUs)" if per_gpu else ""
     print(f"{a.mode}: step {result['step_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s{per_gpu} ({phases})")
+    if model is not None:  # another shape than the HF loop's: no --report to compare with, so the table here
+        from benchmarks.ppo_step.report import render_single
+
+        print(render_single(result))
     print_profile(result)
     if a.out:
         write_json(a.out, result)

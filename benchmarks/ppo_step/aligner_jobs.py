@@ -241,11 +241,17 @@ def run(
     actor_procs: int = 1,
     critic_procs: int = 1,
     profile: bool = False,
+    model_overrides=(),
+    critic_model_overrides=(),
+    hf_config: str | None = None,
 ) -> dict:
     """Run the two jobs for `steps` PPO steps in a fresh `exp_dir`; the result record (see workload.result).
     `actor_gpus` / `critic_gpus`: the launcher's --actor-gpus / --critic-gpus (None: both jobs see every GPU);
     `actor_procs` / `critic_procs`: its --actor-procs / --critic-procs (ranks of each job, e.g. DP=2 over two GPUs).
-    `profile`: one more step under the profiler, outside the means (split_profiled)."""
+    `profile`: one more step under the profiler, outside the means (split_profiled).
+    `model_overrides` / `critic_model_overrides`: the jobs' model sections in one shape (benchmarks.shapes.
+    shape_overrides of the Hugging Face config `hf_config`, which the record names), before the user's overrides;
+    `w` must have that shape (Workload.shaped_as)."""
     if os.path.exists(exp_dir) and os.listdir(exp_dir):
         raise FileExistsError(f"{exp_dir} is not empty: give a new --exp-dir (a run never resumes an old one)")
     os.makedirs(exp_dir, exist_ok=True)
@@ -256,9 +262,10 @@ def run(
         *profile_overrides(steps, profile),
         f"data.train_file={prompts}",
         f"model.tokenizer={tokenizer}",
+        *model_overrides,
         *actor_overrides,
     ]
-    critic_ovr = ["checkpoint.resume=false", *critic_overrides]
+    critic_ovr = ["checkpoint.resume=false", *critic_model_overrides, *critic_overrides]
     w = check_configs(w, ["--config-name", actor_config, *actor_ovr], ["--config-name", critic_config, *critic_ovr])
 
     cmd = [
@@ -320,6 +327,7 @@ def run(
             "critic_gpus": critic_gpus,
             "actor_procs": actor_procs,
             "critic_procs": critic_procs,
+            "hf_config": hf_config,
         },
         **profiled,
     )

@@ -148,7 +148,8 @@ def render(hf: dict, al: dict) -> tuple[str, bool]:
 
 
 def render_single(record: dict) -> str:
-    """One record (the GRPO mode: no HF loop to compare with): its phases, step, throughput and checks."""
+    """One record with no HF loop to compare with (the GRPO mode, or a shape of --hf-config): its phases, step,
+    throughput and checks."""
     rows = [["phase", f"{record['mode']} (s)"]]
     for phase in (*PHASES, "other"):
         if phase in record["phases_s"]:

@@ -288,8 +288,8 @@ def test_a_sliding_window_caps_the_benchmarks_positions(tmp_path):
 def test_grpo_mode_on_a_hf_configs_shape(tmp_path):
     """--hf-config: the GRPO step on a team's own model's shape from its config.json alone (random weights): a
     Qwen3-style model (q/k norms, its own head width, tied embeddings) runs end to end (KL 0 at step 0, the engine's
-    log-probs = the training forward's), the record and its header name the config; a bad config and the PPO modes
-    are one line each, exit 2."""
+    log-probs = the training forward's), the record and its header name the config; a bad config and the HF loop's
+    mode are one line each, exit 2."""
     qwen3 = str(_qwen3_config(tmp_path / "qwen3"))
     out, run = tmp_path / "grpo.json", tmp_path / "run"
     proc = bench(
@@ -314,12 +314,45 @@ def test_grpo_mode_on_a_hf_configs_shape(tmp_path):
     cases = [
         (["--mode", "grpo", "--tiny", "--hf-config", str(tmp_path / "none")], "give config.json or the directory"),
         (["--mode", "grpo", "--tiny", "--hf-config", str(tmp_path / "bad.json")], "is not JSON"),
-        (["--mode", "aligner", "--tiny", "--hf-config", qwen3], "--hf-config times the GRPO step only"),
+        (["--mode", "hf", "--tiny", "--hf-config", qwen3], "--hf-config times aligner's jobs"),
+        (["--mode", "aligner", "--tiny", "--hf-config", str(tmp_path / "bad.json")], "is not JSON"),
     ]
     for argv, words in cases:
         proc = bench(*argv, "--exp-dir", str(tmp_path / "refused"))
         assert proc.returncode == 2 and words in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "refused"), "nothing is written"
+
+
+def test_ppo_mode_on_a_hf_configs_shape(tmp_path, results):
+    """--mode aligner --hf-config: the PPO step's two jobs on a team's own model's shape, the critic's value model and
+    reward model in the policy's shape too (q/k norms, head width, tied embeddings reach all three); KL 0 at step 0
+    and the engine's log-probs = the training forward's; the record names the config, and --report refuses to set
+    it against the HF loop's 1B workload."""
+    qwen3 = str(_qwen3_config(tmp_path / "qwen3"))
+    out, run = tmp_path / "ppo.json", tmp_path / "run"
+    proc = bench(
+        "--mode", "aligner", "--tiny", "--steps", "2", "--hf-config", qwen3, "--exp-dir", str(run), "--out", str(out)
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = _load(out)
+    w = r["workload"]
+    shape = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+    assert tuple(w[k] for k in shape) == (2, 48, 4, 2, 80, 300) and w["rollouts"] == 8
+    assert r["settings"]["hf_config"] == qwen3 and r["settings"]["critic_overrides"] == []
+    assert f"generated tokens), the shape of {qwen3}: 2 layers, hidden 48," in proc.stdout
+    started = {
+        line.split()[1]: set(line.split())
+        for line in (run / "launcher.log").read_text().splitlines()
+        if " job: " in line
+    }
+    assert set(started) == {"actor", "critic"}, started.keys()
+    for job, words in started.items():
+        assert {"model.qk_layernorm=true", "model.head_dim=16", "model.tie_embeddings=true"} <= words, job
+    assert {"reward_model.qk_layernorm=true", "reward_model.vocab_size=300"} <= started["critic"]
+    c = r["checks"]
+    assert c["kl_step0"] == 0.0 and c["logprob_mismatch_max"] < 1e-4 and c["response_length_mean"] == 8
+    proc = bench("--report", str(results / "hf.json"), str(out))
+    assert proc.returncode == 2 and "not comparable" in proc.stdout and "workload.hidden_size" in proc.stdout
 
 
 def test_gpus_used_counts_the_union_of_the_jobs_devices():
