@@ -214,6 +214,10 @@ def test_grpo_mode_tiny(tmp_path):
     assert not os.path.exists(tmp_path / "bad" / "launcher.log"), "nothing is launched"
 
 
+# The workload fields _qwen3_config's shape decides, in the order the tests list its values.
+QWEN3_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+
+
 def _qwen3_config(path):
     from transformers import Qwen3Config
 
@@ -298,8 +302,7 @@ def test_grpo_mode_on_a_hf_configs_shape(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = _load(out)
     w = r["workload"]
-    shape = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
-    assert tuple(w[k] for k in shape) == (2, 48, 4, 2, 80, 300) and w["dtype"] == "float32"
+    assert tuple(w[k] for k in QWEN3_SHAPE) == (2, 48, 4, 2, 80, 300) and w["dtype"] == "float32"
     assert r["settings"]["hf_config"] == qwen3 and r["settings"]["actor_overrides"] == []
     assert f"generated tokens), the shape of {qwen3}: 2 layers, hidden 48," in proc.stdout
     assert "ran with overrides" not in proc.stdout, "the shape is the workload line's, not a user's override"
@@ -336,8 +339,7 @@ def test_ppo_mode_on_a_hf_configs_shape(tmp_path, results):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = _load(out)
     w = r["workload"]
-    shape = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
-    assert tuple(w[k] for k in shape) == (2, 48, 4, 2, 80, 300) and w["rollouts"] == 8
+    assert tuple(w[k] for k in QWEN3_SHAPE) == (2, 48, 4, 2, 80, 300) and w["rollouts"] == 8
     assert r["settings"]["hf_config"] == qwen3 and r["settings"]["critic_overrides"] == []
     assert f"generated tokens), the shape of {qwen3}: 2 layers, hidden 48," in proc.stdout
     started = {
