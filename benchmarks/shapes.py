@@ -41,10 +41,12 @@ def model_from_hf_config(path: str):
     """The ModelConfig of a Hugging Face causal LM's shape from its config.json (the file, or the directory holding
     it) in bf16: a benchmark timed on random weights of a team's own model without its weights. ValueError names
     what is wrong (no such file, not JSON, an architecture or setting aligner does not convert, a sequence
-    classifier). Positions are capped at a sliding window shorter than the context (Mistral v0.1, Phi-3 mini 4k), as
-    the converter's --max-position-embeddings caps them, instead of refusing the model: the benchmarks' few hundred
-    tokens lie within any released model's window, where full causal attention is the same function."""
+    classifier). Positions are capped at a sliding window shorter than the context (Mistral v0.1, Phi-3 mini 4k) and
+    at LongRoPE's pre-training context (Phi-3.5), as the converter's --max-position-embeddings caps them, instead of
+    refusing the model: the benchmarks' few hundred tokens lie within both, where the capped model is the same
+    function."""
     from aligner.checkpoint.hf import model_config_from_hf, normalized_hf_config
+    from aligner.families.spec import hf_rope, longrope_numbers
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     try:
@@ -59,6 +61,10 @@ def model_from_hf_config(path: str):
     hf = normalized_hf_config(raw)
     window, positions = hf.get("sliding_window"), hf.get("max_position_embeddings")
     cap = window if window and positions and window < positions else None
+    _, rope_type, params = hf_rope(hf)
+    original, _ = longrope_numbers(hf, params) if rope_type == "longrope" else (None, 1.0)
+    if original and positions and original < (cap or positions):
+        cap = original
     cfg, _, model_type = model_config_from_hf(hf, params_dtype="bfloat16", max_position_embeddings=cap)
     if model_type != "policy":
         raise ValueError(f"--hf-config {file} describes a {model_type} model: the benchmarks time causal LMs")

@@ -6,6 +6,7 @@ always changes the output, saved with a tiny word-level tokenizer of fewer ids t
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -15,7 +16,7 @@ N_TOKENS = 90  # tokenizer ids: fewer than the embedding rows, as in many HF mod
 TOKENS_BT = torch.randint(1, N_TOKENS, (2, 12), generator=torch.Generator().manual_seed(3))
 KINDS = (
     "llama", "mistral", "qwen2", "gpt2", "llama_reward", "llama3", "llama3_reward", "qwen3", "qwen3_reward", "phi3",
-    "phi3_reward",
+    "phi3_reward", "phi3_longrope",
 )  # fmt: skip
 REWARD_KINDS = ("llama_reward", "gpt2_reward", "llama3_reward", "qwen3_reward", "phi3_reward")
 # Llama 3.1's RoPE scaling with other numbers than megatron's hard-coded ones (1, 4, 8192), chosen so the tiny model's
@@ -29,6 +30,28 @@ LLAMA3_ROPE = {
     "high_freq_factor": 6.0,
     "original_max_position_embeddings": 48,
 }
+# Phi-3.5-style LongRoPE: 256 positions of which 64 pre-trained, so HF derives the attention factor sqrt(1 + ln 4 /
+# ln 64) = 1.1547 (cos and sin times that); one short and one long factor per frequency (head width 16: 8), unlike
+# each other and far from 1, so that frequencies taken from the wrong list, or none, change every position's angle.
+LONGROPE_ATTENTION = (1 + math.log(4) / math.log(64)) ** 0.5
+# converter caps (--max-position-embeddings) a kind needs: LongRoPE is converted within its pre-training context
+CONVERT_CAP = {"phi3_longrope": 64}
+
+
+def longrope_parameters(pairs: int, original: int) -> dict:
+    """HF rope_parameters of a LongRoPE with `pairs` frequencies (head width / 2): short factors rising from 1 to 11,
+    long ones 4x those."""
+    short = [round(1 + 10 * (i / (pairs - 1)) ** 2, 4) for i in range(pairs)]
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": short,
+        "long_factor": [4 * f for f in short],
+        "original_max_position_embeddings": original,
+        "partial_rotary_factor": 1.0,  # what transformers adds at a config's creation (a later assignment lacks it)
+    }
+
+
 QWEN3_HEAD_DIM = 24  # not hidden_size / heads = 16: q is [96, 64], o_proj [64, 96]
 
 
@@ -79,6 +102,12 @@ def hf_config(kind: str):
     if kind in ("phi3", "phi3_reward"):  # q/k/v as one qkv_proj, gate and up as one gate_up_proj
         labels = {"num_labels": 1} if kind.endswith("reward") else {}
         return tf.Phi3Config(**llama, rope_parameters={"rope_type": "default", "rope_theta": 250000.0}, **labels)
+    if kind == "phi3_longrope":  # Phi-3.5 mini / Phi-3 128k: LongRoPE over a longer context than pre-trained
+        return tf.Phi3Config(
+            **dict(llama, max_position_embeddings=256),
+            original_max_position_embeddings=64,
+            rope_parameters=longrope_parameters(8, 64),
+        )
     gpt2 = dict(
         vocab_size=VOCAB,
         n_embd=64,
@@ -111,6 +140,7 @@ def hf_class(kind: str):
         "qwen3_reward": tf.Qwen3ForSequenceClassification,
         "phi3": tf.Phi3ForCausalLM,
         "phi3_reward": tf.Phi3ForSequenceClassification,
+        "phi3_longrope": tf.Phi3ForCausalLM,
         "gpt2": tf.GPT2LMHeadModel,
         "gpt2_reward": tf.GPT2ForSequenceClassification,
     }[kind]

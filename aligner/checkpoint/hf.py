@@ -34,7 +34,7 @@ import torch
 from aligner.checkpoint.dist_ckpt import CheckpointMismatchError
 from aligner.config.schema import ModelConfig
 from aligner.families import FamilySpec, HFVariant, UnsupportedModelError, families, family
-from aligner.families.spec import LLAMA3_ROPE_KEYS, hf_rope
+from aligner.families.spec import LLAMA3_ROPE_KEYS, LONGROPE_FIELDS, hf_rope, longrope_numbers
 from aligner.families.spec import hf_get as _get
 
 Read = Callable[[str], torch.Tensor]
@@ -151,6 +151,13 @@ def model_config_from_hf(
             fields["rope_scaling"] = "llama3"
             for key, field in LLAMA3_ROPE_KEYS:
                 fields[field] = type(getattr(ModelConfig, field))(params[key])
+        if rope_type == "longrope":  # the same: both factor lists and the pre-training context are there
+            fields["rope_scaling"] = "longrope"
+            original, attention = longrope_numbers(hf_cfg, params)
+            fields["rope_scaling_original_max_position_embeddings"] = original
+            fields["rope_scaling_attention_factor"] = attention
+            fields["rope_scaling_short_factor"] = [float(x) for x in params["short_factor"]]
+            fields["rope_scaling_long_factor"] = [float(x) for x in params["long_factor"]]
     cfg = ModelConfig(
         arch=spec.name,
         add_qkv_bias=variant.qkv_bias,
@@ -209,6 +216,7 @@ def hf_config_for_export(cfg: ModelConfig, model_type: str, source: dict | None,
         "kv_channels",
         "rope_scaling",
         *(field for _, field in LLAMA3_ROPE_KEYS if cfg.rope_scaling == "llama3"),
+        *(LONGROPE_FIELDS if cfg.rope_scaling == "longrope" else ()),
     ):
         if getattr(check, field) != getattr(cfg, field) and not (field == "tie_embeddings" and model_type == "reward"):
             raise CheckpointMismatchError(
@@ -235,6 +243,17 @@ def _config_from_model(cfg: ModelConfig) -> dict:
         if cfg.rope_scaling == "llama3":
             kwargs["rope_parameters"].update({"rope_type": "llama3"})
             kwargs["rope_parameters"].update({key: values[field] for key, field in LLAMA3_ROPE_KEYS})
+        if cfg.rope_scaling == "longrope":
+            # the attention factor written out: HF would otherwise derive it from the (capped) max_position_embeddings
+            original = cfg.rope_scaling_original_max_position_embeddings
+            kwargs["rope_parameters"].update(
+                rope_type="longrope",
+                short_factor=list(cfg.rope_scaling_short_factor),
+                long_factor=list(cfg.rope_scaling_long_factor),
+                original_max_position_embeddings=original,
+                attention_factor=cfg.rope_scaling_attention_factor,
+            )
+            kwargs["original_max_position_embeddings"] = original  # Phi3Config's own top-level key (default 4096)
     hf = getattr(transformers, variant.config_class)(**kwargs)
     hf.architectures = [variant.causal_lm]
     out = hf.to_dict()

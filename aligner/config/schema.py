@@ -45,11 +45,15 @@ class ModelConfig:
     attention_dropout: float = 0.0  # dropout of the attention probabilities
     checkpoint: Optional[str] = None  # a dist checkpoint (e.g. from scripts/convert_hf_to_nemo.py) to load
     tokenizer: Optional[str] = None  # path to an HF tokenizer (directory or tokenizer.json)
-    rope_scaling: Optional[Literal["llama3"]] = None  # RoPE frequency scaling: null = plain; llama3 = Llama 3.1+'s
+    # RoPE frequency scaling: null = plain; llama3 = Llama 3.1+'s; longrope = Phi-3 128k's and Phi-3.5's (short factors)
+    rope_scaling: Optional[Literal["llama3", "longrope"]] = None  # null | llama3 | longrope (see the line above)
     rope_scaling_factor: float = 8.0  # llama3 scaling: low frequencies are divided by this (Llama 3.1: 8, 3.2: 32)
     rope_scaling_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/this are scaled
     rope_scaling_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/this are kept
-    rope_scaling_original_max_position_embeddings: int = 8192  # llama3 scaling: the pre-training context length
+    rope_scaling_original_max_position_embeddings: int = 8192  # llama3 / longrope scaling: the pre-training context
+    rope_scaling_short_factor: Optional[list[float]] = None  # longrope: each frequency's divisor (head_dim / 2 numbers)
+    rope_scaling_long_factor: Optional[list[float]] = None  # longrope: those beyond the pre-training context (export)
+    rope_scaling_attention_factor: float = 1.0  # longrope: RoPE's cos and sin are multiplied by this (HF's)
     head_dim: Optional[int] = None  # width of one attention head (megatron's kv_channels); None = hidden / heads
     qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
     # Activation recomputation in training: memory for compute, a runtime setting never taken from a checkpoint.
@@ -161,6 +165,27 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
             model.rope_scaling_original_max_position_embeddings > 0,
             f"{prefix}.rope_scaling_original_max_position_embeddings",
             "must be positive",
+        )
+    if model.rope_scaling == "longrope":
+        pairs = model.kv_channels // 2
+        for name in ("rope_scaling_short_factor", "rope_scaling_long_factor"):
+            factors = getattr(model, name)
+            _check(
+                factors is not None and len(factors) == pairs and all(f > 0 for f in factors),
+                f"{prefix}.{name}",
+                f"longrope needs {pairs} positive numbers (one per frequency: head width / 2), got {factors}",
+            )
+        _check(
+            model.max_position_embeddings <= model.rope_scaling_original_max_position_embeddings,
+            f"{prefix}.max_position_embeddings",
+            f"longrope is supported within its pre-training context: at most "
+            f"rope_scaling_original_max_position_embeddings={model.rope_scaling_original_max_position_embeddings}, "
+            f"got {model.max_position_embeddings}",
+        )
+        _check(
+            model.rope_scaling_attention_factor > 0,
+            f"{prefix}.rope_scaling_attention_factor",
+            f"must be positive, got {model.rope_scaling_attention_factor}",
         )
     groups = model.num_query_groups or model.num_attention_heads
     _check(

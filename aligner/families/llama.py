@@ -1,9 +1,9 @@
 """The Llama family: Llama 2 and 3.x, Mistral, Qwen2 (q/k/v biases) and Qwen3 dense (per-head q/k RMSNorm, an explicit
 head_dim).
 
-RMSNorm, SwiGLU (fc1 = [gate; up]), RoPE (non-interleaved, whole head; plain or with Llama 3.1's "llama3" frequency
-scaling), no biases except Qwen2's on q/k/v, untied embeddings unless the config says otherwise (Llama 3.2 1B/3B and
-small Qwen models tie them).
+RMSNorm, SwiGLU (fc1 = [gate; up]), RoPE (non-interleaved, whole head; plain, with Llama 3.1's "llama3" frequency
+scaling or with LongRoPE's short factors, as Phi-3.5 writes them), no biases except Qwen2's on q/k/v, untied
+embeddings unless the config says otherwise (Llama 3.2 1B/3B and small Qwen models tie them).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from aligner.families.spec import (
     UnsupportedModelError,
     hf_get,
     hf_rope,
+    longrope_numbers,
 )
 
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "longrope")
 
 
 def sliding_layers(hf_cfg, variant: HFVariant) -> int:
@@ -55,12 +56,14 @@ def check_hf_config(hf_cfg, variant: HFVariant) -> None:
         unsupported(
             "rope_parameters.rope_type",
             rope_type,
-            f"supported RoPE types are {', '.join(ROPE_TYPES)} (plain, and Llama 3.1's frequency scaling)",
+            f"supported RoPE types are {', '.join(ROPE_TYPES)} (plain, Llama 3.1's and Phi-3.5's frequency scalings)",
         )
     if rope_type == "llama3":
         missing = [key for key, _ in LLAMA3_ROPE_KEYS if params.get(key) is None]
         if missing:
             unsupported("rope_parameters", params, f"a 'llama3' RoPE needs {', '.join(missing)}")
+    if rope_type == "longrope":
+        _check_longrope(hf_cfg, params, unsupported)
     partial = params.get("partial_rotary_factor", hf_get(hf_cfg, "partial_rotary_factor", 1.0))
     if partial not in (None, 1.0):
         unsupported("partial_rotary_factor", partial, "only RoPE over the whole head (1.0) is supported")
@@ -77,6 +80,26 @@ def check_hf_config(hf_cfg, variant: HFVariant) -> None:
             f"sliding-window attention shorter than max_position_embeddings={max_pos} is not supported; "
             f"pass --max-position-embeddings {window} to convert for sequences within the window "
             "(where full causal attention is exact)",
+        )
+
+
+def _check_longrope(hf_cfg, params: dict, unsupported) -> None:
+    """LongRoPE within the pre-training context only: there HF rotates every position by the short factors (beyond it,
+    by the long ones, from the first position on, once a sequence is longer), so positions capped at it are exact."""
+    missing = [key for key in ("short_factor", "long_factor") if params.get(key) is None]
+    original, _ = longrope_numbers(hf_cfg, params)
+    if original is None:
+        missing.append("original_max_position_embeddings")
+    if missing:
+        unsupported("rope_parameters", params, f"a 'longrope' RoPE needs {', '.join(missing)}")
+    max_pos = hf_get(hf_cfg, "max_position_embeddings")
+    if max_pos > original:
+        unsupported(
+            "max_position_embeddings",
+            max_pos,
+            f"LongRoPE beyond its pre-training context (original_max_position_embeddings={original}, where HF switches "
+            f"to the long factors) is not supported; pass --max-position-embeddings {original} to convert for "
+            "sequences within it (the short factors: exact)",
         )
 
 

@@ -1,10 +1,12 @@
-"""The Phi-3 family (`Phi3ForCausalLM`): Phi-4 as released, Phi-3 mini/medium 4k within their window.
+"""The Phi-3 family (`Phi3ForCausalLM`): Phi-4 as released, Phi-3 mini/medium 4k within their window, Phi-3.5 mini
+and Phi-3 128k within their pre-training context.
 
 The model is the Llama family's (RMSNorm, SwiGLU, RoPE over the whole head, GQA, no biases); what differs is how HF
 stores it: q, k and v as one `qkv_proj` tensor ([q | k | v], each for all heads) and the MLP's gate and up as one
 `gate_up_proj` ([gate; up], megatron's own fc1 layout). A config.json 'sliding_window' windows every layer (Phi-3
-mini/medium 4k: 2047; Phi-4: none), so the Llama check applies as it is. LongRoPE ('longrope', Phi-3 128k, Phi-3.5,
-Phi-4-mini) and a partial rotary factor (Phi-4-mini: 0.75) are refused by that check, by name.
+mini/medium 4k: 2047; Phi-4: none), so the Llama check applies as it is. So does its LongRoPE ('longrope', Phi-3
+128k, Phi-3.5): accepted within the pre-training context (aligner.models.rope); a partial rotary factor (Phi-4-mini:
+0.75) is refused by that check, by name.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ Pure data and small helpers, no torch at import time (see the package docstring 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +19,13 @@ LLAMA3_ROPE_KEYS = (
     ("low_freq_factor", "rope_scaling_low_freq_factor"),
     ("high_freq_factor", "rope_scaling_high_freq_factor"),
     ("original_max_position_embeddings", "rope_scaling_original_max_position_embeddings"),
+)
+# the ModelConfig fields of a "longrope" RoPE (aligner.checkpoint.hf reads them off config.json)
+LONGROPE_FIELDS = (
+    "rope_scaling_original_max_position_embeddings",
+    "rope_scaling_attention_factor",
+    "rope_scaling_short_factor",
+    "rope_scaling_long_factor",
 )
 
 
@@ -37,6 +45,21 @@ def hf_rope(hf_cfg) -> tuple[float, str, dict]:
     theta = params.get("rope_theta", hf_get(hf_cfg, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     return float(theta), rope_type, params
+
+
+def longrope_numbers(hf_cfg, params: dict) -> tuple[int | None, float]:
+    """(original_max_position_embeddings, attention_factor) of a "longrope" RoPE (Phi-3 128k, Phi-3.5), as
+    transformers reads them: the pre-training context from the rope parameters or the config's top level; the factor
+    on cos and sin given, or sqrt(1 + ln(s) / ln(original)) for s = the given 'factor' or max_position_embeddings /
+    original (1 where s <= 1). The full max_position_embeddings counts here even where positions are capped."""
+    original = params.get("original_max_position_embeddings") or hf_get(hf_cfg, "original_max_position_embeddings")
+    if original is None:
+        return None, 1.0
+    attention = params.get("attention_factor")
+    if attention is None:
+        scale = params.get("factor") or hf_get(hf_cfg, "max_position_embeddings") / original
+        attention = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+    return int(original), float(attention)
 
 
 @dataclass(frozen=True)

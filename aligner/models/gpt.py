@@ -26,7 +26,7 @@ from aligner.models import logprobs
 from aligner.models.attention import SDPAttention
 from aligner.models.dtypes import torch_dtype
 from aligner.models.norm import TorchNorm
-from aligner.models.rope import rope_inv_freq
+from aligner.models.rope import rope_inv_freq, softmax_scale
 from aligner.parallel.device import current_device, on_gpu
 
 
@@ -90,6 +90,7 @@ def transformer_config(cfg: ModelConfig, pipeline_dtype: torch.dtype | None = No
         use_cpu_initialization=on_cpu,
         perform_initialization=True,
         attention_softmax_in_fp32=True,
+        softmax_scale=softmax_scale(cfg),  # None: 1 / sqrt(head width); LongRoPE's attention factor squared on it
         # megatron's sequence parallelism (with TP > 1 only): the embedding scatters the sequence over the TP ranks,
         # the parallel linears all-gather / reduce-scatter it, the output layer gathers it back; inputs must then be
         # a multiple of TP long (aligner.models.gpt.pad_for_sequence_parallel)

@@ -287,6 +287,21 @@ def test_a_sliding_window_caps_the_benchmarks_positions(tmp_path):
     paths = [f"model.tokenizer={tokenizer}", f"data.train_file={prompts}"]
     cfg = load_actor_config(["--config-name", "bench/grpo_step_actor_tiny", *paths, *shape_overrides(model)])
     assert {k: getattr(cfg.model, k) for k in SHAPE_KEYS} == {k: getattr(model, k) for k in SHAPE_KEYS}
+    # Phi-3.5-style LongRoPE: capped at its pre-training context (64 of 256 positions), its factor lists carried over
+    pairs = 8
+    longrope = {"rope_type": "longrope", "short_factor": [1.0 + i for i in range(pairs)], "long_factor": [9.0] * pairs}
+    hf = Phi3Config(**{**hf.to_dict(), "max_position_embeddings": 256, "sliding_window": None})
+    hf.original_max_position_embeddings, hf.rope_parameters = 64, {**hf.rope_parameters, **longrope}
+    hf.rope_parameters["original_max_position_embeddings"] = 64
+    hf.save_pretrained(tmp_path / "phi35")
+    model = model_from_hf_config(str(tmp_path / "phi35"))
+    assert (model.rope_scaling, model.max_position_embeddings, model.rope_scaling_short_factor[-1]) == (
+        "longrope",
+        64,
+        8,
+    )
+    cfg = load_actor_config(["--config-name", "bench/grpo_step_actor_tiny", *paths, *shape_overrides(model)])
+    assert {k: getattr(cfg.model, k) for k in SHAPE_KEYS} == {k: getattr(model, k) for k in SHAPE_KEYS}
 
 
 def test_grpo_mode_on_a_hf_configs_shape(tmp_path):

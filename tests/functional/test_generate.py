@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from convert_models import CONVERT_CAP
 from tiny_assets import CHAT, MAX_NEW, ROWS, hf_greedy, make_source, prompt_ids, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +36,7 @@ def converted(tmp_path_factory):
         if kind not in cache:
             root = tmp_path_factory.mktemp(kind)
             model, hf_tok, stop = make_source(kind, root / "hf")
-            convert_hf_to_dist(str(root / "hf"), str(root / "ckpt"))
+            convert_hf_to_dist(str(root / "hf"), str(root / "ckpt"), max_position_embeddings=CONVERT_CAP.get(kind))
             cache[kind] = (root, model, hf_tok, stop)
         return cache[kind]
 
@@ -43,8 +44,8 @@ def converted(tmp_path_factory):
 
 
 # llama3: Llama 3.2-style (llama3 RoPE scaling, tied embeddings); qwen3: per-head q/k norms, head_dim 24 != 64 / 4;
-# phi3: fused qkv_proj and gate_up_proj
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3", "phi3"])
+# phi3: fused qkv_proj and gate_up_proj; phi3_longrope: Phi-3.5's LongRoPE (short factors, attention factor)
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3", "phi3", "phi3_longrope"])
 def test_greedy_generate_equals_hf_generate(tmp_path, converted, kind):
     root, model, hf_tok, stop = converted(kind)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", ROWS)

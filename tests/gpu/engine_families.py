@@ -4,7 +4,8 @@ against megatron's own forward of the same sequences on the same GPU.
 
 Families, at small sizes with peaked output distributions (init std 0.08): Llama with GQA and a qkv bias (Qwen2's
 shape), Llama 3.2-style (llama3 RoPE scaling, tied embeddings), Qwen3-style (per-head q/k norms, head width 128 !=
-hidden / heads), GPT-2 (learned positions, LayerNorm, GELU, biases, tied). Each with the engine's defaults and with
+hidden / heads), Phi-3.5-style (LongRoPE: short factors, its attention factor as the attention's scale), GPT-2
+(learned positions, LayerNorm, GELU, biases, tied). Each with the engine's defaults and with
 FP8 decode weights and an FP8 KV cache (`generation.decode_weights` / `kv_dtype`). Per case, ragged prompts:
 
 - greedy: the engine's log-probs against megatron's forward of the engine's sequences (one pass) in the model's dtype
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -36,6 +38,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from aligner.config.schema import ModelConfig  # noqa: E402
+
+
+def longrope_factors(pairs: int) -> dict:
+    """LongRoPE's short and long factors for `pairs` frequencies (head width / 2): rising from 1 to 11, and 4x."""
+    short = [round(1 + 10 * (i / (pairs - 1)) ** 2, 4) for i in range(pairs)]
+    return dict(rope_scaling_short_factor=short, rope_scaling_long_factor=[4 * f for f in short])
+
 
 BASE = dict(
     num_layers=4,
@@ -58,6 +67,16 @@ FAMILIES = {
         **BASE,
     ),
     "qwen3-style": ModelConfig(arch="llama", head_dim=128, qk_layernorm=True, rotary_base=1e6, **BASE),
+    # Phi-3.5's LongRoPE within its pre-training context: short factors, and Phi-3.5's attention factor (4096 of
+    # 131072 positions pre-trained: sqrt(1 + ln 32 / ln 4096)) as the attention's scale
+    "phi3.5-style": ModelConfig(
+        arch="phi3",
+        rope_scaling="longrope",
+        rope_scaling_original_max_position_embeddings=2048,
+        rope_scaling_attention_factor=(1 + math.log(32) / math.log(4096)) ** 0.5,
+        **longrope_factors(32),
+        **BASE,
+    ),
     "gpt2": ModelConfig(
         arch="gpt2",
         tie_embeddings=True,
@@ -81,6 +100,7 @@ def tiny(cfg: ModelConfig) -> ModelConfig:
         head_dim=24 if cfg.head_dim else None,
         init_method_std=0.2,
         params_dtype="float32",
+        **(longrope_factors(8) if cfg.rope_scaling == "longrope" else {}),
     )
 
 

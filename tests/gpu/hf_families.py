@@ -35,24 +35,29 @@ sys.path.insert(0, HERE)
 from engine_families import finish  # noqa: E402
 
 KINDS = (
-    "llama", "mistral", "qwen2", "llama3", "qwen3", "phi3", "gpt2", "llama_reward", "qwen3_reward", "phi3_reward",
-    "gpt2_reward",
+    "llama", "mistral", "qwen2", "llama3", "qwen3", "phi3", "phi3_longrope", "gpt2", "llama_reward", "qwen3_reward",
+    "phi3_reward", "gpt2_reward",
 )  # fmt: skip
 LIMIT_TO_HF_BF16, MAX_TO_HF_BF16, SLACK = 1.5, 3.0, 1e-3  # see the module docstring
 
 
 def sizes(kind: str, hidden: int) -> dict:
     """HF config fields for a model the GPU kernels take (head width 64; Qwen3's 128, not hidden / heads)."""
+    from convert_models import longrope_parameters
+
     if kind.startswith("gpt2"):
         return {"n_embd": hidden, "n_head": hidden // 64, "n_positions": 128}
     out = {"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 64}
     out.update(num_key_value_heads=2, max_position_embeddings=128)  # 2 layers (the configs' per-layer lists)
     out["head_dim"] = 128 if kind.startswith("qwen3") else 64  # set at the config's creation: not derived again
+    if kind.endswith("longrope"):  # 128 of 512 positions pre-trained (Phi-3.5: 4096 of 131072), converted within them
+        out.update(max_position_embeddings=512, original_max_position_embeddings=128)
+        out["rope_parameters"] = longrope_parameters(32, 128)
     return out
 
 
 def run_kind(kind: str, args, device, workdir: str) -> dict:
-    from convert_models import hf_outputs, make_hf
+    from convert_models import CONVERT_CAP, hf_outputs, make_hf
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from aligner.checkpoint.convert import convert_hf_to_dist, load_model_yaml
@@ -66,7 +71,8 @@ def run_kind(kind: str, args, device, workdir: str) -> dict:
     std = 0.15 if args.tiny else 0.15 * (64 / args.hidden) ** 0.5
     overrides = None if args.tiny else sizes(kind, args.hidden)
     hf = make_hf(kind, hf_dir, seed=args.seed, dtype=dtype, overrides=overrides, std=std)
-    convert_hf_to_dist(hf_dir, conv)
+    cap = None if kind not in CONVERT_CAP else 128 if overrides else CONVERT_CAP[kind]  # (sizes' pre-training context)
+    convert_hf_to_dist(hf_dir, conv, max_position_embeddings=cap)
     cfg = replace(load_model_yaml(os.path.join(conv, "model.yaml")), rope_fusion=args.rope_fusion)
     reward = kind.endswith("reward")
     ours = build_gpt(cfg, head="scalar" if reward else "lm")

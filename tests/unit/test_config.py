@@ -89,6 +89,15 @@ def test_missing_config_lists_available(conf_dir):
         load_config(JobConfig, "nope", [], str(conf_dir))
 
 
+# a valid LongRoPE for the base config's head width (16: eight frequencies) and its positions
+LONGROPE = [
+    "model.rope_scaling=longrope",
+    "model.rope_scaling_short_factor=[1,2,3,4,5,6,7,8]",
+    "model.rope_scaling_long_factor=[2,4,6,8,10,12,14,16]",
+    "model.rope_scaling_original_max_position_embeddings=2048",
+]
+
+
 @pytest.mark.parametrize(
     "overrides, key, words",
     [
@@ -126,6 +135,18 @@ def test_missing_config_lists_available(conf_dir):
             "below rope_scaling_high_freq_factor=4.0",
         ),
         (["model.arch=gpt2", "model.rope_scaling=llama3"], "model.rope_scaling", "has no RoPE to scale"),
+        (["model.rope_scaling=longrope"], "model.rope_scaling_short_factor", "longrope needs 8 positive numbers"),
+        (
+            [*LONGROPE, "model.rope_scaling_long_factor=[1,2,3]"],
+            "model.rope_scaling_long_factor",
+            "got [1.0, 2.0, 3.0]",
+        ),
+        (
+            [*LONGROPE, "model.rope_scaling_original_max_position_embeddings=64"],
+            "model.max_position_embeddings",
+            "within its pre-training context: at most rope_scaling_original_max_position_embeddings=64, got 2048",
+        ),
+        ([*LONGROPE, "model.rope_scaling_attention_factor=0"], "model.rope_scaling_attention_factor", "positive"),
     ],
 )
 def test_validation_errors_name_the_key(conf_dir, overrides, key, words):

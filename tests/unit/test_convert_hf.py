@@ -7,7 +7,18 @@ import os
 
 import pytest
 import torch
-from convert_models import KINDS, N_TOKENS, TOKENS_BT, VOCAB, hf_outputs, hf_tensors, make_hf, tiny_tokenizer, write_bin
+from convert_models import (
+    CONVERT_CAP,
+    KINDS,
+    N_TOKENS,
+    TOKENS_BT,
+    VOCAB,
+    hf_outputs,
+    hf_tensors,
+    make_hf,
+    tiny_tokenizer,
+    write_bin,
+)
 from dist import free_port
 
 from aligner.checkpoint import convert
@@ -43,7 +54,7 @@ def test_hf_to_ours_to_hf(kind, tmp_path):
 
     hf_dir, conv, back = str(tmp_path / "hf"), str(tmp_path / "conv"), str(tmp_path / "back")
     hf = make_hf(kind, hf_dir)
-    convert_hf_to_dist(hf_dir, conv)
+    convert_hf_to_dist(hf_dir, conv, max_position_embeddings=CONVERT_CAP.get(kind))
     reward = kind.endswith("reward")
     info = json.load(open(os.path.join(conv, "conversion.json")))
     assert info["model_type"] == ("reward" if reward else "policy")

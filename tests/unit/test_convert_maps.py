@@ -1,6 +1,7 @@
 """HF <-> megatron maps without a model: layouts by hand, exact inverses, config checks and their messages, files."""
 
 import json
+import math
 import os
 
 import pytest
@@ -265,15 +266,48 @@ def test_phi3_configs_as_released():
     with pytest.raises(UnsupportedModelError, match="'sliding_window' = 15.*--max-position-embeddings 15"):
         model_config_from_hf(normalized_hf_config(windowed))
     assert model_config_from_hf(normalized_hf_config(windowed), max_position_embeddings=15)[0].arch == "phi3"
-    # Phi-3 128k, Phi-3.5, Phi-4-mini: LongRoPE; Phi-4-mini also rotates 3/4 of each head
-    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [2.0]}
-    with pytest.raises(UnsupportedModelError, match="rope_type' = 'longrope'"):
-        model_config_from_hf(normalized_hf_config(dict(PHI3, rope_parameters=longrope)))
+    # Phi-3 128k, Phi-3.5: LongRoPE, its pre-training context (16) at the top level as they write it, 32 positions
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.5], "long_factor": [3.0]}
+    phi35 = normalized_hf_config(dict(PHI3, rope_scaling=longrope, original_max_position_embeddings=16))
+    with pytest.raises(
+        UnsupportedModelError, match="original_max_position_embeddings=16.*--max-position-embeddings 16"
+    ):
+        model_config_from_hf(phi35)
+    cfg, _, _ = model_config_from_hf(phi35, max_position_embeddings=16)
+    assert (cfg.rope_scaling, cfg.rope_scaling_short_factor, cfg.rope_scaling_long_factor) == ("longrope", [1.5], [3.0])
+    assert cfg.rope_scaling_original_max_position_embeddings == cfg.max_position_embeddings == 16
+    assert cfg.rope_scaling_attention_factor == pytest.approx(1.25**0.5, rel=1e-12)  # sqrt(1 + ln(32/16) / ln 16)
+    built = hf_config_for_export(cfg, "policy", None, "float32")  # no source: 16 positions, the factor written out
+    assert built["max_position_embeddings"] == 16 and built["rope_parameters"]["attention_factor"] == 1.25**0.5
+    assert model_config_from_hf(normalized_hf_config(built))[0] == cfg
+    # transformers' own LongRoPE on the exported config: our frequencies and attention factor, bit for bit
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from aligner.models.rope import rope_inv_freq, softmax_scale
+
+    theirs, factor = ROPE_INIT_FUNCTIONS["longrope"](Phi3Config(**built), "cpu", seq_len=16)
+    assert torch.equal(rope_inv_freq(cfg), theirs) and factor == cfg.rope_scaling_attention_factor
+    assert softmax_scale(cfg) == pytest.approx(1.25 / 2**0.5, rel=1e-12)  # a^2 / sqrt(head width 2)
+    # transformers 4's name for it (Phi-3 128k's first config.json files)
+    legacy = normalized_hf_config(
+        dict(PHI3, rope_scaling={**longrope, "type": "su"}, original_max_position_embeddings=16)
+    )
+    assert model_config_from_hf(legacy, max_position_embeddings=16)[0] == cfg
+    # a given attention factor or factor is HF's, as written
+    for extra, expected in (
+        ({"attention_factor": 1.1}, 1.1),
+        ({"factor": 4.0}, (1 + math.log(4) / math.log(16)) ** 0.5),
+    ):
+        raw = dict(PHI3, rope_parameters={**longrope, **extra}, original_max_position_embeddings=16)
+        cfg = model_config_from_hf(normalized_hf_config(raw), max_position_embeddings=16)[0]
+        assert cfg.rope_scaling_attention_factor == pytest.approx(expected, rel=1e-12)
     # a config transformers itself rejects (one factor per rotated pair: 1 here) is one error, not its traceback
     broken = dict(longrope, short_factor=[1.0, 1.0])
     rejected = r"\(model_type 'phi3'\) is rejected by transformers: .*short_factor"
     with pytest.raises(UnsupportedModelError, match=rejected):
         normalized_hf_config(dict(PHI3, rope_parameters=broken))
+    # Phi-4-mini rotates 3/4 of each head: refused by name
     partial = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
     with pytest.raises(UnsupportedModelError, match="'partial_rotary_factor'"):
         model_config_from_hf(normalized_hf_config(dict(PHI3, rope_parameters=partial)))

@@ -111,8 +111,10 @@ class Decoder:
         inv_freq: torch.Tensor | None = None,
         decode_fp8: fp8.DecodeFp8 | None = None,
         decode_gemm: str = "cublas",
+        softmax_scale: float | None = None,
     ):
         """`inv_freq` [head_dim / 2] float32: RoPE's frequencies, those of the policy model (rope families).
+        `softmax_scale`: the attention's logit scale, the policy's (None: 1 / sqrt(head width)).
         `decode_fp8`: FP8 copies of the MLP and output weights, read by decode steps (fp8.py).
         `decode_gemm`: "splitk" runs decode's row-parallel projections with the split-K kernel (TP=1 only)."""
         if decode_gemm == "splitk" and layout.tp > 1:
@@ -138,7 +140,7 @@ class Decoder:
         self.cache_slots = -(-max_seq // chunk) * chunk if self.kv_fp8 else max_seq
         self.kv_scale: torch.Tensor | None = None
         self.seq_major = decode_attention in ("sdpa", "flash")  # the cache layout (module docstring)
-        self.scale = layout.head_dim**-0.5
+        self.scale = layout.head_dim**-0.5 if softmax_scale is None else softmax_scale
         # Compiled kernels (compile_elementwise): decode's for its fixed shapes per batch size (captured in the CUDA
         # graphs), prefill's for any batch and prompt width (compiled once with symbolic shapes).
         fam, eps, qk_norm = layout.family, layout.norm_eps, layout.qk_norm

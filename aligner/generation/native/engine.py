@@ -166,6 +166,7 @@ class NativeEngine:
             inv_freq=module.rotary_pos_emb.inv_freq if layout.family.rope else None,
             decode_fp8=decode_fp8,
             decode_gemm=decode_gemm,
+            softmax_scale=config.softmax_scale,
         )
         # The token choice of a step and its bookkeeping: fused into a few kernels where the layers' are (and, as
         # theirs, compiled a second time for steps of up to pdl.MAX_BATCH rows: programmatic dependent launch)
