@@ -16,7 +16,7 @@ N_TOKENS = 90  # tokenizer ids: fewer than the embedding rows, as in many HF mod
 TOKENS_BT = torch.randint(1, N_TOKENS, (2, 12), generator=torch.Generator().manual_seed(3))
 KINDS = (
     "llama", "mistral", "qwen2", "gpt2", "llama_reward", "llama3", "llama3_reward", "qwen3", "qwen3_reward", "phi3",
-    "phi3_reward", "phi3_longrope",
+    "phi3_reward", "phi3_longrope", "phi4mini",
 )  # fmt: skip
 REWARD_KINDS = ("llama_reward", "gpt2_reward", "llama3_reward", "qwen3_reward", "phi3_reward")
 # Llama 3.1's RoPE scaling with other numbers than megatron's hard-coded ones (1, 4, 8192), chosen so the tiny model's
@@ -35,12 +35,12 @@ LLAMA3_ROPE = {
 # each other and far from 1, so that frequencies taken from the wrong list, or none, change every position's angle.
 LONGROPE_ATTENTION = (1 + math.log(4) / math.log(64)) ** 0.5
 # converter caps (--max-position-embeddings) a kind needs: LongRoPE is converted within its pre-training context
-CONVERT_CAP = {"phi3_longrope": 64}
+CONVERT_CAP = {"phi3_longrope": 64, "phi4mini": 64}
 
 
-def longrope_parameters(pairs: int, original: int) -> dict:
-    """HF rope_parameters of a LongRoPE with `pairs` frequencies (head width / 2): short factors rising from 1 to 11,
-    long ones 4x those."""
+def longrope_parameters(pairs: int, original: int, partial: float = 1.0) -> dict:
+    """HF rope_parameters of a LongRoPE with `pairs` frequencies (rotated width / 2: head width x `partial` / 2):
+    short factors rising from 1 to 11, long ones 4x those."""
     short = [round(1 + 10 * (i / (pairs - 1)) ** 2, 4) for i in range(pairs)]
     return {
         "rope_type": "longrope",
@@ -48,7 +48,7 @@ def longrope_parameters(pairs: int, original: int) -> dict:
         "short_factor": short,
         "long_factor": [4 * f for f in short],
         "original_max_position_embeddings": original,
-        "partial_rotary_factor": 1.0,  # what transformers adds at a config's creation (a later assignment lacks it)
+        "partial_rotary_factor": partial,  # (what transformers adds at a config's creation; an assignment lacks it)
     }
 
 
@@ -108,6 +108,13 @@ def hf_config(kind: str):
             original_max_position_embeddings=64,
             rope_parameters=longrope_parameters(8, 64),
         )
+    if kind == "phi4mini":  # Phi-4-mini: LongRoPE over 3/4 of each head (12 of 16 channels), the rest passed through
+        return tf.Phi3Config(
+            **dict(llama, max_position_embeddings=256),
+            original_max_position_embeddings=64,
+            partial_rotary_factor=0.75,
+            rope_parameters=longrope_parameters(6, 64, 0.75),
+        )
     gpt2 = dict(
         vocab_size=VOCAB,
         n_embd=64,
@@ -141,6 +148,7 @@ def hf_class(kind: str):
         "phi3": tf.Phi3ForCausalLM,
         "phi3_reward": tf.Phi3ForSequenceClassification,
         "phi3_longrope": tf.Phi3ForCausalLM,
+        "phi4mini": tf.Phi3ForCausalLM,
         "gpt2": tf.GPT2LMHeadModel,
         "gpt2_reward": tf.GPT2ForSequenceClassification,
     }[kind]

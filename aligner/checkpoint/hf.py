@@ -34,7 +34,13 @@ import torch
 from aligner.checkpoint.dist_ckpt import CheckpointMismatchError
 from aligner.config.schema import ModelConfig
 from aligner.families import FamilySpec, HFVariant, UnsupportedModelError, families, family
-from aligner.families.spec import LLAMA3_ROPE_KEYS, LONGROPE_FIELDS, hf_rope, longrope_numbers
+from aligner.families.spec import (
+    LLAMA3_ROPE_KEYS,
+    LONGROPE_FIELDS,
+    hf_rope,
+    longrope_numbers,
+    partial_rotary_factor,
+)
 from aligner.families.spec import hf_get as _get
 
 Read = Callable[[str], torch.Tensor]
@@ -147,6 +153,7 @@ def model_config_from_hf(
     fields["init_method_std"] = _get(hf_cfg, keys["init_method_std"], ModelConfig.init_method_std)
     if spec.rope:
         fields["rotary_base"], rope_type, params = hf_rope(hf_cfg)
+        fields["rotary_percent"] = partial_rotary_factor(hf_cfg, params)  # check_config: 1, or a variant's own
         if rope_type == "llama3":  # check_config accepted it: all four numbers are there
             fields["rope_scaling"] = "llama3"
             for key, field in LLAMA3_ROPE_KEYS:
@@ -214,6 +221,7 @@ def hf_config_for_export(cfg: ModelConfig, model_type: str, source: dict | None,
         "add_qkv_bias",
         "qk_layernorm",
         "kv_channels",
+        "rotary_percent",
         "rope_scaling",
         *(field for _, field in LLAMA3_ROPE_KEYS if cfg.rope_scaling == "llama3"),
         *(LONGROPE_FIELDS if cfg.rope_scaling == "longrope" else ()),
@@ -254,6 +262,9 @@ def _config_from_model(cfg: ModelConfig) -> dict:
                 attention_factor=cfg.rope_scaling_attention_factor,
             )
             kwargs["original_max_position_embeddings"] = original  # Phi3Config's own top-level key (default 4096)
+        if cfg.rotary_percent != 1.0:  # (a variant whose HF model rotates part of the head: check_config)
+            kwargs["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_percent
+            kwargs["partial_rotary_factor"] = cfg.rotary_percent
     hf = getattr(transformers, variant.config_class)(**kwargs)
     hf.architectures = [variant.causal_lm]
     out = hf.to_dict()

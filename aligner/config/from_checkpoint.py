@@ -48,6 +48,7 @@ SHAPE_KEYS = (
     "rope_scaling_short_factor",
     "rope_scaling_long_factor",
     "rope_scaling_attention_factor",
+    "rotary_percent",
     "norm_epsilon",
     "tie_embeddings",
     "add_qkv_bias",

@@ -54,6 +54,7 @@ class ModelConfig:
     rope_scaling_short_factor: Optional[list[float]] = None  # longrope: each frequency's divisor (head_dim / 2 numbers)
     rope_scaling_long_factor: Optional[list[float]] = None  # longrope: those beyond the pre-training context (export)
     rope_scaling_attention_factor: float = 1.0  # longrope: RoPE's cos and sin are multiplied by this (HF's)
+    rotary_percent: float = 1.0  # the share of each head's width RoPE rotates, the rest passing (Phi-4-mini: 0.75)
     head_dim: Optional[int] = None  # width of one attention head (megatron's kv_channels); None = hidden / heads
     qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
     # Activation recomputation in training: memory for compute, a runtime setting never taken from a checkpoint.
@@ -68,6 +69,11 @@ class ModelConfig:
     def kv_channels(self) -> int:
         """The width of one attention head."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+def rotated_width(model: ModelConfig) -> int:
+    """How many of a head's channels RoPE rotates (HF's and megatron's int(head width x share))."""
+    return int(model.kv_channels * model.rotary_percent)
 
 
 @dataclass
@@ -166,14 +172,22 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
             f"{prefix}.rope_scaling_original_max_position_embeddings",
             "must be positive",
         )
+    if rope:
+        rotated = rotated_width(model)
+        _check(
+            0 < model.rotary_percent <= 1 and rotated > 0 and rotated % 2 == 0,
+            f"{prefix}.rotary_percent",
+            f"must be in (0, 1] and rotate an even number of the head's {model.kv_channels} channels, got "
+            f"{model.rotary_percent} ({rotated} channels)",
+        )
     if model.rope_scaling == "longrope":
-        pairs = model.kv_channels // 2
+        pairs = rotated_width(model) // 2
         for name in ("rope_scaling_short_factor", "rope_scaling_long_factor"):
             factors = getattr(model, name)
             _check(
                 factors is not None and len(factors) == pairs and all(f > 0 for f in factors),
                 f"{prefix}.{name}",
-                f"longrope needs {pairs} positive numbers (one per frequency: head width / 2), got {factors}",
+                f"longrope needs {pairs} positive numbers (one per frequency: rotated width / 2), got {factors}",
             )
         _check(
             model.max_position_embeddings <= model.rope_scaling_original_max_position_embeddings,
@@ -186,6 +200,12 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
             model.rope_scaling_attention_factor > 0,
             f"{prefix}.rope_scaling_attention_factor",
             f"must be positive, got {model.rope_scaling_attention_factor}",
+        )
+        _check(
+            model.rotary_percent == 1 or model.attention_backend in ("auto", "sdpa"),
+            f"{prefix}.attention_backend",
+            f"{model.attention_backend!r} cannot scale the channels RoPE passes (LongRoPE's attention factor with "
+            "rotary_percent < 1, as Phi-4-mini): use auto or sdpa",
         )
     groups = model.num_query_groups or model.num_attention_heads
     _check(

@@ -1,8 +1,9 @@
 """The Llama family: Llama 2 and 3.x, Mistral, Qwen2 (q/k/v biases) and Qwen3 dense (per-head q/k RMSNorm, an explicit
 head_dim).
 
-RMSNorm, SwiGLU (fc1 = [gate; up]), RoPE (non-interleaved, whole head; plain, with Llama 3.1's "llama3" frequency
-scaling or with LongRoPE's short factors, as Phi-3.5 writes them), no biases except Qwen2's on q/k/v, untied
+RMSNorm, SwiGLU (fc1 = [gate; up]), RoPE (non-interleaved, over the whole head or, where the HF variant rotates part of
+it, the share its config names; plain, with Llama 3.1's "llama3" frequency scaling or with LongRoPE's short factors,
+as Phi-3.5 writes them), no biases except Qwen2's on q/k/v, untied
 embeddings unless the config says otherwise (Llama 3.2 1B/3B and small Qwen models tie them).
 """
 
@@ -17,6 +18,7 @@ from aligner.families.spec import (
     hf_get,
     hf_rope,
     longrope_numbers,
+    partial_rotary_factor,
 )
 
 ROPE_TYPES = ("default", "llama3", "longrope")
@@ -64,9 +66,11 @@ def check_hf_config(hf_cfg, variant: HFVariant) -> None:
             unsupported("rope_parameters", params, f"a 'llama3' RoPE needs {', '.join(missing)}")
     if rope_type == "longrope":
         _check_longrope(hf_cfg, params, unsupported)
-    partial = params.get("partial_rotary_factor", hf_get(hf_cfg, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        unsupported("partial_rotary_factor", partial, "only RoPE over the whole head (1.0) is supported")
+    partial = partial_rotary_factor(hf_cfg, params)
+    if partial != 1.0 and not variant.partial_rotary:
+        unsupported(
+            "partial_rotary_factor", partial, f"{variant.model_type} models rotate the whole head (1.0) in HF as here"
+        )
     layer_types = hf_get(hf_cfg, "layer_types") or []
     other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if other:

@@ -47,6 +47,12 @@ def hf_rope(hf_cfg) -> tuple[float, str, dict]:
     return float(theta), rope_type, params
 
 
+def partial_rotary_factor(hf_cfg, params: dict) -> float:
+    """The share of each head RoPE rotates: the rope parameters' or the config's top level (Phi-4-mini: 0.75)."""
+    partial = params.get("partial_rotary_factor", hf_get(hf_cfg, "partial_rotary_factor", 1.0))
+    return 1.0 if partial is None else float(partial)
+
+
 def longrope_numbers(hf_cfg, params: dict) -> tuple[int | None, float]:
     """(original_max_position_embeddings, attention_factor) of a "longrope" RoPE (Phi-3 128k, Phi-3.5), as
     transformers reads them: the pre-training context from the rope parameters or the config's top level; the factor
@@ -75,6 +81,7 @@ class HFVariant:
     # a config.json 'sliding_window' windows every layer (Mistral, Phi-3), unless 'layer_types' / 'use_sliding_window'
     # say which layers (Qwen2, Qwen3)
     window_every_layer: bool = False
+    partial_rotary: bool = False  # HF's model rotates the first partial_rotary_factor of each head (Phi-3: Phi-4-mini)
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,6 @@ class FamilySpec:
     tie_embeddings: bool  # when an HF config does not say (tie_word_embeddings)
     hf: HFFormat
     rotary_interleaved: bool = False  # RoPE pairs: halves (rotate_half), not interleaved; see generation/native
-    rotary_percent: float = 1.0  # the share of each head's dimensions rotated
 
     def __post_init__(self):
         for field, value, allowed in (

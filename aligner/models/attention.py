@@ -70,7 +70,10 @@ class SDPAttention(MegatronModule):
         softmax_scale=None,
         cp_comm_type=None,
         pg_collection=None,
+        passed_channels: tuple[int, float] | None = None,
     ):
+        """`passed_channels` = (c, s): each head's channels from c on (those RoPE passes through) of q and k times s
+        first (aligner.models.rope.passed_channel_scale: LongRoPE's attention factor with part of the head rotated)."""
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPAttention does not support context parallelism")
@@ -82,6 +85,7 @@ class SDPAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.passed_channels = passed_channels
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -92,6 +96,9 @@ class SDPAttention(MegatronModule):
                 "SDPAttention: THD packed sequences and attention bias are not supported "
                 "(pack with an attention_mask or aligner.models.attention.Segments)"
             )
+        if self.passed_channels is not None:
+            first, scale = self.passed_channels
+            query, key = (torch.cat((x[..., :first], x[..., first:] * scale), dim=-1) for x in (query, key))
         if packed_seq_params is not None:
             return self._segments(query, key, value, packed_seq_params)
         if query.shape[0] != key.shape[0] and query.shape[0] != 1:

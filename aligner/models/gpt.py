@@ -19,14 +19,15 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
-from aligner.config.schema import ModelConfig
+from aligner.config.schema import ModelConfig, rotated_width
 from aligner.families import family
 from aligner.models import logprobs
 from aligner.models.attention import SDPAttention
 from aligner.models.dtypes import torch_dtype
 from aligner.models.norm import TorchNorm
-from aligner.models.rope import rope_inv_freq, softmax_scale
+from aligner.models.rope import passed_channel_scale, rope_inv_freq, softmax_scale
 from aligner.parallel.device import current_device, on_gpu
 
 
@@ -124,7 +125,8 @@ def _recompute(cfg: ModelConfig) -> dict:
 def layer_spec(cfg: ModelConfig, config: TransformerConfig):
     """Transformer Engine's layer spec, or megatron's local one with our attention core and norms (aligner.models.norm:
     they work under sequence parallelism); the local one as a whole block so that the final norm is ours too."""
-    backend = resolve_attention_backend(cfg.attention_backend)
+    passed = passed_channel_scale(cfg)  # schema.validate_model allows this with auto or sdpa only
+    backend = "sdpa" if passed is not None else resolve_attention_backend(cfg.attention_backend)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -138,6 +140,9 @@ def layer_spec(cfg: ModelConfig, config: TransformerConfig):
         layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = TorchNorm
     if backend == "sdpa":
         layer.self_attention.submodules.core_attention = SDPAttention
+        if passed is not None:
+            params = {"passed_channels": (rotated_width(cfg), passed)}
+            layer.self_attention.submodules.core_attention = ModuleSpec(module=SDPAttention, params=params)
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 
@@ -187,7 +192,7 @@ def build_gpt(cfg: ModelConfig, head: str = "lm") -> GPTModel:
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_embeddings and head == "lm",
         position_embedding_type=traits.position_embedding,
-        rotary_percent=traits.rotary_percent,
+        rotary_percent=cfg.rotary_percent,
         rotary_base=int(cfg.rotary_base),
     )
     if traits.rope:

@@ -10,7 +10,8 @@ the frequencies are bit-identical to those of the HF model a checkpoint was conv
   original/high_freq_factor: unchanged; between: (1 - s) * inv_freq / factor + s * inv_freq with
   s = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
   longrope (within the pre-training context): inv_freq_i = 1 / (short_factor_i * base^(2i / d)). Its attention
-  factor (on cos and sin, so on q and k alike) is the attention's: `softmax_scale(cfg)`.
+  factor (on cos and sin, so on q and k alike) is the attention's: `softmax_scale(cfg)`;
+with d the rotated width: the whole head, or its first rotary_percent (Phi-4-mini: 3/4), the rest passed through.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import math
 
 import torch
 
+from aligner.config.schema import rotated_width
+
 
 def rope_inv_freq(cfg) -> torch.Tensor:
-    """float32 [head_dim / 2] on the CPU."""
-    dim = cfg.kv_channels
+    """float32 [rotated width / 2] on the CPU (rotated width = head width x rotary_percent, HF's and megatron's)."""
+    dim = rotated_width(cfg)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     if cfg.rope_scaling == "longrope":
         short = torch.tensor(cfg.rope_scaling_short_factor, dtype=torch.float32)
@@ -54,3 +57,13 @@ def softmax_scale(cfg) -> float | None:
     if cfg.rope_scaling != "longrope" or cfg.rope_scaling_attention_factor == 1.0:
         return None
     return cfg.rope_scaling_attention_factor**2 / math.sqrt(cfg.kv_channels)
+
+
+def passed_channel_scale(cfg) -> float | None:
+    """With part of each head rotated (rotary_percent < 1) the attention factor a scales only the rotated channels'
+    product; the scale a^2 / sqrt(d) then also needs the passed channels of q and k each divided by a (so their
+    product by a^2): this factor, 1 / a, applied by the attention (aligner.models.attention, the engine's RoPE tables).
+    None where nothing is passed or a = 1."""
+    if softmax_scale(cfg) is None or rotated_width(cfg) == cfg.kv_channels:
+        return None
+    return 1.0 / cfg.rope_scaling_attention_factor

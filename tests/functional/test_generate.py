@@ -44,8 +44,12 @@ def converted(tmp_path_factory):
 
 
 # llama3: Llama 3.2-style (llama3 RoPE scaling, tied embeddings); qwen3: per-head q/k norms, head_dim 24 != 64 / 4;
-# phi3: fused qkv_proj and gate_up_proj; phi3_longrope: Phi-3.5's LongRoPE (short factors, attention factor)
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3", "phi3", "phi3_longrope"])
+# phi3: fused qkv_proj and gate_up_proj; phi3_longrope: Phi-3.5's LongRoPE (short factors, attention factor);
+# phi4mini: LongRoPE over 3/4 of each head
+KINDS = ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3", "phi3", "phi3_longrope", "phi4mini"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_generate_equals_hf_generate(tmp_path, converted, kind):
     root, model, hf_tok, stop = converted(kind)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", ROWS)

@@ -4,7 +4,8 @@ against megatron's own forward of the same sequences on the same GPU.
 
 Families, at small sizes with peaked output distributions (init std 0.08): Llama with GQA and a qkv bias (Qwen2's
 shape), Llama 3.2-style (llama3 RoPE scaling, tied embeddings), Qwen3-style (per-head q/k norms, head width 128 !=
-hidden / heads), Phi-3.5-style (LongRoPE: short factors, its attention factor as the attention's scale), GPT-2
+hidden / heads), Phi-3.5-style (LongRoPE: short factors, its attention factor as the attention's scale),
+Phi-4-mini-style (the same over 3/4 of each head, the rest passed through), GPT-2
 (learned positions, LayerNorm, GELU, biases, tied). Each with the engine's defaults and with
 FP8 decode weights and an FP8 KV cache (`generation.decode_weights` / `kv_dtype`). Per case, ragged prompts:
 
@@ -77,6 +78,16 @@ FAMILIES = {
         **longrope_factors(32),
         **BASE,
     ),
+    # Phi-4-mini's: the same over 3/4 of each head (48 of 64 channels), the rest passed through
+    "phi4-mini-style": ModelConfig(
+        arch="phi3",
+        rope_scaling="longrope",
+        rope_scaling_original_max_position_embeddings=2048,
+        rope_scaling_attention_factor=(1 + math.log(32) / math.log(4096)) ** 0.5,
+        rotary_percent=0.75,
+        **longrope_factors(24),
+        **BASE,
+    ),
     "gpt2": ModelConfig(
         arch="gpt2",
         tie_embeddings=True,
@@ -100,7 +111,7 @@ def tiny(cfg: ModelConfig) -> ModelConfig:
         head_dim=24 if cfg.head_dim else None,
         init_method_std=0.2,
         params_dtype="float32",
-        **(longrope_factors(8) if cfg.rope_scaling == "longrope" else {}),
+        **(longrope_factors(int(16 * cfg.rotary_percent) // 2) if cfg.rope_scaling == "longrope" else {}),
     )
 
 

@@ -35,8 +35,8 @@ sys.path.insert(0, HERE)
 from engine_families import finish  # noqa: E402
 
 KINDS = (
-    "llama", "mistral", "qwen2", "llama3", "qwen3", "phi3", "phi3_longrope", "gpt2", "llama_reward", "qwen3_reward",
-    "phi3_reward", "gpt2_reward",
+    "llama", "mistral", "qwen2", "llama3", "qwen3", "phi3", "phi3_longrope", "phi4mini", "gpt2", "llama_reward",
+    "qwen3_reward", "phi3_reward", "gpt2_reward",
 )  # fmt: skip
 LIMIT_TO_HF_BF16, MAX_TO_HF_BF16, SLACK = 1.5, 3.0, 1e-3  # see the module docstring
 
@@ -50,9 +50,12 @@ def sizes(kind: str, hidden: int) -> dict:
     out = {"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 64}
     out.update(num_key_value_heads=2, max_position_embeddings=128)  # 2 layers (the configs' per-layer lists)
     out["head_dim"] = 128 if kind.startswith("qwen3") else 64  # set at the config's creation: not derived again
-    if kind.endswith("longrope"):  # 128 of 512 positions pre-trained (Phi-3.5: 4096 of 131072), converted within them
+    if kind == "phi3_longrope":  # 128 of 512 positions pre-trained (Phi-3.5: 4096 of 131072)
         out.update(max_position_embeddings=512, original_max_position_embeddings=128)
         out["rope_parameters"] = longrope_parameters(32, 128)
+    if kind == "phi4mini":  # the same over 3/4 of each head: 48 of 64 channels, 24 frequencies
+        out.update(max_position_embeddings=512, original_max_position_embeddings=128, partial_rotary_factor=0.75)
+        out["rope_parameters"] = longrope_parameters(24, 128, 0.75)
     return out
 
 

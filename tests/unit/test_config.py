@@ -147,6 +147,21 @@ LONGROPE = [
             "within its pre-training context: at most rope_scaling_original_max_position_embeddings=64, got 2048",
         ),
         ([*LONGROPE, "model.rope_scaling_attention_factor=0"], "model.rope_scaling_attention_factor", "positive"),
+        (["model.rotary_percent=0.7"], "model.rotary_percent", "an even number of the head's 16 channels, got 0.7"),
+        (["model.rotary_percent=0"], "model.rotary_percent", "must be in (0, 1]"),
+        (  # LongRoPE over 3/4 of the head (6 frequencies) with its attention factor: only SDPA scales the rest
+            [
+                "model.rope_scaling=longrope",
+                "model.rotary_percent=0.75",
+                "model.rope_scaling_short_factor=[1,2,3,4,5,6]",
+                "model.rope_scaling_long_factor=[2,4,6,8,10,12]",
+                "model.rope_scaling_original_max_position_embeddings=2048",
+                "model.rope_scaling_attention_factor=1.2",
+                "model.attention_backend=te",
+            ],
+            "model.attention_backend",
+            "'te' cannot scale the channels RoPE passes",
+        ),
     ],
 )
 def test_validation_errors_name_the_key(conf_dir, overrides, key, words):

@@ -307,10 +307,21 @@ def test_phi3_configs_as_released():
     rejected = r"\(model_type 'phi3'\) is rejected by transformers: .*short_factor"
     with pytest.raises(UnsupportedModelError, match=rejected):
         normalized_hf_config(dict(PHI3, rope_parameters=broken))
-    # Phi-4-mini rotates 3/4 of each head: refused by name
+    # Phi-4-mini rotates 3/4 of each head (here: 1 pair of a head of 4 channels, with LongRoPE), as its config.json
+    # says at the top level; Llama's HF model has no partial rotation: refused there by name
+    # (a rope dict of its own: transformers fills in the one it is given, partial_rotary_factor 1.0 included)
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.5], "long_factor": [3.0]}
+    phi4mini = dict(PHI3, hidden_size=16, rope_scaling=rope, original_max_position_embeddings=16)
+    cfg, _, _ = model_config_from_hf(normalized_hf_config(dict(phi4mini, partial_rotary_factor=0.5)), "float32", 16)
+    assert (cfg.rotary_percent, cfg.kv_channels, cfg.rope_scaling_short_factor) == (0.5, 4, [1.5])
+    built = hf_config_for_export(cfg, "policy", None, "float32")
+    assert built["partial_rotary_factor"] == built["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert model_config_from_hf(normalized_hf_config(built))[0] == cfg
+    theirs, _ = ROPE_INIT_FUNCTIONS["longrope"](Phi3Config(**built), "cpu", seq_len=16)
+    assert torch.equal(rope_inv_freq(cfg), theirs)  # the rotated width's frequencies (2 of 4 channels: 1)
     partial = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
-    with pytest.raises(UnsupportedModelError, match="'partial_rotary_factor'"):
-        model_config_from_hf(normalized_hf_config(dict(PHI3, rope_parameters=partial)))
+    with pytest.raises(UnsupportedModelError, match="'partial_rotary_factor' = 0.5: llama models rotate the whole"):
+        model_config_from_hf(normalized_hf_config(dict(LLAMA, rope_parameters=partial)))
 
 
 def test_unsupported_gpt2_features():

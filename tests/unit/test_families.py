@@ -42,7 +42,7 @@ def test_llama_traits():
     spec = family("llama")
     assert (spec.normalization, spec.activation, spec.gated_mlp, spec.linear_bias) == ("RMSNorm", "silu", True, False)
     assert (spec.position_embedding, spec.rope) == ("rope", True)
-    assert (spec.rotary_interleaved, spec.rotary_percent) == (False, 1.0)
+    assert not spec.rotary_interleaved
     assert not spec.norm_bias and not spec.tie_embeddings
     assert not spec.qkv_bias(ModelConfig(arch="llama")) and spec.qkv_bias(ModelConfig(arch="llama", add_qkv_bias=True))
     hf = spec.hf
@@ -60,7 +60,7 @@ def test_llama_traits():
 
 def test_phi3_is_llamas_model_under_fused_tensor_names():
     spec, llama = family("phi3"), family("llama")
-    traits = ("normalization", "activation", "gated_mlp", "linear_bias", "position_embedding", "rotary_percent")
+    traits = ("normalization", "activation", "gated_mlp", "linear_bias", "position_embedding", "rotary_interleaved")
     assert all(getattr(spec, t) == getattr(llama, t) for t in traits) and not spec.tie_embeddings
     modules = dict(spec.hf.layer_modules)
     assert modules["self_attention.linear_qkv"] == ("self_attn.qkv_proj",)  # one [q | k | v]

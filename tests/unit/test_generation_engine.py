@@ -70,6 +70,24 @@ QWEN3 = ModelConfig(
     qk_layernorm=True,
     rotary_base=1e6,
 )
+# Phi-4-mini-style: LongRoPE over 3/4 of each head (12 of 16 channels, 6 frequencies), its attention factor on the
+# scale and on the passed channels (aligner.models.rope.passed_channel_scale)
+PHI4MINI = ModelConfig(
+    arch="phi3",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=V,
+    init_method_std=0.2,
+    rotary_percent=0.75,
+    rope_scaling="longrope",
+    rope_scaling_short_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0],
+    rope_scaling_long_factor=[4.0] * 6,
+    rope_scaling_original_max_position_embeddings=2048,
+    rope_scaling_attention_factor=1.25,
+)
 GEN = GenerationConfig(max_batch_size=5, max_prompt_length=10, max_response_length=12, kv_block=4, check_done_every=3)
 PROMPTS = torch.randint(0, V, (4, 10), generator=torch.Generator().manual_seed(5))
 LENGTHS = torch.tensor([3, 10, 1, 6])
@@ -124,6 +142,9 @@ def _responses(out):
         (LLAMA, "triton-fp8kv"),
         (QWEN3, "triton-fp8kv"),
         (GPT2, "triton-fp8kv"),
+        (PHI4MINI, "matmul"),
+        (PHI4MINI, "triton"),
+        (PHI4MINI, "triton-fp8kv"),
     ],
     ids=[
         "llama-matmul",
@@ -141,6 +162,9 @@ def _responses(out):
         "llama-triton-fp8kv",  # an FP8 KV cache (generation.kv_dtype): RoPE and the cache writes by the kernel
         "qwen3-triton-fp8kv",  # ... the step's key and value from the q/k-norm RoPE kernel, quantized by the kernel
         "gpt2-triton-fp8kv",  # ... learned positions: no RoPE, the kernel quantizes and writes the projection's rows
+        "phi4mini-matmul",  # part of each head rotated, the rest passed through scaled
+        "phi4mini-triton",  # ... by the kernel's RoPE
+        "phi4mini-triton-fp8kv",
     ],
 )
 def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
@@ -175,7 +199,7 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
         angles = torch.outer(
             torch.arange(GEN.max_prompt_length + GEN.max_response_length).float(), model.rotary_pos_emb.inv_freq
         )
-        assert torch.equal(engine.decoder.cos[:, : cfg.kv_channels // 2], torch.cos(angles))
+        assert torch.equal(engine.decoder.cos[:, : angles.shape[1]], torch.cos(angles))
     out = engine.generate(_padded_prompts(), LENGTHS, SamplingParams(greedy=True))
     if gemm == "splitk":  # 11 decode steps (the first token comes from prefill) x 2 layers
         assert len(calls) == 11 * 2 * (2 if cfg.arch == "gpt2" else 1)

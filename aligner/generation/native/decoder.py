@@ -112,9 +112,12 @@ class Decoder:
         decode_fp8: fp8.DecodeFp8 | None = None,
         decode_gemm: str = "cublas",
         softmax_scale: float | None = None,
+        passed_scale: float | None = None,
     ):
         """`inv_freq` [head_dim / 2] float32: RoPE's frequencies, those of the policy model (rope families).
-        `softmax_scale`: the attention's logit scale, the policy's (None: 1 / sqrt(head width)).
+        `softmax_scale`: the attention's logit scale, the policy's (None: 1 / sqrt(head width)). `inv_freq` may rotate
+        fewer channels than the head has (rotary_percent < 1): the rest pass through, times `passed_scale` where set
+        (aligner.models.rope.passed_channel_scale), as the cos of the RoPE tables.
         `decode_fp8`: FP8 copies of the MLP and output weights, read by decode steps (fp8.py).
         `decode_gemm`: "splitk" runs decode's row-parallel projections with the split-K kernel (TP=1 only)."""
         if decode_gemm == "splitk" and layout.tp > 1:
@@ -144,12 +147,16 @@ class Decoder:
         # Compiled kernels (compile_elementwise): decode's for its fixed shapes per batch size (captured in the CUDA
         # graphs), prefill's for any batch and prompt width (compiled once with symbolic shapes).
         fam, eps, qk_norm = layout.family, layout.norm_eps, layout.qk_norm
-        self.k = make_kernels(fam, eps, compile_elementwise, qk_norm, max_batch=max_batch)
+        self.rotated = None if inv_freq is None else 2 * inv_freq.shape[0]  # RoPE's channels of a head
+        rot = self.rotated
+        self.k = make_kernels(fam, eps, compile_elementwise, qk_norm, max_batch=max_batch, rotated=rot)
         # decode steps of up to pdl.MAX_BATCH rows: the same kernels compiled for programmatic dependent launch
         self.k_pdl = self.k
         if compile_elementwise and pdl.inductor_options(device):
-            self.k_pdl = make_kernels(fam, eps, True, qk_norm, max_batch=max_batch, pdl_device=torch.device(device))
-        self.k_prefill = make_kernels(fam, eps, compile_elementwise, qk_norm, prefill=True)
+            self.k_pdl = make_kernels(
+                fam, eps, True, qk_norm, max_batch=max_batch, pdl_device=torch.device(device), rotated=rot
+            )
+        self.k_prefill = make_kernels(fam, eps, compile_elementwise, qk_norm, prefill=True, rotated=rot)
         if decode_fp8 is not None and decode_gemm == "splitk" and fam.normalization == "RMSNorm":
             # After the Triton GEMMs, the add+norm+quantize and the activation's quantization by one-program-per-row
             # Triton kernels (rows.py: faster than the compiled looped reductions at these widths)
@@ -174,12 +181,18 @@ class Decoder:
         self.cos = self.sin_signed = None
         if layout.family.rope:
             # megatron's RotaryEmbedding: the angles in float32, cos/sin cast to the activation dtype.
-            if inv_freq is None or tuple(inv_freq.shape) != (layout.head_dim // 2,):
-                raise ValueError(f"a RoPE model needs inv_freq of shape ({layout.head_dim // 2},)")
+            if inv_freq is None or inv_freq.dim() != 1 or not 0 < inv_freq.shape[0] <= layout.head_dim // 2:
+                raise ValueError(f"a RoPE model needs inv_freq of shape (n,), n <= {layout.head_dim // 2}")
             inv_freq = inv_freq.to(device=device, dtype=torch.float32)
             freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32, device=device), inv_freq)
-            self.cos = torch.cos(torch.cat((freqs, freqs), dim=-1)).to(weights.dtype)
-            self.sin_signed = torch.sin(torch.cat((-freqs, freqs), dim=-1)).to(weights.dtype)  # [-sin, sin]
+            # channels past the rotated ones: cos 1 (or the passed channels' scale) and sin 0, so the same kernels
+            # pass them through
+            rest = torch.ones(max_seq, layout.head_dim - self.rotated, device=device)
+            passed = rest * (1.0 if passed_scale is None else passed_scale)
+            self.cos = torch.cos(torch.cat((freqs, freqs), dim=-1))
+            self.cos = torch.cat((self.cos, passed), dim=-1).to(weights.dtype)
+            self.sin_signed = torch.sin(torch.cat((-freqs, freqs), dim=-1))  # [-sin, sin]
+            self.sin_signed = torch.cat((self.sin_signed, 0 * rest), dim=-1).to(weights.dtype)
 
     # -- KV cache ------------------------------------------------------------------------------------------
     def alloc_kv(self) -> None:
@@ -550,7 +563,7 @@ class Decoder:
                 out = triton_decode.decode_attention(
                     qkv5[:, :, :r], kv[i, 0, :B], cached_values(i), pos_B, self.scale, splits,
                     new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i), shared=shared,
-                    groups=groups, qk_norm=qk_norm(lw),
+                    groups=groups, qk_norm=qk_norm(lw), rotated=self.rotated,
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
             q, kv_new = kernels.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]

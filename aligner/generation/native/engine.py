@@ -38,6 +38,7 @@ from aligner.generation.native.decoder import Decoder, Layout, flash_decode_unav
 from aligner.generation.native.sampling import choose_and_record, keys_for_seeds, uniforms_for_seeds
 from aligner.generation.native.weights import EngineWeights, unwrap_policy
 from aligner.models.dtypes import torch_dtype
+from aligner.models.rope import passed_channel_scale
 from aligner.parallel.device import triton_available
 
 PREFILL_WIDTH_STEP = 64  # a prefill graph's prompt width: the chunk's, rounded up to a multiple of this
@@ -67,10 +68,8 @@ class NativeEngine:
         if pp_group is None and not (module.pre_process and module.post_process):
             raise ValueError("this policy is one pipeline stage but megatron's parallel state says PP=1")
         config = module.config
-        if getattr(config, "rotary_interleaved", False) or getattr(config, "rotary_percent", 1.0) != 1.0:
-            raise NotImplementedError(
-                "the native engine implements megatron's default RoPE only (non-interleaved, rotary_percent=1.0)"
-            )
+        if getattr(config, "rotary_interleaved", False):
+            raise NotImplementedError("the native engine implements megatron's default RoPE only (non-interleaved)")
         self.cfg, self.model_cfg = gen_cfg, model_cfg
         param = next(module.parameters())
         self.device = param.device
@@ -167,6 +166,7 @@ class NativeEngine:
             decode_fp8=decode_fp8,
             decode_gemm=decode_gemm,
             softmax_scale=config.softmax_scale,
+            passed_scale=passed_channel_scale(model_cfg),
         )
         # The token choice of a step and its bookkeeping: fused into a few kernels where the layers' are (and, as
         # theirs, compiled a second time for steps of up to pdl.MAX_BATCH rows: programmatic dependent launch)

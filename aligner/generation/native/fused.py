@@ -54,13 +54,16 @@ def make_kernels(
     prefill: bool = False,
     max_batch: int = 64,
     pdl_device: torch.device | None = None,
+    rotated: int | None = None,
 ) -> Kernels:
     """The kernels of one family; `compile_` wraps each in torch.compile, for the decode step's fixed shapes (each
     batch size up to `max_batch` its own compilation: allow_recompiles), or with
     `prefill` for any batch and prompt width (symbolic shapes) and with q returned contiguous: prefill's attention
     reads it as [B, H, T, D] without a copy, where a decode step's attention reads the strided view (a separate
     contiguous q costs the step a second RoPE kernel: measured slower on the H200). With `pdl_device` the decode
-    kernels are compiled for programmatic dependent launch there (aligner.generation.native.pdl), where it can."""
+    kernels are compiled for programmatic dependent launch there (aligner.generation.native.pdl), where it can.
+    `rotated`: the channels of a head RoPE rotates, where fewer than all (rotary_percent < 1; the RoPE tables pass the
+    rest with sin 0)."""
     # The family's traits as plain Python values, read here once: the kernels branch on constants only.
     rms, gated, rope = family.normalization == "RMSNorm", family.gated_mlp, family.rope
     act_fn = family.activation_func()
@@ -90,7 +93,12 @@ def make_kernels(
         if rope:
             # megatron: t*cos + rotate_half(t)*sin, rotate_half(t) = [-t2, t1]; with sin_signed = [-sin, sin]
             # that is t*cos + [t2, t1]*sin_signed, and [t2, t1] is a roll by half the head dimension.
-            qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * sin_signed
+            # With part of the head rotated: the roll over that part, the rest in place (its sin_signed is 0).
+            if rotated is None or rotated == qk.shape[-1]:
+                swapped = torch.roll(qk, qk.shape[-1] // 2, dims=-1)
+            else:
+                swapped = torch.cat((torch.roll(qk[..., :rotated], rotated // 2, dims=-1), qk[..., rotated:]), dim=-1)
+            qk = qk * cos + swapped * sin_signed
         q = qk[..., :r, :]
         return q.contiguous() if prefill else q, torch.stack((qk[..., r, :], qkv[..., r + 1, :]))
 

@@ -57,7 +57,8 @@ def fake_fp8(model, lengths_B, width: int, qkv: bool = False):
 def fp8_kv_cache(model):
     """Megatron's forward attending to keys and values as an FP8 KV cache holds them (generation.kv_dtype=fp8): each
     (token, group)'s key and value quantized by triton_decode.quantize_fp8 and dequantized, at every position (the
-    engine's prefill attends to them so too)."""
+    engine's prefill attends to them so too). Where the attention scales the channels RoPE passes
+    (SDPAttention.passed_channels), the engine's cache holds the key so scaled: it is quantized so here too."""
     from aligner.generation.native.triton_decode import quantize_fp8
 
     def dequantized(t):
@@ -66,7 +67,13 @@ def fp8_kv_cache(model):
 
     def hook(module, args):
         query, key, value, *rest = args
-        return (query, dequantized(key), dequantized(value), *rest)
+        passed = getattr(module, "passed_channels", None)
+        if passed is None:
+            return (query, dequantized(key), dequantized(value), *rest)
+        first, scale = passed
+        key = dequantized(torch.cat((key[..., :first], key[..., first:] * scale), dim=-1))
+        key = torch.cat((key[..., :first], key[..., first:] / scale), dim=-1)  # (the attention scales them again)
+        return (query, key, dequantized(value), *rest)
 
     handles = [layer.self_attention.core_attention.register_forward_pre_hook(hook) for layer in model.decoder.layers]
     try:

@@ -347,7 +347,10 @@ def _kernels():
         WRITE_NEW: tl.constexpr, ROPE: tl.constexpr, NATIVE_QK: tl.constexpr, NATIVE_PV: tl.constexpr,
         KV_FP8: tl.constexpr, PDL: tl.constexpr, V_CHUNK: tl.constexpr, EXP2: tl.constexpr, WARP_SLOTS: tl.constexpr,
         SHARED: tl.constexpr, GROUPS: tl.constexpr, BITS_CVT: tl.constexpr, QK_NORM: tl.constexpr,
+        ROTATED: tl.constexpr = 0,
     ):  # fmt: skip
+        # ROTATED: with ROPE, the channels of a head RoPE rotates where fewer than D (0: all); the rest pass through
+        # (the tables' sin is 0 there, so their partner does not matter: themselves)
         # EXP2: `scale` comes times log2(e) and every exponential is exp2 (scores, maxima and the split merge in base
         # 2: the same softmax, fewer products than exp's own x * log2(e))
         b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -375,7 +378,10 @@ def _kernels():
         n_keys = pos if WRITE_NEW else pos + 1
         rows, dims = tl.arange(0, R_PAD), tl.arange(0, D_PAD)
         qmask = (rows < R)[:, None] & (dims < D)[None, :]
-        swapped = (dims + D // 2) % D
+        if ROTATED == 0:
+            swapped = (dims + D // 2) % D
+        else:
+            swapped = tl.where(dims < ROTATED, (dims + ROTATED // 2) % ROTATED, dims)
         if WRITE_NEW:  # the step's own key and value, loaded here so their latency hides under the slot loop
             writes = pos // SPLIT_LEN == s
             if GROUPS:
@@ -691,6 +697,7 @@ def decode_attention(
     groups: tuple[torch.Tensor, torch.Tensor] | None = None,
     r_pad: int | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    rotated: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sample over its slots [0, pos_B[b]]; returns [B, G, r, D] in the cache's
     dtype. Shapes are static and nothing syncs with the host: safe inside a captured CUDA graph.
@@ -705,7 +712,8 @@ def decode_attention(
     either. `rope` needs `new_kv` (the rotated key is only ever written by the kernel). With `qk_norm` = (q weight,
     k weight, eps), each weight [D] in q's dtype (megatron's q_layernorm / k_layernorm as RMSNorm, Qwen3's), the
     kernel normalises each query head and the new key before rotating them (with `rope` only), as the engine's
-    rope_split does: the decode step then needs no kernel between the qkv projection and the attention.
+    rope_split does: the decode step then needs no kernel between the qkv projection and the attention. `rotated`:
+    the channels of a head RoPE rotates where fewer than D (rotary_percent < 1), the tables passing the rest.
 
     An FP8 cache (keys and values float8_e4m3fn, `kv_scales` = (key scales, value scales), each [B, G, T] float32,
     last dimension contiguous, equal strides: slot t's key is about keys[b, g, t] * key_scales[b, g, t]) is read in
@@ -846,6 +854,10 @@ def decode_attention(
         WARP_SLOTS=num_warps if warp_slots else 0, SHARED=shared is not None, GROUPS=groups is not None,
         BITS_CVT=bool(FP8_BITS_CVT) and fp8_gpu and native and NATIVE_QK and NATIVE_PV, QK_NORM=qk_norm is not None,
     )  # fmt: skip
+    if rotated is not None and rotated != D:  # (the whole head: the kernel's form as compiled before the option)
+        if rope is None or not 0 < rotated < D or rotated % 2:
+            raise ValueError(f"decode_attention: rotated={rotated} needs rope and an even count below D={D}")
+        common["ROTATED"] = rotated
     if num_stages is not None:
         common["num_stages"] = num_stages
     if maxnreg:
