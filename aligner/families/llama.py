@@ -3,8 +3,8 @@ head_dim).
 
 RMSNorm, SwiGLU (fc1 = [gate; up]), RoPE (non-interleaved, over the whole head or, where the HF variant rotates part of
 it, the share its config names; plain, with Llama 3.1's "llama3" frequency scaling or with LongRoPE's short factors,
-as Phi-3.5 writes them), no biases except Qwen2's on q/k/v, untied
-embeddings unless the config says otherwise (Llama 3.2 1B/3B and small Qwen models tie them).
+as Phi-3.5 writes them), no biases except Qwen2's on q/k/v, untied embeddings unless the config says otherwise (Llama
+3.2 1B/3B and small Qwen models tie them).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class Decoder:
         softmax_scale: float | None = None,
         passed_scale: float | None = None,
     ):
-        """`inv_freq` [head_dim / 2] float32: RoPE's frequencies, those of the policy model (rope families).
+        """`inv_freq` [rotated width / 2] float32: RoPE's frequencies, those of the policy model (rope families).
         `softmax_scale`: the attention's logit scale, the policy's (None: 1 / sqrt(head width)). `inv_freq` may rotate
         fewer channels than the head has (rotary_percent < 1): the rest pass through, times `passed_scale` where set
         (aligner.models.rope.passed_channel_scale), as the cos of the RoPE tables.
