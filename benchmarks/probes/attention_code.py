@@ -133,7 +133,7 @@ def compile_one(
         SPLIT_LEN=384, SPLITS=1, PRECISION="tf32",
         WRITE_NEW=True, ROPE=True, NATIVE_QK=True, NATIVE_PV=True, KV_FP8=kv == "fp8", PDL=True,
         V_CHUNK=triton_decode.V_CHUNK if kv == "fp8" else 0, EXP2=exp2, WARP_SLOTS=warps if warp_slots else 0,
-        SHARED=shared or groups, GROUPS=groups, BITS_CVT=bits_cvt, QK_NORM=False,
+        SHARED=shared or groups, GROUPS=groups, BITS_CVT=bits_cvt, QK_NORM=False, ROTATED=0,
     )  # fmt: skip
     options = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
