@@ -10,6 +10,7 @@ import torch
 from convert_models import (
     CONVERT_CAP,
     KINDS,
+    LONGROPE_ATTENTION,
     N_TOKENS,
     TOKENS_BT,
     VOCAB,
@@ -65,6 +66,8 @@ def test_hf_to_ours_to_hf(kind, tmp_path):
     assert n_tokens in (N_TOKENS, N_TOKENS + 1)
     cfg = load_model_yaml(os.path.join(conv, "model.yaml"))
     assert cfg.checkpoint == conv and cfg.tokenizer == os.path.join(conv, "tokenizer") and cfg.vocab_size == VOCAB
+    if kind in CONVERT_CAP:  # LongRoPE: the attention factor HF derives from 256 of 64 positions, by hand
+        assert cfg.rope_scaling_attention_factor == pytest.approx(LONGROPE_ATTENTION, rel=1e-12)
     assert sorted(os.listdir(conv)) == sorted(
         ["model", "model.yaml", "tokenizer", "hf_config.json", "conversion.json", "manifest.json"]
         + (["generation_config.json"] if not reward else [])
