@@ -59,6 +59,11 @@ class Segments(PackedSeqParams):
         )
 
 
+def scale_channels_from(x: torch.Tensor, first: int, scale: float) -> torch.Tensor:
+    """x with each head's channels from `first` on (the last dimension) times `scale`."""
+    return torch.cat((x[..., :first], x[..., first:] * scale), dim=-1)
+
+
 class SDPAttention(MegatronModule):
     def __init__(
         self,
@@ -98,7 +103,7 @@ class SDPAttention(MegatronModule):
             )
         if self.passed_channels is not None:
             first, scale = self.passed_channels
-            query, key = (torch.cat((x[..., :first], x[..., first:] * scale), dim=-1) for x in (query, key))
+            query, key = scale_channels_from(query, first, scale), scale_channels_from(key, first, scale)
         if packed_seq_params is not None:
             return self._segments(query, key, value, packed_seq_params)
         if query.shape[0] != key.shape[0] and query.shape[0] != 1:

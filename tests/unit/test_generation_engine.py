@@ -72,15 +72,10 @@ QWEN3 = ModelConfig(
 )
 # Phi-4-mini-style: LongRoPE over 3/4 of each head (12 of 16 channels, 6 frequencies), its attention factor on the
 # scale and on the passed channels (aligner.models.rope.passed_channel_scale)
-PHI4MINI = ModelConfig(
+PHI4MINI = replace(
+    LLAMA,
     arch="phi3",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=96,
-    vocab_size=V,
-    init_method_std=0.2,
+    add_qkv_bias=False,
     rotary_percent=0.75,
     rope_scaling="longrope",
     rope_scaling_short_factor=[1.0, 1.5, 2.5, 4.0, 7.0, 11.0],

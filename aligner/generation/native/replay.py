@@ -60,6 +60,7 @@ def fp8_kv_cache(model):
     engine's prefill attends to them so too). Where the attention scales the channels RoPE passes
     (SDPAttention.passed_channels), the engine's cache holds the key so scaled: it is quantized so here too."""
     from aligner.generation.native.triton_decode import quantize_fp8
+    from aligner.models.attention import scale_channels_from
 
     def dequantized(t):
         t8, s = quantize_fp8(t)
@@ -71,8 +72,8 @@ def fp8_kv_cache(model):
         if passed is None:
             return (query, dequantized(key), dequantized(value), *rest)
         first, scale = passed
-        key = dequantized(torch.cat((key[..., :first], key[..., first:] * scale), dim=-1))
-        key = torch.cat((key[..., :first], key[..., first:] / scale), dim=-1)  # (the attention scales them again)
+        key = dequantized(scale_channels_from(key, first, scale))
+        key = scale_channels_from(key, first, 1 / scale)  # (the attention scales them again)
         return (query, key, dequantized(value), *rest)
 
     handles = [layer.self_attention.core_attention.register_forward_pre_hook(hook) for layer in model.decoder.layers]

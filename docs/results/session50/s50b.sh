@@ -1,5 +1,5 @@
 #!/bin/bash
-# fiftieth session, a nearly spent budget: s50.sh's LongRoPE checks on any card; on an H200 then only
+# fiftieth session, a nearly spent budget: the LongRoPE checks (hf_families, engine_families) on any card; on an H200 then only
 # bench_generation at 64 / 256 rows (FP8 weights and cache), no GRPO step. Carry .whl (omegaconf 2.4.0), gpu_scratch.
 S=$SECONDS
 name=$(nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader); echo "$name"
