@@ -16,7 +16,7 @@ N_TOKENS = 90  # tokenizer ids: fewer than the embedding rows, as in many HF mod
 TOKENS_BT = torch.randint(1, N_TOKENS, (2, 12), generator=torch.Generator().manual_seed(3))
 KINDS = (
     "llama", "mistral", "qwen2", "gpt2", "llama_reward", "llama3", "llama3_reward", "qwen3", "qwen3_reward", "phi3",
-    "phi3_reward", "phi3_longrope", "phi4mini",
+    "phi3_reward", "phi3_longrope", "phi4mini", "smollm3",
 )  # fmt: skip
 REWARD_KINDS = ("llama_reward", "gpt2_reward", "llama3_reward", "qwen3_reward", "phi3_reward")
 # Llama 3.1's RoPE scaling with other numbers than megatron's hard-coded ones (1, 4, 8192), chosen so the tiny model's
@@ -115,6 +115,10 @@ def hf_config(kind: str):
             partial_rotary_factor=0.75,
             rope_parameters=longrope_parameters(6, 64, 0.75),
         )
+    if kind == "smollm3":  # SmolLM3: the second layer attends without RoPE (the last of each pipeline stage at PP=2)
+        return tf.SmolLM3Config(
+            **llama, no_rope_layers=[1, 0], rope_parameters={"rope_type": "default", "rope_theta": 5000.0}
+        )
     gpt2 = dict(
         vocab_size=VOCAB,
         n_embd=64,
@@ -149,6 +153,7 @@ def hf_class(kind: str):
         "phi3_reward": tf.Phi3ForSequenceClassification,
         "phi3_longrope": tf.Phi3ForCausalLM,
         "phi4mini": tf.Phi3ForCausalLM,
+        "smollm3": tf.SmolLM3ForCausalLM,
         "gpt2": tf.GPT2LMHeadModel,
         "gpt2_reward": tf.GPT2ForSequenceClassification,
     }[kind]

@@ -39,6 +39,7 @@ from aligner.families.spec import (
     LONGROPE_FIELDS,
     hf_rope,
     longrope_numbers,
+    nope_layers,
     partial_rotary_factor,
 )
 from aligner.families.spec import hf_get as _get
@@ -165,6 +166,8 @@ def model_config_from_hf(
             fields["rope_scaling_attention_factor"] = attention
             fields["rope_scaling_short_factor"] = [float(x) for x in params["short_factor"]]
             fields["rope_scaling_long_factor"] = [float(x) for x in params["long_factor"]]
+        if variant.nope:  # SmolLM3: check_config saw one entry per layer
+            fields["nope_layers"] = nope_layers(hf_cfg)
     cfg = ModelConfig(
         arch=spec.name,
         add_qkv_bias=variant.qkv_bias,
@@ -186,7 +189,7 @@ def hf_architecture(cfg: ModelConfig, model_type: str, source: dict | None = Non
                 f"hf_config.json describes a {source_arch}, not a {cfg.arch}-family model as model.yaml does"
             )
     else:
-        variant = hf.export_variant(cfg.add_qkv_bias, cfg.qk_layernorm)
+        variant = hf.export_variant(cfg.add_qkv_bias, cfg.qk_layernorm, bool(cfg.nope_layers))
     return variant.causal_lm if model_type == "policy" else variant.classifier
 
 
@@ -222,6 +225,7 @@ def hf_config_for_export(cfg: ModelConfig, model_type: str, source: dict | None,
         "qk_layernorm",
         "kv_channels",
         "rotary_percent",
+        "nope_layers",
         "rope_scaling",
         *(field for _, field in LLAMA3_ROPE_KEYS if cfg.rope_scaling == "llama3"),
         *(LONGROPE_FIELDS if cfg.rope_scaling == "longrope" else ()),
@@ -240,7 +244,7 @@ def _config_from_model(cfg: ModelConfig) -> dict:
     import transformers
 
     spec = family(cfg.arch)
-    variant = spec.hf.export_variant(cfg.add_qkv_bias, cfg.qk_layernorm)
+    variant = spec.hf.export_variant(cfg.add_qkv_bias, cfg.qk_layernorm, bool(cfg.nope_layers))
     values = dataclasses.asdict(cfg)
     values["num_query_groups"] = cfg.num_query_groups or cfg.num_attention_heads
     values["head_dim"] = cfg.kv_channels
@@ -265,6 +269,9 @@ def _config_from_model(cfg: ModelConfig) -> dict:
         if cfg.rotary_percent != 1.0:  # (a variant whose HF model rotates part of the head: check_config)
             kwargs["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_percent
             kwargs["partial_rotary_factor"] = cfg.rotary_percent
+    if variant.nope:  # one flag per layer, 0 = no RoPE (and no window: SmolLM3Config derives layer types from both)
+        kwargs["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.num_layers)]
+        kwargs["use_sliding_window"] = False
     hf = getattr(transformers, variant.config_class)(**kwargs)
     hf.architectures = [variant.causal_lm]
     out = hf.to_dict()

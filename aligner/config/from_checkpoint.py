@@ -53,6 +53,7 @@ SHAPE_KEYS = (
     "tie_embeddings",
     "add_qkv_bias",
     "qk_layernorm",
+    "nope_layers",
 )
 # Never taken from the checkpoint: where it is (the user's path wins), the tokenizer (below), run-time choices.
 NOT_INHERITED = (

@@ -22,8 +22,9 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 class ModelConfig:
     """A decoder-only transformer as megatron-core builds it. `arch` names its family (aligner.families: norms,
     MLP, biases, positions, HF names), e.g. llama (also Llama 3.x with `rope_scaling`, Mistral, Qwen2 with
-    `add_qkv_bias`, Qwen3 with `qk_layernorm` and `head_dim`) or gpt2. With `checkpoint` set, the jobs fill every
-    key the config does not set from the checkpoint's model.yaml (aligner.config.from_checkpoint)."""
+    `add_qkv_bias`, Qwen3 with `qk_layernorm` and `head_dim`, SmolLM3 with `nope_layers`) or gpt2. With
+    `checkpoint` set, the jobs fill every key the config does not set from the checkpoint's model.yaml
+    (aligner.config.from_checkpoint)."""
 
     arch: str = "llama"  # a family name: aligner.families.names()
     num_layers: int = 2  # transformer layers
@@ -57,6 +58,7 @@ class ModelConfig:
     rotary_percent: float = 1.0  # the share of each head's width RoPE rotates, the rest passing (Phi-4-mini: 0.75)
     head_dim: Optional[int] = None  # width of one attention head (megatron's kv_channels); None = hidden / heads
     qk_layernorm: bool = False  # Qwen3: each head's queries and keys are normalised (the family's norm) before RoPE
+    nope_layers: list[int] = field(default_factory=list)  # layers (0-based, as HF numbers them) without RoPE (SmolLM3)
     # Activation recomputation in training: memory for compute, a runtime setting never taken from a checkpoint.
     recompute: Literal["none", "selective", "full"] = "none"  # selective: attention core | full: whole layers
     sequence_parallel: bool = False  # TP > 1: norms/residuals split along the sequence (less activation memory)
@@ -206,6 +208,21 @@ def validate_model(model: ModelConfig, prefix: str = "model") -> None:
             f"{prefix}.attention_backend",
             f"{model.attention_backend!r} cannot scale the channels RoPE passes (LongRoPE's attention factor with "
             "rotary_percent < 1, as Phi-4-mini): use auto or sdpa",
+        )
+    if model.nope_layers:
+        nope = list(model.nope_layers)
+        _check(rope, f"{prefix}.nope_layers", f"the {model.arch} family has no RoPE to leave out: set it to []")
+        _check(
+            all(0 <= i < model.num_layers for i in nope) and len(set(nope)) == len(nope),
+            f"{prefix}.nope_layers",
+            f"must list distinct layers in [0, num_layers={model.num_layers}) (0-based, as HF numbers them), "
+            f"got {nope}",
+        )
+        _check(
+            model.rope_scaling != "longrope",
+            f"{prefix}.nope_layers",
+            "layers without RoPE are not supported with rope_scaling=longrope (its attention factor scales every "
+            "layer)",
         )
     groups = model.num_query_groups or model.num_attention_heads
     _check(

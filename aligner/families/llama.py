@@ -1,5 +1,5 @@
-"""The Llama family: Llama 2 and 3.x, Mistral, Qwen2 (q/k/v biases) and Qwen3 dense (per-head q/k RMSNorm, an explicit
-head_dim).
+"""The Llama family: Llama 2 and 3.x, Mistral, Qwen2 (q/k/v biases), Qwen3 dense (per-head q/k RMSNorm, an explicit
+head_dim) and SmolLM3 (layers without RoPE: `nope_layers`).
 
 RMSNorm, SwiGLU (fc1 = [gate; up]), RoPE (non-interleaved, over the whole head or, where the HF variant rotates part of
 it, the share its config names; plain, with Llama 3.1's "llama3" frequency scaling or with LongRoPE's short factors,
@@ -18,6 +18,7 @@ from aligner.families.spec import (
     hf_get,
     hf_rope,
     longrope_numbers,
+    nope_layers,
     partial_rotary_factor,
 )
 
@@ -66,6 +67,13 @@ def check_hf_config(hf_cfg, variant: HFVariant) -> None:
             unsupported("rope_parameters", params, f"a 'llama3' RoPE needs {', '.join(missing)}")
     if rope_type == "longrope":
         _check_longrope(hf_cfg, params, unsupported)
+    if variant.nope:
+        flags = hf_get(hf_cfg, "no_rope_layers")
+        layers = hf_get(hf_cfg, "num_hidden_layers")
+        if flags is not None and len(flags) < layers:
+            unsupported("no_rope_layers", flags, f"needs one entry per layer (num_hidden_layers={layers})")
+        if rope_type == "longrope" and nope_layers(hf_cfg):
+            unsupported("no_rope_layers", flags, "layers without RoPE are not supported with a 'longrope' RoPE")
     partial = partial_rotary_factor(hf_cfg, params)
     if partial != 1.0 and not variant.partial_rotary:
         unsupported(
@@ -127,6 +135,7 @@ LLAMA = FamilySpec(
             ),
             HFVariant("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Config", qkv_bias=True),
             HFVariant("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Config", qk_layernorm=True),
+            HFVariant("smollm3", "SmolLM3ForCausalLM", "SmolLM3ForSequenceClassification", "SmolLM3Config", nope=True),
         ),
         config_keys=(
             ("num_layers", "num_hidden_layers"),

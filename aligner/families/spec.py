@@ -68,6 +68,17 @@ def longrope_numbers(hf_cfg, params: dict) -> tuple[int | None, float]:
     return int(original), float(attention)
 
 
+def nope_layers(hf_cfg) -> list[int]:
+    """The layers (0-based) that attend without RoPE, as transformers' SmolLM3 reads config.json: 'no_rope_layers'
+    (one entry per layer, 0 = no RoPE), or every 'no_rope_layer_interval'-th layer (default 4) where it is absent."""
+    flags = hf_get(hf_cfg, "no_rope_layers")
+    layers = hf_get(hf_cfg, "num_hidden_layers")
+    if flags is None:
+        interval = hf_get(hf_cfg, "no_rope_layer_interval", 4) or 4
+        return [i for i in range(layers) if (i + 1) % interval == 0]
+    return [i for i, uses_rope in enumerate(flags[:layers]) if not uses_rope]
+
+
 @dataclass(frozen=True)
 class HFVariant:
     """One HF model type of a family (Mistral and Qwen2 are variants of the Llama family)."""
@@ -82,6 +93,8 @@ class HFVariant:
     # say which layers (Qwen2, Qwen3)
     window_every_layer: bool = False
     partial_rotary: bool = False  # HF's model rotates the first partial_rotary_factor of each head (Phi-3: Phi-4-mini)
+    # some layers attend without RoPE, as config.json 'no_rope_layers' marks them (SmolLM3: every fourth; nope_layers)
+    nope: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,17 +131,18 @@ class HFFormat:
     def variant_of_architecture(self, architecture: str) -> HFVariant | None:
         return next((v for v in self.variants if architecture in (v.causal_lm, v.classifier)), None)
 
-    def export_variant(self, qkv_bias: bool, qk_layernorm: bool = False) -> HFVariant:
+    def export_variant(self, qkv_bias: bool, qk_layernorm: bool = False, nope: bool = False) -> HFVariant:
         """The variant to export a model as when no source config.json says which: the one with the model's q/k/v
-        biases and q/k norms (Qwen2, Qwen3); a family of one variant exports as it (GPT-2: biases everywhere)."""
+        biases, q/k norms and layers without RoPE (Qwen2, Qwen3, SmolLM3); a family of one variant exports as it
+        (GPT-2: biases everywhere)."""
         if len(self.variants) == 1:
             return self.variants[0]
         for v in self.variants:
-            if (v.qkv_bias, v.qk_layernorm) == (qkv_bias, qk_layernorm):
+            if (v.qkv_bias, v.qk_layernorm, v.nope) == (qkv_bias, qk_layernorm, nope):
                 return v
         raise UnsupportedModelError(
             f"no Hugging Face model type of this family has q/k/v biases={qkv_bias} with q/k layernorm="
-            f"{qk_layernorm} (known: {', '.join(v.model_type for v in self.variants)})"
+            f"{qk_layernorm} and layers without RoPE={nope} (known: {', '.join(v.model_type for v in self.variants)})"
         )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
@@ -57,6 +58,19 @@ class Segments(PackedSeqParams):
             longest=longest,
             tokens=rows * width,
         )
+
+
+class NoPESelfAttention(SelfAttention):
+    """megatron's self-attention, without RoPE in the layers `nope_layers` names (0-based; SmolLM3's NoPE layers):
+    those attend by content alone, as HF's model skips its rotation there. megatron numbers layers from 1 across
+    pipeline stages (`layer_number`), so one spec serves every layer of every stage."""
+
+    def __init__(self, *args, nope_layers: frozenset = frozenset(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rope = self.layer_number - 1 not in nope_layers
+
+    def forward(self, *args, rotary_pos_emb=None, **kwargs):
+        return super().forward(*args, rotary_pos_emb=rotary_pos_emb if self.rope else None, **kwargs)
 
 
 def scale_channels_from(x: torch.Tensor, first: int, scale: float) -> torch.Tensor:

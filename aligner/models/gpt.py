@@ -11,6 +11,7 @@ Call after `aligner.parallel.initialize` (the model reads megatron's TP/PP group
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
@@ -24,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from aligner.config.schema import ModelConfig, rotated_width
 from aligner.families import family
 from aligner.models import logprobs
-from aligner.models.attention import SDPAttention
+from aligner.models.attention import NoPESelfAttention, SDPAttention
 from aligner.models.dtypes import torch_dtype
 from aligner.models.norm import TorchNorm
 from aligner.models.rope import passed_channel_scale, rope_inv_freq, softmax_scale
@@ -122,6 +123,16 @@ def _recompute(cfg: ModelConfig) -> dict:
     return {}
 
 
+def _without_rope_in(spec: ModuleSpec, cfg: ModelConfig) -> ModuleSpec:
+    """The layer spec with its self-attention leaving RoPE out in `cfg.nope_layers` (SmolLM3), unchanged without."""
+    if not cfg.nope_layers:
+        return spec
+    sa = spec.submodules.self_attention
+    params = {**sa.params, "nope_layers": frozenset(cfg.nope_layers)}
+    sa = dataclasses.replace(sa, module=NoPESelfAttention, params=params)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=sa))
+
+
 def layer_spec(cfg: ModelConfig, config: TransformerConfig):
     """Transformer Engine's layer spec, or megatron's local one with our attention core and norms (aligner.models.norm:
     they work under sequence parallelism); the local one as a whole block so that the final norm is ours too."""
@@ -130,7 +141,7 @@ def layer_spec(cfg: ModelConfig, config: TransformerConfig):
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+        return _without_rope_in(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm), cfg)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     spec = get_gpt_layer_local_spec(normalization=family(cfg.arch).normalization, qk_layernorm=cfg.qk_layernorm)
@@ -143,6 +154,7 @@ def layer_spec(cfg: ModelConfig, config: TransformerConfig):
         if passed is not None:
             params = {"passed_channels": (rotated_width(cfg), passed)}
             layer.self_attention.submodules.core_attention = ModuleSpec(module=SDPAttention, params=params)
+    spec = _without_rope_in(spec, cfg)
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 

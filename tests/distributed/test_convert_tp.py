@@ -14,7 +14,7 @@ import torch
 from convert_models import TOKENS_BT, VOCAB, hf_outputs, hf_tensors, make_hf
 from dist import run_ranks
 
-KINDS = ("llama", "qwen2", "gpt2", "llama_reward", "qwen3", "llama3_reward", "phi3")
+KINDS = ("llama", "qwen2", "gpt2", "llama_reward", "qwen3", "llama3_reward", "phi3", "smollm3")
 
 
 def _gathered_outputs(model, reward: bool) -> torch.Tensor:

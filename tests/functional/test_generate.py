@@ -45,8 +45,8 @@ def converted(tmp_path_factory):
 
 # llama3: Llama 3.2-style (llama3 RoPE scaling, tied embeddings); qwen3: per-head q/k norms, head_dim 24 != 64 / 4;
 # phi3: fused qkv_proj and gate_up_proj; phi3_longrope: Phi-3.5's LongRoPE (short factors, attention factor);
-# phi4mini: LongRoPE over 3/4 of each head
-KINDS = ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3", "phi3", "phi3_longrope", "phi4mini"]
+# phi4mini: LongRoPE over 3/4 of each head; smollm3: the second layer without RoPE
+KINDS = ["llama", "mistral", "qwen2", "gpt2", "llama3", "qwen3", "phi3", "phi3_longrope", "phi4mini", "smollm3"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

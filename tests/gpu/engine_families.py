@@ -88,6 +88,8 @@ FAMILIES = {
         **longrope_factors(24),
         **BASE,
     ),
+    # SmolLM3's: RoPE left out of every fourth layer (here the last), tied embeddings, its RoPE base
+    "smollm3-style": ModelConfig(arch="llama", tie_embeddings=True, rotary_base=5e6, nope_layers=[3], **BASE),
     "gpt2": ModelConfig(
         arch="gpt2",
         tie_embeddings=True,
@@ -112,6 +114,7 @@ def tiny(cfg: ModelConfig) -> ModelConfig:
         init_method_std=0.2,
         params_dtype="float32",
         **(longrope_factors(int(16 * cfg.rotary_percent) // 2) if cfg.rope_scaling == "longrope" else {}),
+        nope_layers=[1] if cfg.nope_layers else [],  # the last of the two layers
     )
 
 

@@ -35,8 +35,8 @@ sys.path.insert(0, HERE)
 from engine_families import finish  # noqa: E402
 
 KINDS = (
-    "llama", "mistral", "qwen2", "llama3", "qwen3", "phi3", "phi3_longrope", "phi4mini", "gpt2", "llama_reward",
-    "qwen3_reward", "phi3_reward", "gpt2_reward",
+    "llama", "mistral", "qwen2", "llama3", "qwen3", "phi3", "phi3_longrope", "phi4mini", "smollm3", "gpt2",
+    "llama_reward", "qwen3_reward", "phi3_reward", "gpt2_reward",
 )  # fmt: skip
 LIMIT_TO_HF_BF16, MAX_TO_HF_BF16, SLACK = 1.5, 3.0, 1e-3  # see the module docstring
 

@@ -149,6 +149,10 @@ LONGROPE = [
         ([*LONGROPE, "model.rope_scaling_attention_factor=0"], "model.rope_scaling_attention_factor", "positive"),
         (["model.rotary_percent=0.7"], "model.rotary_percent", "an even number of the head's 16 channels, got 0.7"),
         (["model.rotary_percent=0"], "model.rotary_percent", "must be in (0, 1]"),
+        (["model.nope_layers=[4]"], "model.nope_layers", "distinct layers in [0, num_layers=4) (0-based"),
+        (["model.nope_layers=[1,1]"], "model.nope_layers", "got [1, 1]"),
+        (["model.arch=gpt2", "model.nope_layers=[0]"], "model.nope_layers", "has no RoPE to leave out"),
+        ([*LONGROPE, "model.nope_layers=[3]"], "model.nope_layers", "not supported with rope_scaling=longrope"),
         (  # LongRoPE over 3/4 of the head (6 frequencies) with its attention factor: only SDPA scales the rest
             [
                 "model.rope_scaling=longrope",

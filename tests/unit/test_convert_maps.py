@@ -324,6 +324,36 @@ def test_phi3_configs_as_released():
         model_config_from_hf(normalized_hf_config(dict(LLAMA, rope_parameters=partial)))
 
 
+def test_smollm3_configs_as_released():
+    """SmolLM3: Llama's model with RoPE left out of the layers config.json's 'no_rope_layers' marks 0, or of every
+    'no_rope_layer_interval'-th layer (default 4) where the list is absent; a sliding window on those is refused."""
+    smollm3 = dict(LLAMA, architectures=["SmolLM3ForCausalLM"], model_type="smollm3", num_hidden_layers=8)
+    for raw, nope in (
+        (smollm3, [3, 7]),  # transformers' default: every 4th layer
+        (dict(smollm3, no_rope_layer_interval=3), [2, 5]),
+        (dict(smollm3, no_rope_layers=[1, 0, 1, 1, 0, 0, 1, 1]), [1, 4, 5]),
+    ):
+        assert model_config_from_hf(raw)[0].nope_layers == nope  # as the file says (no transformers defaults)
+        cfg, family, _ = model_config_from_hf(normalized_hf_config(raw))
+        assert (family, cfg.nope_layers) == ("llama", nope)
+        built = hf_config_for_export(cfg, "policy", None, "float32")  # no source: from model.yaml alone
+        assert built["architectures"] == ["SmolLM3ForCausalLM"] and built["model_type"] == "smollm3"
+        assert [i for i, rope in enumerate(built["no_rope_layers"]) if not rope] == nope
+        assert model_config_from_hf(normalized_hf_config(built))[0] == cfg
+        assert hf_config_for_export(cfg, "reward", None, "float32")["architectures"] == [
+            "SmolLM3ForSequenceClassification"
+        ]
+    with pytest.raises(UnsupportedModelError, match="'no_rope_layers' = \\[1, 0\\]: needs one entry per layer"):
+        model_config_from_hf(dict(smollm3, no_rope_layers=[1, 0]))
+    windowed = normalized_hf_config(dict(smollm3, use_sliding_window=True, sliding_window=16))
+    with pytest.raises(UnsupportedModelError, match="'sliding_window' = 16.*--max-position-embeddings 16"):
+        model_config_from_hf(windowed)
+    # a model.yaml with layers without RoPE does not export onto a Llama's config.json (nor back)
+    cfg = model_config_from_hf(normalized_hf_config(smollm3))[0]
+    with pytest.raises(CheckpointMismatchError, match="nope_layers=\\[\\] but model.yaml has \\[3, 7\\]"):
+        hf_config_for_export(cfg, "policy", normalized_hf_config(dict(LLAMA, num_hidden_layers=8)), "float32")
+
+
 def test_unsupported_gpt2_features():
     gpt2 = dict(
         architectures=["GPT2LMHeadModel"],

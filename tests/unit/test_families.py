@@ -113,6 +113,7 @@ def test_hf_variants_tell_llama_mistral_qwen2_and_qwen3_apart():
     assert hf.export_variant(qkv_bias=True).causal_lm == "Qwen2ForCausalLM"
     assert hf.export_variant(qkv_bias=False).causal_lm == "LlamaForCausalLM"
     assert hf.export_variant(qkv_bias=False, qk_layernorm=True).causal_lm == "Qwen3ForCausalLM"
+    assert hf.export_variant(qkv_bias=False, nope=True).causal_lm == "SmolLM3ForCausalLM"
     with pytest.raises(UnsupportedModelError, match="q/k/v biases=True with q/k layernorm=True"):
         hf.export_variant(qkv_bias=True, qk_layernorm=True)
     assert family("gpt2").hf.export_variant(qkv_bias=True).causal_lm == "GPT2LMHeadModel"  # its only variant
@@ -128,12 +129,14 @@ def test_supported_architectures_are_the_specs_variants():
         "MistralForCausalLM": ("llama", "policy"),
         "Qwen2ForCausalLM": ("llama", "policy"),
         "Qwen3ForCausalLM": ("llama", "policy"),
+        "SmolLM3ForCausalLM": ("llama", "policy"),
         "Phi3ForCausalLM": ("phi3", "policy"),
         "GPT2LMHeadModel": ("gpt2", "policy"),
         "LlamaForSequenceClassification": ("llama", "reward"),
         "MistralForSequenceClassification": ("llama", "reward"),
         "Qwen2ForSequenceClassification": ("llama", "reward"),
         "Qwen3ForSequenceClassification": ("llama", "reward"),
+        "SmolLM3ForSequenceClassification": ("llama", "reward"),
         "Phi3ForSequenceClassification": ("phi3", "reward"),
         "GPT2ForSequenceClassification": ("gpt2", "reward"),
     }

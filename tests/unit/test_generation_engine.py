@@ -83,6 +83,8 @@ PHI4MINI = replace(
     rope_scaling_original_max_position_embeddings=2048,
     rope_scaling_attention_factor=1.25,
 )
+# SmolLM3-style: the second layer attends without RoPE (the engine's identity tables there)
+SMOLLM3 = replace(LLAMA, nope_layers=[1])
 GEN = GenerationConfig(max_batch_size=5, max_prompt_length=10, max_response_length=12, kv_block=4, check_done_every=3)
 PROMPTS = torch.randint(0, V, (4, 10), generator=torch.Generator().manual_seed(5))
 LENGTHS = torch.tensor([3, 10, 1, 6])
@@ -140,6 +142,8 @@ def _responses(out):
         (PHI4MINI, "matmul"),
         (PHI4MINI, "triton"),
         (PHI4MINI, "triton-fp8kv"),
+        (SMOLLM3, "matmul"),
+        (SMOLLM3, "triton-fp8kv"),
     ],
     ids=[
         "llama-matmul",
@@ -160,6 +164,8 @@ def _responses(out):
         "phi4mini-matmul",  # part of each head rotated, the rest passed through scaled
         "phi4mini-triton",  # ... by the kernel's RoPE
         "phi4mini-triton-fp8kv",
+        "smollm3-matmul",  # RoPE left out of one layer: prefill's and decode's compiled RoPE on identity tables
+        "smollm3-triton-fp8kv",  # ... the kernel's RoPE on them
     ],
 )
 def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):

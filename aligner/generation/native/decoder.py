@@ -113,13 +113,15 @@ class Decoder:
         decode_gemm: str = "cublas",
         softmax_scale: float | None = None,
         passed_scale: float | None = None,
+        nope_layers=(),
     ):
         """`inv_freq` [rotated width / 2] float32: RoPE's frequencies, those of the policy model (rope families).
         `softmax_scale`: the attention's logit scale, the policy's (None: 1 / sqrt(head width)). `inv_freq` may rotate
         fewer channels than the head has (rotary_percent < 1): the rest pass through, times `passed_scale` where set
         (aligner.models.rope.passed_channel_scale), as the cos of the RoPE tables.
         `decode_fp8`: FP8 copies of the MLP and output weights, read by decode steps (fp8.py).
-        `decode_gemm`: "splitk" runs decode's row-parallel projections with the split-K kernel (TP=1 only)."""
+        `decode_gemm`: "splitk" runs decode's row-parallel projections with the split-K kernel (TP=1 only).
+        `nope_layers`: layers (0-based) that attend without RoPE (SmolLM3): their tables are the identity rotation."""
         if decode_gemm == "splitk" and layout.tp > 1:
             raise ValueError("the split-K decode GEMMs need TP=1 (their partial sums are not reduced over ranks)")
         self.lo, self.w, self.group = layout, weights, tp_group
@@ -193,6 +195,14 @@ class Decoder:
             self.cos = torch.cat((self.cos, passed), dim=-1).to(weights.dtype)
             self.sin_signed = torch.sin(torch.cat((-freqs, freqs), dim=-1))  # [-sin, sin]
             self.sin_signed = torch.cat((self.sin_signed, 0 * rest), dim=-1).to(weights.dtype)
+        # Layers without RoPE (SmolLM3's NoPE layers) take tables of cos 1 and sin 0 at every position: the same
+        # kernels, with q and k passed through exactly (t * 1 + t' * 0 = t). Position-free, so their rows serve
+        # any prompt width or batch.
+        self.nope = frozenset(nope_layers)
+        self.cos_id = self.sin_id = None
+        if self.nope and self.cos is not None:
+            self.cos_id = torch.ones(max(max_seq, max_batch), layout.head_dim, device=device, dtype=weights.dtype)
+            self.sin_id = torch.zeros_like(self.cos_id)
 
     # -- KV cache ------------------------------------------------------------------------------------------
     def alloc_kv(self) -> None:
@@ -457,6 +467,15 @@ class Decoder:
             x, h8, hs = k.dq_add_norm_q(x, y, ms, s2, *post_mlp)
         return x, (h8, hs)
 
+    def _tables(self, cos, sin, n: int):
+        """Layer i -> its RoPE tables for a call whose tables are `cos` and `sin` ([n, 1, 1, D] or None): those, or
+        the identity rotation's first n rows in a layer without RoPE (`nope_layers`)."""
+        if self.cos_id is None:
+            return lambda i: (cos, sin)
+        shape = (n, 1, 1, self.lo.head_dim)
+        cos_id, sin_id = self.cos_id[:n].view(shape), self.sin_id[:n].view(shape)
+        return lambda i: (cos_id, sin_id) if i in self.nope else (cos, sin)
+
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, row0: int = 0) -> torch.Tensor:
         """Run right-padded prompts into cache rows [row0, row0+B); logits of each last prompt token [B, V_pad/TP]."""
@@ -465,10 +484,11 @@ class Decoder:
         x = self._embed(tokens_BT, self.key_index[:T].unsqueeze(0))
         cos = None if self.cos is None else self.cos[:T].view(T, 1, 1, lo.head_dim)
         sin = None if self.cos is None else self.sin_signed[:T].view(T, 1, 1, lo.head_dim)
+        tables = self._tables(cos, sin, T)
 
         def attend(i, qkv, lw):
             # q [B,T,G,r,D] and kv_new [2,B,T,G,D], both contiguous: the [B,H,T,D] operands below are views
-            q, kv_new = self.k_prefill.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))
+            q, kv_new = self.k_prefill.rope_split(self._qkv5(qkv), *tables(i), *_qk_norms(lw))
             kv_2BGTD = kv_new.transpose(2, 3)
             if self.seq_major:
                 kv[i, :, row0 : row0 + B, :T] = kv_new
@@ -549,7 +569,11 @@ class Decoder:
             cu_k = cu_q * T  # sample b's keys start at row b*T of the packed cache
             used_k = (pos_B + 1).to(torch.int32)
 
-        rope_BD = None if self.cos is None else (cos.view(B, D), sin.view(B, D))
+        tables = self._tables(cos, sin, B)
+
+        def rope_BD(i):  # layer i's (cos, sin_signed) rows [B, D] for the Triton kernel's RoPE (None: no RoPE)
+            c, s = tables(i)
+            return None if c is None else (c.view(B, D), s.view(B, D))
 
         def qk_norm(lw):  # the per-head q/k norms the kernel applies before its RoPE (with kernel_ropes)
             if not lo.qk_norm:
@@ -562,11 +586,11 @@ class Decoder:
                 qkv5 = self._qkv5(qkv)
                 out = triton_decode.decode_attention(
                     qkv5[:, :, :r], kv[i, 0, :B], cached_values(i), pos_B, self.scale, splits,
-                    new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD, kv_scales=scales(i), shared=shared,
+                    new_kv=(qkv5[:, :, r], qkv5[:, :, r + 1]), rope=rope_BD(i), kv_scales=scales(i), shared=shared,
                     groups=groups, qk_norm=qk_norm(lw), rotated=self.rotated,
                 )  # fmt: skip
                 return out.view(B, lo.heads * D)
-            q, kv_new = kernels.rope_split(self._qkv5(qkv), cos, sin, *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]
+            q, kv_new = kernels.rope_split(self._qkv5(qkv), *tables(i), *_qk_norms(lw))  # q [B,G,r,D], kv [2,B,G,D]
             cache = kv[i, :, :B]  # [2, B, T, G, D] (sequence-major) or [2, B, G, T, D]
             if not self.kv_fp8:  # (the kernel quantizes the step's key and value for an FP8 cache)
                 kv_new = kv_new.to(kv.dtype)

@@ -167,6 +167,7 @@ class NativeEngine:
             decode_gemm=decode_gemm,
             softmax_scale=config.softmax_scale,
             passed_scale=passed_channel_scale(model_cfg),
+            nope_layers=model_cfg.nope_layers,
         )
         # The token choice of a step and its bookkeeping: fused into a few kernels where the layers' are (and, as
         # theirs, compiled a second time for steps of up to pdl.MAX_BATCH rows: programmatic dependent launch)

@@ -85,6 +85,7 @@ class TrtllmEngine:
                     model_cfg.head_dim not in (None, model_cfg.hidden_size // model_cfg.num_attention_heads),
                 ),
                 ("model.rope_scaling", model_cfg.rope_scaling is not None),
+                ("model.nope_layers (SmolLM3)", bool(model_cfg.nope_layers)),
             )
             if used
         ]
