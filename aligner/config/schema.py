@@ -102,6 +102,7 @@ class OptimConfig:
     use_distributed_optimizer: bool = True  # megatron's, on GPU; ignored on CPU
     overlap_grad_reduce: bool = False  # DP > 1: reduce gradients in buckets during the backward, not after it
     grad_bucket_size: Optional[int] = None  # elements per gradient bucket with overlap (None = megatron's default)
+    fused_adam: Literal["auto", "off"] = "auto"  # auto: torch's fused AdamW kernel on GPUs (without apex/TE)
 
 
 @dataclass

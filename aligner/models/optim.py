@@ -13,7 +13,10 @@ Contract (`ModelOptimizer`, what TrainableModel and the checkpoints see):
 Backends:
 - `MegatronOptimizer` (GPU): megatron-core's (distributed) optimizer with fp32 main parameters; checkpoints in
   megatron's dist-checkpoint format with the 'dp_reshardable' layout (resumes on any DP size with the same TP/PP;
-  megatron-core 0.16.1's default layout is rejected by its own dist checkpointing: seen on the H200).
+  megatron-core 0.16.1's default layout is rejected by its own dist checkpointing: seen on the H200). Without
+  apex/TE megatron steps with torch's Adam, whose default multi-tensor form allocates a temporary as large as the
+  Adam state itself (4 bytes a parameter: 12 GB at 3B, at the step's memory peak); `optim.fused_adam: auto` has it
+  take torch's fused kernel instead (one pass, no temporary), set again after every checkpoint load.
 - `TorchOptimizer` (CPU, where megatron's optimizer wrappers refuse CPU tensors): torch's AdamW with the same
   settings and the same clipping; one file per rank, so it resumes only on the layout that saved it.
 """
@@ -66,6 +69,9 @@ class MegatronOptimizer:
         )
         # aligner makes no gloo groups on GPU (initialize: NCCL only), so the optimizer must not ask for them.
         self.inner = get_megatron_optimizer(ocfg, model_chunks, use_gloo_process_groups=False)
+        self.fused = cfg.fused_adam == "auto"
+        if self.fused:
+            fuse_torch_adam(self.inner)
         for opt in getattr(self.inner, "chained_optimizers", [self.inner]):
             if hasattr(opt, "model_param_group_index_map") and hasattr(opt, "model_fp32_groups"):
                 opt.model_param_group_index_map = group_index_map(opt.model_fp32_groups, opt.model_float16_groups)
@@ -112,6 +118,30 @@ class MegatronOptimizer:
             for state in opt.optimizer.state.values():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
+        if self.fused:  # a load brings back the saved groups' flags and CPU step counters
+            fuse_torch_adam(self.inner)
+
+
+def fuse_torch_adam(optimizer) -> int:
+    """Switch each torch Adam/AdamW inside megatron's `optimizer` whose parameters all lie on a GPU in a floating
+    dtype to torch's fused kernel (its 'step' counters moved to their parameters' devices, as the kernel reads
+    them); returns how many groups were switched. apex's and TE's own fused Adams are left as they are."""
+    switched = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            params = [p for p in group["params"] if p is not None]
+            if not params or not all(p.is_cuda and p.is_floating_point() for p in params):
+                continue
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+            for p in params:
+                state = inner.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+    return switched
 
 
 def group_index_map(fp32_groups: list[list], float16_groups: list[list]) -> dict:

@@ -24,3 +24,21 @@ def test_one_dtype_groups_keep_their_order():
     a, b, c = (torch.zeros(n, dtype=torch.bfloat16) for n in (3, 4, 5))
     order = group_index_map(fp32_groups=[[], []], float16_groups=[[a, b], [c]])
     assert order == {a: (0, 0), b: (0, 1), c: (1, 0)}
+
+
+def test_torch_adam_is_switched_to_its_fused_kernel_only_where_every_parameter_is_on_a_gpu():
+    from types import SimpleNamespace
+
+    from aligner.models.optim import fuse_torch_adam
+
+    cpu = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
+    wrapped = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=cpu), SimpleNamespace(optimizer=None)])
+    assert fuse_torch_adam(wrapped) == 0 and not cpu.param_groups[0]["fused"]
+    if torch.cuda.is_available():  # (the GPU machine: the switch and the step counters on the device)
+        gpu = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4, device="cuda"))])
+        p = gpu.param_groups[0]["params"][0]
+        p.grad = torch.ones_like(p)
+        gpu.step()
+        assert fuse_torch_adam(SimpleNamespace(optimizer=gpu)) == 1
+        assert gpu.param_groups[0]["fused"] and gpu.state[p]["step"].is_cuda
+        gpu.step()
