@@ -129,7 +129,8 @@ def _load_yaml_parts(path: str, seen: tuple = ()) -> tuple[DictConfig, DictConfi
     if path in seen:
         raise ConfigError("defaults", f"circular defaults: {' -> '.join(seen + (path,))}")
     try:
-        node = OmegaConf.load(path)
+        with open(path, encoding="utf-8") as f:
+            node = OmegaConf.create(_words_as_written(f.read()) or "{}")
     except Exception as exc:  # noqa: BLE001 - YAML syntax errors come in several types
         raise ConfigError(path, f"cannot parse YAML: {exc}") from exc
     if not isinstance(node, DictConfig):
@@ -147,6 +148,28 @@ def _load_yaml_parts(path: str, seen: tuple = ()) -> tuple[DictConfig, DictConfi
             merged, _load_yaml_with_defaults(_resolve_path(str(base), os.path.dirname(path)), seen + (path,))
         )
     return merged, node
+
+
+# YAML 1.1 (PyYAML, so OmegaConf) reads these words as booleans; the choices `auto|on|off` (model.rope_fusion,
+# generation.share_weights, ...) mean the words. They are read as written (YAML 1.2: only true/false are booleans);
+# a bool field still takes them, converted by OmegaConf ("off" -> False).
+_YAML11_WORDS = r"(?:on|On|ON|off|Off|OFF|yes|Yes|YES|no|No|NO|y|Y|n|N)"
+
+
+def _words_as_written(text: str) -> str:
+    """A YAML text with each mapping value that is one of those bare words quoted."""
+    return re.sub(rf"^([^#\n]*:[ \t]+){_YAML11_WORDS}([ \t]*(?:#.*)?)$", _quote_word, text, flags=re.M)
+
+
+def _quote_word(m: re.Match) -> str:
+    word = m.group(0)[len(m.group(1)) : len(m.group(0)) - len(m.group(2))]
+    return f"{m.group(1)}'{word}'{m.group(2)}"
+
+
+def _override_as_written(item: str) -> str:
+    """`key=off` as `key='off'` (see _YAML11_WORDS); other overrides unchanged."""
+    key, sep, value = item.partition("=")
+    return f"{key}='{value}'" if sep and re.fullmatch(_YAML11_WORDS, value) else item
 
 
 def _explain(msg: str) -> str:
@@ -189,8 +212,8 @@ def merged_config(
         for item in overrides:
             key, _, _ = item.partition("=")
             try:
-                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-                explicit = OmegaConf.merge(explicit, OmegaConf.from_dotlist([item]))
+                node = OmegaConf.from_dotlist([_override_as_written(item)])
+                merged, explicit = OmegaConf.merge(merged, node), OmegaConf.merge(explicit, node)
             except OmegaConfBaseException as exc:
                 raise ConfigError(key, f"bad override {item!r}: {_explain(str(exc).splitlines()[0])}") from exc
         sections = getattr(schema, "MODEL_SECTIONS", ())

@@ -175,6 +175,22 @@ def test_validation_errors_name_the_key(conf_dir, overrides, key, words):
     assert words in str(info.value)
 
 
+def test_on_and_off_are_the_words_not_booleans(conf_dir):
+    """YAML 1.1 reads on/off/yes/no as booleans, which the choices auto|on|off refused ('got False'); in files and
+    overrides they are the words, and a bool field still takes them."""
+    (conf_dir / "words.yaml").write_text(
+        "defaults: [base]\nmodel:\n  rope_fusion: off  # the choice\n  tie_embeddings: yes\n  tokenizer: 'on'\n"
+    )
+    cfg = load_config(JobConfig, "words", [], str(conf_dir))
+    assert (cfg.model.rope_fusion, cfg.model.tie_embeddings, cfg.model.tokenizer) == ("off", True, "on")
+    overrides = ["model.logprob_fusion=on", "model.rope_fusion=OFF", "model.tie_embeddings=off", "model.tokenizer=no"]
+    with pytest.raises(ConfigError, match="must be one of auto, on, off; got 'OFF'"):
+        load_config(JobConfig, "words", overrides, str(conf_dir))
+    cfg = load_config(JobConfig, "words", [o.replace("OFF", "off") for o in overrides], str(conf_dir))
+    assert (cfg.model.logprob_fusion, cfg.model.rope_fusion, cfg.model.tie_embeddings) == ("on", "off", False)
+    assert cfg.model.tokenizer == "no"
+
+
 def test_an_explicit_head_width_frees_hidden_size_from_the_head_count(conf_dir):
     cfg = load_config(JobConfig, "base", ["model.hidden_size=100", "model.head_dim=24"], str(conf_dir))
     assert (cfg.model.kv_channels, ModelConfig(hidden_size=64, num_attention_heads=4).kv_channels) == (24, 16)
