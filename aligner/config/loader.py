@@ -153,17 +153,13 @@ def _load_yaml_parts(path: str, seen: tuple = ()) -> tuple[DictConfig, DictConfi
 # YAML 1.1 (PyYAML, so OmegaConf) reads these words as booleans; the choices `auto|on|off` (model.rope_fusion,
 # generation.share_weights, ...) mean the words. They are read as written (YAML 1.2: only true/false are booleans);
 # a bool field still takes them, converted by OmegaConf ("off" -> False).
-_YAML11_WORDS = r"(?:on|On|ON|off|Off|OFF|yes|Yes|YES|no|No|NO|y|Y|n|N)"
+_YAML11_WORDS = r"(?:on|On|ON|off|Off|OFF|yes|Yes|YES|no|No|NO)"
 
 
 def _words_as_written(text: str) -> str:
     """A YAML text with each mapping value that is one of those bare words quoted."""
-    return re.sub(rf"^([^#\n]*:[ \t]+){_YAML11_WORDS}([ \t]*(?:#.*)?)$", _quote_word, text, flags=re.M)
-
-
-def _quote_word(m: re.Match) -> str:
-    word = m.group(0)[len(m.group(1)) : len(m.group(0)) - len(m.group(2))]
-    return f"{m.group(1)}'{word}'{m.group(2)}"
+    pattern = rf"^([^#\n]*:[ \t]+)({_YAML11_WORDS})([ \t]*(?:#.*)?)$"
+    return re.sub(pattern, lambda m: f"{m.group(1)}'{m.group(2)}'{m.group(3)}", text, flags=re.M)
 
 
 def _override_as_written(item: str) -> str:

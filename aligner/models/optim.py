@@ -15,8 +15,9 @@ Backends:
   megatron's dist-checkpoint format with the 'dp_reshardable' layout (resumes on any DP size with the same TP/PP;
   megatron-core 0.16.1's default layout is rejected by its own dist checkpointing: seen on the H200). Without
   apex/TE megatron steps with torch's Adam, whose default multi-tensor form allocates a temporary as large as the
-  Adam state itself (4 bytes a parameter: 12 GB at 3B, at the step's memory peak); `optim.fused_adam: auto` has it
-  take torch's fused kernel instead (one pass, no temporary), set again after every checkpoint load.
+  second moment (4 bytes a parameter: 12 GB at 3B); `optim.fused_adam: auto` has it take torch's fused kernel
+  instead (one pass, no temporary; SmolLM3-3B's GRPO step peaked 3.9 GB lower on an H100, docs/PERF.md), set again
+  after every checkpoint load.
 - `TorchOptimizer` (CPU, where megatron's optimizer wrappers refuse CPU tensors): torch's AdamW with the same
   settings and the same clipping; one file per rank, so it resumes only on the layout that saved it.
 """
