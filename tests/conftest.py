@@ -14,6 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
     os.environ.setdefault(
         "ALIGNER_PORT_SLICE", f"{int(os.environ['PYTEST_XDIST_WORKER'][2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
     )
+# aligner before any test module imports megatron-core: megatron's fusions are then compiled on their first call,
+# not at import (aligner/lazy_fusions.py), in the pytest workers too
+import aligner  # noqa: E402, F401
 
 # The order in which the two pytest workers take test files (scripts/test.sh: --dist loadfile
 # --no-loadscope-reorder): the longest files first, so that a run does not end with one worker alone on a long file
