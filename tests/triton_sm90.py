@@ -10,15 +10,16 @@ compiles for a GPU target without one (its ptxas ships in the wheel), so:
                                                     bf16 with every Triton path on, each kernel launch recorded)
     python tests/triton_sm90.py compile OUT.json   (a fresh process: the interpreter patches triton.language)
 
-`record` runs Llama, Qwen3-style (q/k norms) and GPT-2 (learned positions) models with the engine's own dtype, FP8
-decode weights and an FP8 KV cache, greedy and sampled, and the RoPE kernel forward and backward; `compile` builds
-each distinct specialization (argument types, constexprs, warps and stages) to a cubin for sm_90, with the constexprs
-that depend on the device set as the GPU's launchers set them (GPU_CONSTEXPRS), and those without FP8 for sm_80 too
-(TARGETS). Each argument is specialized as Triton's JIT specializes it on the GPU (its own function: pointers and
-ints divisible by 16 compiled with that alignment, which is what lets Triton pipeline the loads through shared
-memory; an int equal to 1 compiled in), so the cubins are the pipelined forms the GPU runs. Prints one line per
-kernel specialization with the shared memory a program holds; exit 1 if any fails to compile or needs more shared
-memory than the target gives a program (SHARED_LIMIT); those over the 99 KiB of Ada / A10-class cards are counted.
+`record` runs Llama, Qwen3-style (q/k norms) and GPT-2 (learned positions) models with the engine's own dtype
+(greedy and sampled), FP8 decode weights and an FP8 KV cache (greedy), and the RoPE kernel forward and backward;
+`compile` builds each distinct specialization (argument types, constexprs, warps and stages) to a cubin for sm_90,
+with the constexprs that depend on the device set as the GPU's launchers set them (GPU_CONSTEXPRS), and those
+without FP8 for sm_80 too (TARGETS). Each argument is specialized as Triton's JIT specializes it on the GPU (its own
+function: pointers and ints divisible by 16 compiled with that alignment, which is what lets Triton pipeline the
+loads through shared memory; an int equal to 1 compiled in), so the cubins are the pipelined forms the GPU runs.
+Prints one line per kernel specialization with the shared memory a program holds; exit 1 if any fails to compile or
+needs more shared memory than the target gives a program (SHARED_LIMIT); those over the 99 KiB of Ada / A10-class
+cards are counted.
 Steps above 128 rows are recorded at 3 rows with the row limits lowered (splitk.MAX_BATCH, GATED_MAX_BATCH,
 triton_decode.WIDE_MIN_BATCH).
 """
@@ -131,7 +132,10 @@ def record(path: str) -> int:
                 decode_gemm="splitk", token_choice="triton", **extra,
             )  # fmt: skip
             engine = build_engine(gen, cfg, model)
-            for sampling in (SamplingParams(greedy=True), SamplingParams(temperature=1.0, seed=2)):
+            # sampled as well as greedy with each model's own dtype: the token-choice kernels' specializations do not
+            # change with FP8 weights or cache (a sampled call there added none), and each call costs seconds here
+            samplings = [SamplingParams(greedy=True)] + ([SamplingParams(temperature=1.0, seed=2)] if not extra else [])
+            for sampling in samplings:
                 engine.generate(prompts, lengths, sampling)
             print(f"recorded {name} {extra or 'engine dtype'}: {len(specs)} specializations so far", flush=True)
     # what steps of 129-512 rows take, at 3 rows: the limits lowered (FP8 fc1 and qkv in blocks of ROW_BLOCK rows,

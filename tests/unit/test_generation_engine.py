@@ -371,6 +371,8 @@ def test_repeated_prompts_are_prefilled_once(attention, monkeypatch):
     real = once.decoder.prefill
     monkeypatch.setattr(once.decoder, "prefill", lambda t, *a, **kw: prefilled.append(t.shape[0]) or real(t, *a, **kw))
     calls = (SamplingParams(seeds=list(range(30, 38))), SamplingParams(seed=7, top_k=20), SamplingParams(greedy=True))
+    if kv_dtype == "fp8":  # under Triton's interpreter (a minute a call): the FP8 cache's slots copied, one call
+        calls = calls[:1]
     for sp in calls:
         a, b = once.generate(prompts, lengths, sp), each.generate(prompts, lengths, sp)
         assert once.last_timings["prefill_prompts"] == 5 and each.last_timings["prefill_prompts"] == 8
@@ -378,9 +380,9 @@ def test_repeated_prompts_are_prefilled_once(attention, monkeypatch):
         torch.testing.assert_close(a.logprobs_BR, b.logprobs_BR, rtol=0, atol=1e-5)
         if not sp.greedy:  # the group's samples differ from one another
             assert len({tuple(r) for r in a.response_tokens_BR[:3].tolist()}) > 1
-    assert prefilled == [5, 5, 5]
-    greedy = [row[: int(n)] for row, n in zip(a.response_tokens_BR.tolist(), a.response_lengths_B)]
+    assert prefilled == [5] * len(calls)
     if kv_dtype == "auto":
+        greedy = [row[: int(n)] for row, n in zip(a.response_tokens_BR.tolist(), a.response_lengths_B)]
         assert greedy == reference_greedy(model, prompts.clamp(min=0), lengths, 12, V)
 
 
