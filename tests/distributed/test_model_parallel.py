@@ -1,5 +1,7 @@
 """TP=2, PP=2 and DP=2 against one process, on the same full weights, through the real megatron-core on gloo."""
 
+import functools
+
 import pytest
 import torch
 from dist import run_ranks
@@ -85,6 +87,17 @@ def _run(rank, world, tp, pp, arch, full, overlap=False, steps=1, uneven=False):
     }
 
 
+# The full weights and the one-process runs are shared by the tests (each is a process start, seconds on CI's cores)
+@functools.cache
+def _full(arch):
+    return run_ranks(_full_weights, 1, arch)[0]
+
+
+@functools.cache
+def _base(arch, steps=1):
+    return run_ranks(_run, 1, 1, 1, arch, _full(arch), False, steps)
+
+
 def _compare(base, results, dp):
     ref = base[0]
     for r in results:
@@ -106,32 +119,24 @@ def _compare(base, results, dp):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_tp2_matches_tp1(arch):
-    full = run_ranks(_full_weights, 1, arch)[0]
-    base = run_ranks(_run, 1, 1, 1, arch, full)
-    _compare(base, run_ranks(_run, 2, 2, 1, arch, full), dp=1)
+    _compare(_base(arch), run_ranks(_run, 2, 2, 1, arch, _full(arch)), dp=1)
 
 
 def test_pp2_matches_pp1():
-    full = run_ranks(_full_weights, 1, "llama")[0]
-    base = run_ranks(_run, 1, 1, 1, "llama", full)
-    _compare(base, run_ranks(_run, 2, 1, 2, "llama", full), dp=1)
+    _compare(_base("llama"), run_ranks(_run, 2, 1, 2, "llama", _full("llama")), dp=1)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["reduce-after", "overlap-grad-reduce"])
 def test_dp2_half_batches_match_one_big_batch(overlap):
     """With overlap, two steps: megatron's DDP launches bucket reductions from the backward only from the second
     step on; the second step's gradients (after one update) must still be one big batch's."""
-    full = run_ranks(_full_weights, 1, "llama")[0]
     steps = 2 if overlap else 1
-    base = run_ranks(_run, 1, 1, 1, "llama", full, False, steps)
-    _compare(base, run_ranks(_run, 2, 1, 1, "llama", full, overlap, steps), dp=2)
+    _compare(_base("llama", steps), run_ranks(_run, 2, 1, 1, "llama", _full("llama"), overlap, steps), dp=2)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["reduce-after", "overlap-grad-reduce"])
 def test_dp2_ranks_with_different_micro_batch_counts_match_one_big_batch(overlap):
     """Micro-batches by tokens (`ppo.micro_batch_tokens`) give the DP ranks different numbers of micro-batches: one
     here, two there. The gradients are still summed once a step, in the same buckets on both ranks."""
-    full = run_ranks(_full_weights, 1, "llama")[0]
     steps = 2 if overlap else 1
-    base = run_ranks(_run, 1, 1, 1, "llama", full, False, steps)
-    _compare(base, run_ranks(_run, 2, 1, 1, "llama", full, overlap, steps, True), dp=2)
+    _compare(_base("llama", steps), run_ranks(_run, 2, 1, 1, "llama", _full("llama"), overlap, steps, True), dp=2)
