@@ -220,8 +220,8 @@ def test_greedy_equals_no_cache_reference(cfg, attention, monkeypatch):
         engine.release_memory()
         assert engine.decoder.kv is None and engine.decoder.kv_scale is None
         engine.acquire_memory()
-        again = engine.generate(_padded_prompts(), LENGTHS, SamplingParams(greedy=True))
-        assert torch.equal(again.response_tokens_BR, out.response_tokens_BR)
+        again = engine.generate(_padded_prompts(), LENGTHS, SamplingParams(greedy=True, max_new_tokens=4))
+        assert torch.equal(again.response_tokens_BR, out.response_tokens_BR[:, :4])  # (interpreted: 4 tokens)
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, QWEN3], ids=["llama", "qwen3"])
