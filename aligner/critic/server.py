@@ -513,7 +513,7 @@ class CriticServer:
         self._signal = signum
 
     def _start_triton(self) -> None:
-        from pytriton.triton import Triton, TritonConfig
+        from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
 
         s = self.cfg.server
         ports = s.resolved_ports()
@@ -542,7 +542,12 @@ class CriticServer:
 
         def start() -> None:
             self._workspace = tempfile.mkdtemp(prefix="critic_", dir=PYTRITON_HOME)
-            self._triton = Triton(config=config, workspace=os.path.join(self._workspace, "w"))
+            # the endpoints written to the model store before tritonserver starts, which then loads them together
+            # (PyTriton's default loads them one after another once it runs: a python stub's start each, ~2 s)
+            policy = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
+            self._triton = Triton(
+                config=config, workspace=os.path.join(self._workspace, "w"), triton_lifecycle_policy=policy
+            )
             self._bind_endpoints()
             self._triton.run()
 
