@@ -3,11 +3,12 @@
 megatron-core decorates its fusions (bias+GeLU, bias+SwiGLU, ...) with `megatron.core.jit.jit_fuser`, which is
 `torch.compile` on torch >= 2.2. Used as a decorator at import, torch.compile imports dynamo and inductor's compiler
 (`torch._inductor.compile_fx` and what it pulls in): about 2-4 s of CPU in every process that imports megatron,
-whether or not it ever calls a fusion (most of ours do not: the CPU tests, the conversion scripts, the generation and
-critic processes). `install()` (called by `aligner/__init__.py`, before anything imports megatron) puts an import
-hook on `megatron.core.jit` only: once that module has run, its `jit_fuser` becomes `compile_on_first_call`, which
-calls torch.compile with the same arguments on a function's first call. torch.compile compiles on the first call
-anyway, so what runs, and when it is compiled, are as before; only the import is cheaper.
+whether or not it ever calls a fusion (on the CPU none is called: aligner turns megatron's fusions off there; on a
+GPU the trained models call bias+SwiGLU and bias-dropout-add; the conversion scripts never do). `install()` (called
+by `aligner/__init__.py`, before anything imports megatron) puts an import hook on `megatron.core.jit` only: once
+that module has run, its `jit_fuser` becomes `compile_on_first_call`, which calls torch.compile with the same
+arguments on a function's first call. torch.compile compiles on the first call anyway, so what runs, and when it is
+compiled, are as before; only the import is cheaper.
 
 The hook touches nothing else and imports nothing (no torch) until megatron.core.jit is imported.
 `megatron.core.jit.disable_jit_fuser()` still turns the fusions off for what is decorated after it.
