@@ -6,6 +6,9 @@ after `torch.distributed` is initialised with gloo, and the call returns the lis
 The rendezvous store is served by this process on a port the OS hands it while binding (port 0), held from before
 the ranks start: a port drawn free and bound seconds later by a spawned rank can be taken in between (a CI run).
 `fn` must be importable (a module-level function), as with any spawned process.
+The ranks are forked from a server process that imported torch, megatron-core and aligner once (multiprocessing's
+forkserver, one per test process): a spawned rank imported them again, ~5 s a rank on a CI machine. They start with
+the environment the server started with, not the test's current one.
 """
 
 from __future__ import annotations
@@ -56,8 +59,18 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
+# What the ranks of the suite import; a module that fails to import here is left to the rank (forkserver's rule).
+PRELOAD = ["torch.distributed", "aligner", "megatron.core.models.gpt", "aligner.ppo.trainer", "aligner.critic.service"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0):
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     port = store.port
