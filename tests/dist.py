@@ -59,8 +59,17 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-# What the ranks of the suite import; a module that fails to import here is left to the rank (forkserver's rule).
-PRELOAD = ["torch.distributed", "aligner", "megatron.core.models.gpt", "aligner.ppo.trainer", "aligner.critic.service"]
+# What the ranks of the suite import (torch._dynamo: torch.optim's first parameter group imports it); a module that
+# fails to import here is left to the rank (forkserver's rule).
+PRELOAD = [
+    "torch.distributed",
+    "torch._dynamo",
+    "aligner",
+    "megatron.core.models.gpt",
+    "aligner.ppo.trainer",
+    "aligner.critic.service",
+    "aligner.generation.native.engine",
+]
 
 
 def _context():
