@@ -342,6 +342,22 @@ def retry_text_file_busy(
             time.sleep(wait_s * (attempt + 1))
 
 
+LOAD_TOGETHER_MIN_CPUS = 8  # see load_together
+
+
+def load_together(cpus: int | None = None) -> bool:
+    """Whether tritonserver loads the endpoints together: written to PyTriton's model store before it starts (its
+    default loads them one after another once it runs, a python stub's start each, ~2 s on the CPU demo).
+
+    Only on a machine of LOAD_TOGETHER_MIN_CPUS or more: on two cores, four stubs (each spawning a helper) starting at
+    once beside a two-rank actor left one endpoint's load unfinished (a CI-like run; tritonserver.log: the stub's
+    instance initialize never returned). One after another, as the critic loaded them up to ce0fed9, never did.
+    """
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    return cpus >= LOAD_TOGETHER_MIN_CPUS
+
+
 TRITON_EXIT_WAIT_S = 20.0  # tritonserver's exit: up to exit_timeout_secs (3) per wait, with room for a loaded machine
 
 
@@ -542,9 +558,7 @@ class CriticServer:
 
         def start() -> None:
             self._workspace = tempfile.mkdtemp(prefix="critic_", dir=PYTRITON_HOME)
-            # the endpoints written to the model store before tritonserver starts, which then loads them together
-            # (PyTriton's default loads them one after another once it runs: a python stub's start each, ~2 s)
-            policy = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
+            policy = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=load_together())
             self._triton = Triton(
                 config=config, workspace=os.path.join(self._workspace, "w"), triton_lifecycle_policy=policy
             )

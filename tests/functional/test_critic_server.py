@@ -69,6 +69,25 @@ def test_ready_line_and_values_equal_direct_forward(job):
     assert values[valid].std() > 0.05 and rewards.std() > 0.01
 
 
+def test_endpoints_load_together_only_on_a_machine_of_many_cores(job):
+    """tritonserver.log: loaded together, every endpoint's `loading:` line comes before the first `successfully
+    loaded`; one after another (this CI machine's two cores), each load ends before the next starts."""
+    from aligner.critic.server import load_together
+
+    assert not load_together(2) and load_together(16)
+    log = (job["tmp"] / "exp" / "tritonserver.log").read_text().splitlines()
+    events = [
+        ("start" if '"loading: critic_' in line else "end")
+        for line in log
+        if "critic_" in line and ('"loading: ' in line or '"successfully loaded ' in line)
+    ]
+    assert events.count("start") == events.count("end") == len(protocol.ENDPOINTS), events
+    together = events[: len(protocol.ENDPOINTS)] == ["start"] * len(protocol.ENDPOINTS)
+    assert together == load_together(), events
+    if not together:
+        assert events == ["start", "end"] * len(protocol.ENDPOINTS)
+
+
 def _raw(url, **inputs):
     from pytriton.client import ModelClient
 
