@@ -20,40 +20,37 @@ import aligner  # noqa: E402, F401
 
 # The order in which the two pytest workers take test files (scripts/test.sh: --dist loadfile
 # --no-loadscope-reorder): the longest files first, so that a run does not end with one worker alone on a long file
-# while the other idles. Seconds per file from a full run's --durations=0 (e1352d1, on a slow day; less what the
-# fifty-second session cut), rounded; unlisted files are short and keep their order. A stale number only makes the
+# while the other idles. Seconds per file from a full run's --junitxml (e580e71, ranks forked from tests/dist.py's
+# preloaded server), rounded; unlisted files are short and keep their order. A stale number only makes the
 # order less good, never a test wrong.
 FILE_SECONDS = {
-    "functional/test_launch_slurm.py": 450,
-    "functional/test_ppo_actor.py": 420,
-    "functional/test_trainers.py": 400,
+    "functional/test_launch_slurm.py": 380,
+    "functional/test_ppo_actor.py": 380,
     "unit/test_generation_engine.py": 350,
-    "functional/test_ppo_actor_layouts.py": 330,
-    "distributed/test_grpo_trainer.py": 320,
-    "functional/test_grpo.py": 220,
-    "functional/test_generate.py": 210,
-    "functional/test_bench_ppo_step.py": 180,
-    "distributed/test_model_parallel.py": 170,
-    "functional/test_trainer_pipeline.py": 160,
-    "unit/test_convert_scripts.py": 150,
-    "distributed/test_generate_parallel.py": 140,
-    "unit/test_triton_sm90.py": 130,
-    "unit/test_triton_decode.py": 130,
-    "unit/test_probe_attention_candidates.py": 130,
-    "functional/test_walkthrough.py": 130,
-    "functional/test_generation_bench.py": 120,
-    "functional/test_critic_demo.py": 110,
-    "functional/test_launch_actor_mpi.py": 110,
-    "functional/test_actor_checkpoint_to_hf.py": 100,
-    "distributed/test_generation_tp.py": 100,
-    "unit/test_probe_attention_code.py": 100,
-    "functional/test_train_slurm.py": 80,
-    "unit/test_packing.py": 70,
-    "distributed/test_convert_tp.py": 70,
-    "unit/test_recompute.py": 60,
-    "unit/test_sequence_parallel.py": 60,
-    "distributed/test_trainers_parallel.py": 60,
-    "functional/test_critic_server.py": 50,
+    "functional/test_trainers.py": 240,
+    "functional/test_ppo_actor_layouts.py": 200,
+    "functional/test_grpo.py": 170,
+    "functional/test_bench_ppo_step.py": 150,
+    "functional/test_generate.py": 140,
+    "functional/test_critic_demo.py": 120,
+    "unit/test_triton_sm90.py": 110,
+    "functional/test_generation_bench.py": 110,
+    "unit/test_triton_decode.py": 90,
+    "functional/test_launch_actor_mpi.py": 90,
+    "unit/test_convert_scripts.py": 90,
+    "functional/test_trainer_pipeline.py": 90,
+    "unit/test_probe_attention_candidates.py": 90,
+    "unit/test_probe_attention_code.py": 80,
+    "distributed/test_generate_parallel.py": 80,
+    "functional/test_walkthrough.py": 70,
+    "functional/test_actor_checkpoint_to_hf.py": 50,
+    "distributed/test_grpo_trainer.py": 40,
+    "functional/test_train_slurm.py": 30,
+    "unit/test_generation_fp8.py": 30,
+    "functional/test_critic_server.py": 30,
+    "distributed/test_generation_tp.py": 30,
+    "distributed/test_critic_job.py": 30,
+    "distributed/test_convert_tp.py": 30,
 }
 
 
