@@ -7,7 +7,7 @@ The rendezvous store is served by this process on a port the OS hands it while b
 the ranks start: a port drawn free and bound seconds later by a spawned rank can be taken in between (a CI run).
 `fn` must be importable (a module-level function), as with any spawned process.
 The ranks are forked from a server process that imported torch, megatron-core and aligner once (multiprocessing's
-forkserver, one per test process): a spawned rank imported them again, ~5 s a rank on a CI machine. They start with
+forkserver, one per test process): a spawned rank imported them again, 5-9 s a rank on a CI machine. They start with
 the environment the server started with, not the test's current one.
 """
 
