@@ -260,21 +260,34 @@ def test_colocated_jobs_take_turns_stop_and_resume(cluster, tmp_path):
         cluster.run("scancel", first)
 
 
+def run_seconds(cluster, job_id) -> int:
+    """The job's RunTime (Slurm's [D-]HH:MM:SS) in seconds."""
+    out = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+    value = next(f.split("=", 1)[1] for f in out.split() if f.startswith("RunTime="))
+    days, _, clock = value.rpartition("-")
+    h, m, s = (int(x) for x in clock.split(":"))
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
+
+
+SIGNAL_AHEAD_S = 150  # --signal=B:TERM@150: the batch script's SIGTERM, this long before the time limit
+
+
 def test_time_limit_signal_checkpoints_and_resumes(cluster, tmp_path):
     exp = tmp_path / "exp"
     out = tmp_path / "job.out"
-    # Three minutes of wall time; Slurm sends SIGTERM to the batch script 90 s before they run out (its time-limit
-    # check runs every 30 s, so 90-120 s after the allocation), which leaves the actor a minute to checkpoint. Two
-    # minutes were too tight: on a loaded machine the batch script started 26 s after the allocation, and the signal
-    # came before the actor had started (seen in CI).
+    # Ten minutes of wall time at first; once the actor trains, the limit is cut (`scontrol update TimeLimit`, whole
+    # minutes) to leave 90-150 s: inside --signal's 150 s, so Slurm sends SIGTERM to the batch script at its next
+    # time-limit check (every 30 s), which leaves the actor at least a minute to checkpoint. A limit fixed at
+    # submission either let the signal come before the actor had started (seen in CI with two minutes: the batch
+    # script started 26 s after the allocation on a loaded machine) or kept the actor training for 90-120 s.
     job = submit(
         cluster,
         "-o",
         str(out),
-        "--time=3",
-        "--signal=B:TERM@90",
+        "--time=10",
+        f"--signal=B:TERM@{SIGNAL_AHEAD_S}",
         ":",
-        "--time=3",
+        "--time=10",
         PPO,
         *DEMO,
         "--exp-dir",
@@ -284,6 +297,14 @@ def test_time_limit_signal_checkpoints_and_resumes(cluster, tmp_path):
         *QUICK,
     )
     try:
+        deadline = time.monotonic() + 180
+        mfile = exp / "actor" / "metrics.jsonl"
+        while not (mfile.exists() and mfile.read_text().count("\n") >= 1):
+            assert time.monotonic() < deadline and job in cluster.jobs(), out.read_text()[-4000:] + critic_logs(exp)
+            time.sleep(0.5)
+        minutes = (run_seconds(cluster, job) + SIGNAL_AHEAD_S) // 60
+        update = cluster.run("scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}")
+        assert update.returncode == 0, update.stderr
         _stopped_run_resumes(cluster, tmp_path, exp, out, job)
     finally:
         cluster.run("scancel", job)
