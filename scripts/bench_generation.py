@@ -137,4 +137,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from aligner.utils.exit import exit_after_main
+
+    exit_after_main(main())

@@ -82,4 +82,6 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from aligner.utils.exit import exit_after_main
+
+    exit_after_main(main(sys.argv[1:]))

@@ -206,6 +206,7 @@ def test_sigterm_stops_triton_and_leaves_nothing_behind(job):
     server.signal(signal.SIGTERM)
     assert server.wait_exit(90) == 0, server.output[-3000:]
     assert "SIGTERM received, stopping" in server.output
+    assert "could not close PyTriton's request threads early" not in server.output
     assert wait_gone(procs) == []
     ours = {os.path.dirname(w) for w in workspaces}  # the server's folder around PyTriton's workspace
     assert all(os.path.basename(d).startswith("critic_") for d in ours), ours
