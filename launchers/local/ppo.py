@@ -429,7 +429,10 @@ def main(argv=None) -> int:
                 )
                 stop(actor)
                 return critic.returncode or 1
-            time.sleep(0.5)
+            try:
+                actor.wait(timeout=0.5)  # returns as the actor ends (the critic is stopped at once after it)
+            except subprocess.TimeoutExpired:
+                pass
         actor_rc = actor.returncode
     finally:
         stop(actor)
