@@ -1,7 +1,7 @@
 #!/bin/bash
-# fifty-fourth session, call 3 (the machine of calls 1-2, still warm: .whl-min and PyTriton installed): .whl, then the
-# PPO step with both jobs on one H100 (s53c.sh's micro-batches) at this session's code: the job scripts' exit through
-# exit_after_main and the critic's early close of PyTriton's request threads, first run on a GPU machine.
+# fifty-fourth session, call 3 (the machine of call 1, s53d.sh, and call 2, PyTriton from .whl-triton: still warm):
+# .whl, then the PPO step with both jobs on one H100 (s53c.sh's micro-batches) at this session's code: the job
+# scripts' exit through exit_after_main and the critic's early close of PyTriton's request threads, first on a GPU.
 S=$SECONDS; mkdir -p $OUT/r; git log --oneline -1 2>/dev/null
 python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -1
 python3 -c "import pytriton, numpy; print('numpy', numpy.__version__)"
