@@ -18,7 +18,6 @@ KINDS = (
     "llama", "mistral", "qwen2", "gpt2", "llama_reward", "llama3", "llama3_reward", "qwen3", "qwen3_reward", "phi3",
     "phi3_reward", "phi3_longrope", "phi4mini", "smollm3",
 )  # fmt: skip
-REWARD_KINDS = ("llama_reward", "gpt2_reward", "llama3_reward", "qwen3_reward", "phi3_reward")
 # Llama 3.1's RoPE scaling with other numbers than megatron's hard-coded ones (1, 4, 8192), chosen so the tiny model's
 # 8 frequencies (head width 16, theta 10000: wavelengths 6.3 ... 2e4) fall in all three bands: kept (< 48/6 = 8),
 # smoothed (8 .. 32) and divided by the factor (> 48/1.5 = 32).
