@@ -75,9 +75,24 @@ def wait_gone(cluster, job_id, timeout=240):
     pytest.fail(f"job {job_id} still in the queue after {timeout} s")
 
 
-def exit_code(cluster, job_id) -> str:
+def job_field(cluster, job_id, name: str) -> str:
+    """One field of `scontrol show job -o` (the het job leader's, for a het job)."""
     out = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
-    return next(f.split("=", 1)[1] for f in out.split() if f.startswith("ExitCode="))
+    return next(f.split("=", 1)[1] for f in out.split() if f.startswith(f"{name}="))
+
+
+def exit_code(cluster, job_id) -> str:
+    return job_field(cluster, job_id, "ExitCode")
+
+
+def wait_for_steps(cluster, job_id, exp, job_out, steps: int, timeout: float = 180) -> None:
+    """Until the actor's metrics hold `steps` rows; fails with the job's and the critic's logs if the job ends or
+    the time runs out first."""
+    deadline = time.monotonic() + timeout
+    mfile = exp / "actor" / "metrics.jsonl"
+    while not (mfile.exists() and mfile.read_text().count("\n") >= steps):
+        assert time.monotonic() < deadline and job_id in cluster.jobs(), job_out.read_text()[-4000:] + critic_logs(exp)
+        time.sleep(0.5)
 
 
 def critic_logs(exp, chars: int = 3000) -> str:
@@ -244,11 +259,7 @@ def test_colocated_jobs_take_turns_stop_and_resume(cluster, tmp_path):
         cluster, "-o", str(out), *job, *DEMO, "--exp-dir", str(exp), "--actor", f"ppo.num_steps={LONG_RUN}", *QUICK
     )
     try:
-        deadline = time.monotonic() + 180
-        mfile = exp / "actor" / "metrics.jsonl"
-        while not (mfile.exists() and mfile.read_text().count("\n") >= 2):
-            assert time.monotonic() < deadline and first in cluster.jobs(), out.read_text()[-4000:] + critic_logs(exp)
-            time.sleep(0.5)
+        wait_for_steps(cluster, first, exp, out, 2)
         log = out.read_text()
         assert "critic on n1 (2/node), actor on n1 (2/node)" in log
         assert "the jobs share the nodes: they take turns (critic.overlap=false)" in log
@@ -262,9 +273,7 @@ def test_colocated_jobs_take_turns_stop_and_resume(cluster, tmp_path):
 
 def run_seconds(cluster, job_id) -> int:
     """The job's RunTime (Slurm's [D-]HH:MM:SS) in seconds."""
-    out = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
-    value = next(f.split("=", 1)[1] for f in out.split() if f.startswith("RunTime="))
-    days, _, clock = value.rpartition("-")
+    days, _, clock = job_field(cluster, job_id, "RunTime").rpartition("-")
     h, m, s = (int(x) for x in clock.split(":"))
     return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
 
@@ -297,11 +306,7 @@ def test_time_limit_signal_checkpoints_and_resumes(cluster, tmp_path):
         *QUICK,
     )
     try:
-        deadline = time.monotonic() + 180
-        mfile = exp / "actor" / "metrics.jsonl"
-        while not (mfile.exists() and mfile.read_text().count("\n") >= 1):
-            assert time.monotonic() < deadline and job in cluster.jobs(), out.read_text()[-4000:] + critic_logs(exp)
-            time.sleep(0.5)
+        wait_for_steps(cluster, job, exp, out, 1)
         minutes = (run_seconds(cluster, job) + SIGNAL_AHEAD_S) // 60
         update = cluster.run("scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}")
         assert update.returncode == 0, update.stderr
